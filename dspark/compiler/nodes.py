@@ -1,0 +1,136 @@
+"""The compile graph's nodes: spec sections, the values derived from them, and emitted files.
+
+Edges say what each node reads. They drive the Merkle hashes (a changed field changes exactly the
+hashes downstream of its section) and `dspark-compile explain`, so a template may only use context
+derived from the inputs its node declares here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dspark.spec import ResolvedSpec
+
+SPEC_SECTIONS = ("name", "model", "draft", "parallelism", "backend", "verify", "graph",
+                 "cost_model", "calibration", "serving")
+
+# Every generated file's header names the deployment, its backend and verify mode.
+HEADER_INPUTS = ("spec.name", "spec.backend", "spec.verify")
+
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True)
+class DerivedNode:
+    """A value computed from its inputs; with `templates`, also the files rendered from it."""
+
+    id: str
+    inputs: tuple[str, ...]
+    value: Callable[[ResolvedSpec], Any]
+    templates: Mapping[str, str] | None = None  # generated file -> template name
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(self.templates or ())
+
+
+def section_value(resolved: ResolvedSpec, section: str) -> Any:
+    spec = resolved.spec
+    value = getattr(spec, section)
+    dumped = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    # Tables read from files are part of the section: editing the file must change the hash.
+    if section == "cost_model" and resolved.cost_model is not None:
+        return {"spec": dumped, "table": resolved.cost_model.model_dump(mode="json")}
+    if section == "calibration" and resolved.temperatures is not None:
+        return {"spec": dumped, "temperatures": list(resolved.temperatures)}
+    return dumped
+
+
+def section_fields(resolved: ResolvedSpec, section: str) -> tuple[str, ...]:
+    """Dotted paths of the leaf fields a section contributes (lists count as one leaf)."""
+    value = getattr(resolved.spec, section)
+    dumped = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
+    return tuple(_leaves(section, dumped))
+
+
+def _leaves(prefix: str, value: Any) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for key, item in value.items() for leaf in _leaves(f"{prefix}.{key}", item)]
+    return [prefix]
+
+
+def _geometry(resolved: ResolvedSpec) -> Any:
+    return resolved.geometry.model_dump(mode="json")
+
+
+def _parallel_plan(resolved: ResolvedSpec) -> Any:
+    parallelism = resolved.spec.parallelism
+    return {**parallelism.model_dump(mode="json"),
+            "world_size": parallelism.tp * parallelism.dp,
+            "heads_per_rank": resolved.geometry.num_heads // parallelism.tp,
+            "kv_heads_per_rank": resolved.geometry.num_kv_heads // parallelism.tp}
+
+
+def _tier_grid(resolved: ResolvedSpec) -> Any:
+    return {"num_draft_tokens": resolved.num_draft_tokens, "tiers": list(resolved.tiers)}
+
+
+def planner_arguments(resolved: ResolvedSpec) -> dict[str, Any]:
+    """Keyword arguments of the generated `PLAN` (its class follows from verify.mode)."""
+    spec = resolved.spec
+    if spec.verify.mode == "static":
+        return {"gamma": spec.draft.gamma}
+    verify = spec.verify
+    return {
+        "gamma": spec.draft.gamma,
+        "min_verify_len": verify.min_verify_len,
+        "max_verify_len": resolved.max_verify_len,
+        "survival_eps": verify.survival_eps,
+        "align_to_graph_tier": verify.align_to_graph_tier,
+        "lag_steps": verify.lag_steps,
+        "temperatures": resolved.temperatures,
+        "cost_model": resolved.cost_model.model_dump() if resolved.cost_model else None,
+    }
+
+
+def _planner(resolved: ResolvedSpec) -> Any:
+    return {"mode": resolved.spec.verify.mode,
+            "arguments": _jsonable(planner_arguments(resolved))}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(item) for item in value]
+    return value
+
+
+def _files_only(resolved: ResolvedSpec) -> Any:
+    return None  # a file artifact is fully determined by its inputs and its templates
+
+
+DERIVED: tuple[DerivedNode, ...] = (
+    DerivedNode("model_geometry", ("spec.model",), _geometry),
+    DerivedNode("parallel_plan", ("spec.parallelism", "model_geometry"), _parallel_plan),
+    DerivedNode("tier_grid", ("spec.graph", "spec.draft"), _tier_grid),
+    DerivedNode("planner_config",
+                (*HEADER_INPUTS, "spec.draft", "spec.cost_model", "spec.calibration"),
+                _planner, {"planner_config.py": "planner_config.py.j2"}),
+    DerivedNode("backend_metadata",
+                (*HEADER_INPUTS, "spec.draft", "spec.serving", "model_geometry", "parallel_plan"),
+                _files_only, {"attn_metadata.py": "attn_metadata.py.j2"}),
+    DerivedNode("graph_capture",
+                (*HEADER_INPUTS, "spec.draft", "spec.graph", "spec.serving", "tier_grid"),
+                _files_only, {"graph_runner.py": "graph_runner.py.j2"}),
+    DerivedNode("deployment",
+                (*HEADER_INPUTS, "spec.model", "spec.draft", "spec.serving", "model_geometry",
+                 "parallel_plan"),
+                _files_only, {"deployment.py": "deployment.py.j2"}),
+    DerivedNode("runtime_entry", HEADER_INPUTS, _files_only,
+                {"__init__.py": "__init__.py.j2", "__main__.py": "__main__.py.j2"}),
+)
+
+FILE_NODES = tuple(node.id for node in DERIVED if node.templates)

@@ -1,0 +1,101 @@
+"""`dspark`: run a generated deployment package, and train the embedded model pair."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+COMMANDS = ("run", "train-tiny")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    src.add_argument("--prompts-file", type=Path,
+                     help="file of prompts: a JSON list of strings, or one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate per prompt (default: the spec's serving.generation)")
+    p.add_argument("--target-only", action="store_true",
+                   help="decode with the target alone (the lossless reference)")
+    p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a generated package on prompts")
+    run.add_argument("package", type=Path, help="generated package directory, e.g. generated/tiny_cpu_static")
+    _add_run_args(run)
+    train = sub.add_parser("train-tiny", help="train the embedded tiny target + draft pair")
+    train.add_argument("-o", "--out", type=Path, required=True, help="output directory")
+    train.add_argument("--target-steps", type=int, default=None, help="default 750 (~10 min)")
+    train.add_argument("--draft-steps", type=int, default=None, help="default 800 (~7 min)")
+    train.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return list(args.prompt)
+    text = args.prompts_file.read_text(encoding="utf-8")
+    if args.prompts_file.suffix == ".json":
+        data = json.loads(text)
+        if not isinstance(data, list) or not all(isinstance(x, str) for x in data):
+            raise SystemExit(f"{args.prompts_file}: expected a JSON list of strings")
+        return data
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def run_package(package_dir: Path, args: argparse.Namespace) -> int:
+    from dspark.runtime.engine import RequestError, Runtime
+    from dspark.runtime.package import PackageError, load_package
+
+    try:
+        pkg = load_package(package_dir)
+        runtime = Runtime(pkg)
+        prompts = read_prompts(args)
+        max_new = args.max_new_tokens or pkg.deployment.serving.max_new_tokens
+        outputs, stats = runtime.generate([pkg.tokenizer.encode(p) for p in prompts], max_new,
+                                          target_only=args.target_only)
+    except (PackageError, RequestError) as err:
+        print(f"dspark: error: {err}", file=sys.stderr)
+        return 2
+    texts = [pkg.tokenizer.decode(o) for o in outputs]
+    summary = stats.to_json()
+    if args.json:
+        json.dump({"deployment": pkg.deployment.name, "target_only": args.target_only,
+                   "completions": [{"prompt": p, "token_ids": o, "text": t}
+                                   for p, o, t in zip(prompts, outputs, texts, strict=True)],
+                   "stats": summary}, sys.stdout, indent=2)
+        print()
+        return 0
+    for p, t in zip(prompts, texts, strict=True):
+        shown = f"\033[1m{t}\033[0m" if sys.stdout.isatty() else t  # completion in bold
+        print(f"--- prompt: {p!r}\n{p}{shown}")
+    mode = "target-only" if args.target_only else pkg.deployment.verify_mode
+    print(f"\n[{pkg.deployment.name} · {mode}] {summary['generated_tokens']} tokens in "
+          f"{summary['wall_seconds']:.2f} s = {summary['tokens_per_second']:.1f} tokens/s · "
+          f"{summary['steps']} steps · mean commit_len {summary['mean_commit_len']:.2f} per request-step")
+    if not args.target_only:
+        acc = " ".join("-" if a is None else f"{a:.2f}" for a in summary["acceptance_by_position"])
+        print(f"acceptance by draft position: {acc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return run_package(args.package, args)
+    from dspark.runtime.train_tiny import TrainSettings, train_tiny
+
+    budgets = {k: v for k, v in (("target_steps", args.target_steps),
+                                 ("draft_steps", args.draft_steps)) if v is not None}
+    report = train_tiny(args.out, TrainSettings(seed=args.seed, **budgets))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

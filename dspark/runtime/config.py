@@ -1,0 +1,113 @@
+"""Plain, torch-free value objects that a generated package fills in to describe its deployment.
+
+The compiler writes these constructors as literals into `generated/<name>/deployment.py`; the
+runtime reads them. They validate themselves so that a hand-edited generated file fails loudly
+at import time instead of deep inside a decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+def _require(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(f"invalid deployment config: {what}")
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Shape of a Llama-family model, as resolved from the spec and the checkpoint's config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+
+    def __post_init__(self) -> None:
+        _require(self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
+        _require(min(self.vocab_size, self.hidden_size, self.num_layers, self.head_dim) > 0,
+                 "geometry sizes must be positive")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    family: str
+    checkpoint: str
+    dtype: str
+    geometry: ModelGeometry
+
+
+@dataclass(frozen=True)
+class DraftRef:
+    checkpoint: str
+    gamma: int
+    confidence_head: bool
+    markov_embedding_size: int
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """N = gamma + 1: the root row plus the drafts."""
+        return self.gamma + 1
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    tp: int
+    dp: int
+    dp_attention: bool
+    ep: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    max_running_requests: int
+    max_total_tokens: int
+    page_size: int
+    max_context_len: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+
+    def __post_init__(self) -> None:
+        _require(self.max_context_len % self.page_size == 0,
+                 "max_context_len must be a multiple of page_size")
+
+    @property
+    def pages_per_request(self) -> int:
+        return self.max_context_len // self.page_size
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """Everything the runtime needs to know about one compiled deployment."""
+
+    name: str
+    spec_path: str
+    spec_sha256: str
+    compiler_version: str
+    backend: str
+    device: str
+    verify_mode: str
+    model: ModelRef
+    draft: DraftRef
+    parallel: ParallelPlan
+    serving: ServingConfig
+
+    def __post_init__(self) -> None:
+        _require(self.backend in ("cpu", "cuda", "ascend"), f"unknown backend {self.backend!r}")
+        _require(self.model.geometry.num_heads % self.parallel.tp == 0,
+                 "tp must divide num_heads")

@@ -1,0 +1,219 @@
+"""DSpark draft model: block-parallel backbone + sequential Markov head + confidence head.
+
+The draft is conditioned on the target: every committed position's target hidden state is
+projected into a context feature that the draft layers attend to (their K/V for that position).
+One forward over the block `[root, MASK x gamma]` at positions `T … T+gamma` gives a backbone
+state `g_k` for every draft position at once. A light sequential head then turns `g_k` into
+logits using the embedding of the previous draft token (the root for `k = 1`), so position `k`
+knows what was drafted at `k - 1`. The confidence head maps `[hidden_k ; markov_embedding(prev_k)]`
+through one Linear layer to one logit per position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.runtime import ops
+from dspark.runtime.models.llama import LlamaConfig, LlamaMLP, RMSNorm
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    target_hidden_size: int
+    gamma: int
+    markov_embedding_size: int
+    confidence_head: bool = True
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    @property
+    def mask_token_id(self) -> int:
+        """The block's placeholder token: one row past the target vocabulary."""
+        return self.vocab_size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_type": "dspark_draft", **asdict(self)}
+
+    @classmethod
+    def from_json(cls, cfg: dict[str, Any]) -> DraftConfig:
+        fields = {k: v for k, v in cfg.items() if k != "model_type"}
+        return cls(**fields)
+
+    def layer_config(self) -> LlamaConfig:
+        return LlamaConfig(self.vocab_size, self.hidden_size, self.intermediate_size,
+                           self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
+                           self.max_position_embeddings, self.rope_theta, self.rms_norm_eps)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg.layer_config())
+
+    def kv(self, feats: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V heads for features `[..., T, d]` at the positions `cos/sin` were built for."""
+        c = self.cfg
+        h = self.input_layernorm(feats)
+        k = self.k_proj(h).unflatten(-1, (c.num_kv_heads, c.head_dim))
+        v = self.v_proj(h).unflatten(-1, (c.num_kv_heads, c.head_dim))
+        return ops.apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
+                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Block rows `x[b, Q, d]` attend context K/V `[b, C, Hkv, D]` plus their own K/V.
+
+        `mask[b, Q, C + Q]` is True where attention is allowed.
+        """
+        c = self.cfg
+        h = self.input_layernorm(x)
+        q = ops.apply_rope(self.q_proj(h).unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k = torch.cat((ctx_k, k_blk), dim=1).transpose(1, 2)
+        v = torch.cat((ctx_v, v_blk), dim=1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None],
+                                             enable_gqa=c.num_heads != c.num_kv_heads)
+        x = x + self.o_proj(out.transpose(1, 2).flatten(-2))
+        return x + self.mlp.forward_dense(self.post_attention_layernorm(x))
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size + 1, d)
+        self.ctx_norm = RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps)
+        self.ctx_proj = nn.Linear(cfg.target_hidden_size, d, bias=False)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        m = cfg.markov_embedding_size
+        if m > 0:
+            self.markov_embed = nn.Embedding(cfg.vocab_size, m)
+            self.markov_proj = nn.Linear(m, d, bias=False)
+        if cfg.confidence_head:
+            self.confidence_head = nn.Linear(d + m, 1)
+
+    # -- shared pieces -------------------------------------------------------------------
+    def context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.ctx_proj(self.ctx_norm(target_hidden))
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+
+    def block_ids(self, root_ids: torch.Tensor) -> torch.Tensor:
+        """`[..., gamma + 1]` block inputs: the root token followed by gamma MASK tokens."""
+        mask = torch.full((*root_ids.shape, self.cfg.gamma), self.cfg.mask_token_id,
+                          dtype=root_ids.dtype, device=root_ids.device)
+        return torch.cat((root_ids[..., None], mask), dim=-1)
+
+    def backbone(self, block_ids: torch.Tensor, block_pos: torch.Tensor,
+                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
+        """Block forward; returns the backbone states of the gamma draft positions `[b, Q', d]`."""
+        cos, sin = self._rope(block_pos)
+        x = self.embed_tokens(block_ids)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, cos, sin, ck, cv, mask)
+        return x
+
+    def head(self, g: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits and confidence logits for backbone states `g[..., d]` given the previous tokens."""
+        if self.cfg.markov_embedding_size > 0:
+            m = self.markov_embed(prev_ids)
+            hidden = self.norm(g + self.markov_proj(m))
+            conf_in = torch.cat((hidden, m), dim=-1)
+        else:
+            hidden = self.norm(g)
+            conf_in = hidden
+        logits = self.lm_head(hidden)
+        conf = self.confidence_head(conf_in).squeeze(-1) if self.cfg.confidence_head else None
+        return logits, conf
+
+    # -- training ------------------------------------------------------------------------
+    def forward_train(self, target_hidden: torch.Tensor, tokens: torch.Tensor,
+                      anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced draft outputs for blocks rooted at `anchors[b, A]` of each sequence.
+
+        Returns logits `[b, A, gamma, V]` for tokens `anchor+1 … anchor+gamma` and confidence
+        logits `[b, A, gamma]`. The Markov head sees the true previous tokens.
+        """
+        b, seq_len = tokens.shape
+        gamma = self.cfg.gamma
+        n_anchor = anchors.shape[1]
+        feats = self.context_features(target_hidden)
+        ctx_cos, ctx_sin = self._rope(torch.arange(seq_len, device=tokens.device))
+        ctx_kv = [layer.kv(feats, ctx_cos, ctx_sin) for layer in self.layers]
+
+        offs = torch.arange(gamma + 1, device=tokens.device)
+        block_pos = (anchors[..., None] + offs).reshape(b, -1)
+        block_ids = self.block_ids(tokens.gather(1, anchors)).reshape(b, -1)
+        # Context key j is visible to a block rooted at T iff j < T; block keys only within a block.
+        q_anchor = anchors.repeat_interleave(gamma + 1, dim=1)
+        ctx_mask = torch.arange(seq_len, device=tokens.device)[None, None, :] < q_anchor[..., None]
+        blk = torch.arange(n_anchor, device=tokens.device).repeat_interleave(gamma + 1)
+        blk_mask = (blk[:, None] == blk[None, :]).expand(b, -1, -1)
+        mask = torch.cat((ctx_mask, blk_mask), dim=-1)
+
+        g = self.backbone(block_ids, block_pos, ctx_kv, mask).view(b, n_anchor, gamma + 1, -1)[:, :, 1:]
+        prev = tokens.gather(1, (anchors[..., None] + offs[:-1]).reshape(b, -1)).view(b, n_anchor, gamma)
+        return self.head(g, prev)
+
+    # -- serving -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V `[T, Hkv, D]` of newly committed positions, for the draft's cache."""
+        feats = self.context_features(target_hidden)
+        cos, sin = self._rope(positions)
+        return [layer.kv(feats, cos, sin) for layer in self.layers]
+
+    @torch.inference_mode()
+    def propose(self, root_ids: torch.Tensor, root_pos: torch.Tensor,
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_lens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy drafts `[B, gamma]` and confidence logits `[B, gamma]`.
+
+        `ctx_kv` holds each layer's context K/V gathered to `[B, C, Hkv, D]`; request r's
+        first `ctx_lens[r]` entries are valid.
+        """
+        gamma = self.cfg.gamma
+        n = gamma + 1
+        cap = ctx_kv[0][0].shape[1]
+        block_ids = self.block_ids(root_ids)
+        block_pos = root_pos[:, None] + torch.arange(n, device=root_ids.device)
+        ctx_mask = torch.arange(cap, device=root_ids.device)[None, :] < ctx_lens[:, None]
+        mask = torch.cat((ctx_mask[:, None, :].expand(-1, n, -1),
+                          torch.ones(len(root_ids), n, n, dtype=torch.bool, device=root_ids.device)),
+                         dim=-1)
+        g = self.backbone(block_ids, block_pos, ctx_kv, mask)[:, 1:]
+        prev = root_ids
+        drafts, confs = [], []
+        for k in range(gamma):
+            logits, conf = self.head(g[:, k], prev)
+            prev = logits.argmax(-1)
+            drafts.append(prev)
+            confs.append(conf)
+        conf_logits = torch.stack(confs, dim=1) if self.cfg.confidence_head else None
+        return torch.stack(drafts, dim=1), conf_logits

@@ -1,0 +1,199 @@
+"""Llama-family target model: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Parameter names follow the Hugging Face Llama layout, so a `config.json` + safetensors
+directory loads without renaming. Two forward paths share the weights:
+
+* `forward_dense` — batched, causal, for training and evaluation;
+* `forward_paged` — ragged rows against a paged KV cache, for serving; attention goes through
+  an attention backend that owns the cache and reads the metadata the generated module built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.runtime import ops
+from dspark.runtime.config import ModelGeometry
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        )
+
+    @classmethod
+    def from_geometry(cls, g: ModelGeometry) -> LlamaConfig:
+        return cls(g.vocab_size, g.hidden_size, g.intermediate_size, g.num_layers, g.num_heads,
+                   g.num_kv_heads, g.head_dim, g.max_position_embeddings, g.rope_theta,
+                   g.rms_norm_eps)
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+        }
+
+
+class AttentionBackend(Protocol):
+    """Writes a layer's new K/V rows into its cache and attends the ragged query rows."""
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               meta: Any) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        c = self.cfg
+        q = ops.apply_rope(self.q_proj(x).view(b, t, c.num_heads, c.head_dim), cos, sin)
+        k = ops.apply_rope(self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim), cos, sin)
+        v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=c.num_heads != c.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_paged(self, layer_id: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attn: AttentionBackend, meta: Any) -> torch.Tensor:
+        t = x.shape[0]
+        c = self.cfg
+        q = ops.apply_rope(ops.linear(x, self.q_proj.weight).view(t, c.num_heads, c.head_dim), cos, sin)
+        k = ops.apply_rope(ops.linear(x, self.k_proj.weight).view(t, c.num_kv_heads, c.head_dim), cos, sin)
+        v = ops.linear(x, self.v_proj.weight).view(t, c.num_kv_heads, c.head_dim)
+        out = attn.attend(layer_id, q, k, v, meta)
+        return ops.linear(out.reshape(t, -1), self.o_proj.weight)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_paged(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(ops.linear(x, self.gate_proj.weight)) * ops.linear(x, self.up_proj.weight)
+        return ops.linear(h, self.down_proj.weight)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Causal forward over `[b, t]` tokens; returns the last layer's residual stream `[b, t, d]`."""
+        c = self.cfg
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = ops.rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin)
+            x = x + layer.mlp.forward_dense(layer.post_attention_layernorm(x))
+        return x
+
+    def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(hidden))
+
+    @torch.inference_mode()
+    def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attn: AttentionBackend, meta: Any) -> torch.Tensor:
+        """Ragged forward over `[T]` rows; returns the last layer's residual stream `[T, d]`.
+
+        The residual stream (before the final norm) is also what the DSpark draft conditions on.
+        """
+        c = self.cfg
+        cos, sin = ops.rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = x + layer.self_attn.forward_paged(i, layer.input_layernorm(x), cos, sin, attn, meta)
+            x = x + layer.mlp.forward_paged(layer.post_attention_layernorm(x))
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return ops.linear(self.model.norm(hidden), self.lm_head.weight)

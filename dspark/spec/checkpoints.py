@@ -1,0 +1,107 @@
+"""Resolve `model.checkpoint` / `draft.checkpoint` and read what their config.json says."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import dspark
+from dspark.spec.errors import SpecValueError
+from dspark.spec.external import read_json, resolve_path, validate_file_data
+from dspark.spec.models import EMBEDDED_PREFIX, GeometrySpec
+
+Role = Literal["target", "draft"]
+
+# Hugging Face LlamaConfig key for each geometry field.
+HF_GEOMETRY_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "max_position_embeddings": "max_position_embeddings",
+    "rope_theta": "rope_theta",
+    "rms_norm_eps": "rms_norm_eps",
+}
+# Absent keys mean what `dspark.runtime.models.llama.LlamaConfig.from_hf` makes of them, so the
+# compiled geometry always equals what the runtime will load.
+_HF_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
+_OPTIONAL_HF_KEYS = ("head_dim", "num_key_value_heads", *_HF_DEFAULTS)
+
+
+def embedded_root() -> Path:
+    # Located from the dspark package rather than imported as `dspark.runtime.checkpoints`:
+    # importing the runtime package could pull in torch, which the compiler must never load.
+    return Path(dspark.__file__).resolve().parent / "runtime" / "checkpoints"
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """A checkpoint as written in the spec and where it lives on this machine."""
+
+    raw: str
+    directory: Path
+    embedded: str | None = None
+
+    @property
+    def config_path(self) -> Path:
+        return self.directory / "config.json"
+
+    def config(self, what: str) -> dict[str, Any] | None:
+        """The checkpoint's config.json, or None when the directory is not on this machine."""
+        if not self.directory.is_dir():
+            return None
+        if not self.config_path.is_file():
+            raise SpecValueError(f"checkpoint directory {str(self.directory)!r} has no config.json",
+                                 f"add the {what} config.json or point at the right directory")
+        data = read_json(self.config_path, f"{what} config")
+        if not isinstance(data, dict):
+            raise SpecValueError(f"{what} config {str(self.config_path)!r} is not a JSON object",
+                                 "use the config.json written with the checkpoint")
+        return data
+
+
+def resolve_checkpoint(raw: str, role: Role, spec_dir: Path) -> CheckpointRef:
+    if not raw.startswith(EMBEDDED_PREFIX):
+        return CheckpointRef(raw, resolve_path(raw, spec_dir))
+    name = raw[len(EMBEDDED_PREFIX):]
+    root = embedded_root()
+    available = sorted(p.name for p in root.iterdir() if (p / role).is_dir()) if root.is_dir() \
+        else []
+    if not re.fullmatch(r"[a-z0-9_]+", name) or not (root / name / role).is_dir():
+        raise SpecValueError(
+            f"unknown embedded checkpoint {raw!r} (no {role} model in dspark's checkpoints)",
+            f"use one of: {', '.join(EMBEDDED_PREFIX + a for a in available)}" if available
+            else "no embedded checkpoints are installed; use a checkpoint directory")
+    return CheckpointRef(raw, root / name / role, embedded=name)
+
+
+def geometry_from_hf_config(config: dict[str, Any], path: Path) -> GeometrySpec:
+    missing = [key for field, key in HF_GEOMETRY_KEYS.items()
+               if key not in config and key not in _OPTIONAL_HF_KEYS]
+    if missing:
+        raise SpecValueError(f"model config {str(path)!r} lacks {', '.join(missing)}",
+                             "use a Hugging Face Llama config.json")
+    values = {field: config[key] for field, key in HF_GEOMETRY_KEYS.items()
+              if config.get(key) is not None}
+    values.setdefault("num_kv_heads", values["num_heads"])  # absent: plain multi-head attention
+    for field, default in _HF_DEFAULTS.items():
+        values.setdefault(field, default)
+    return validate_file_data(GeometrySpec, values, path, "model config")
+
+
+def geometry_differences(inline: GeometrySpec, from_checkpoint: GeometrySpec
+                         ) -> list[tuple[str, Any, Any]]:
+    """(field, inline value, checkpoint value) for every field where the two disagree."""
+    out = []
+    for field in GeometrySpec.model_fields:
+        mine, theirs = getattr(inline, field), getattr(from_checkpoint, field)
+        if field == "head_dim":
+            mine, theirs = inline.resolved_head_dim, from_checkpoint.resolved_head_dim
+        if mine != theirs:
+            out.append((field, mine, theirs))
+    return out

@@ -1,0 +1,125 @@
+"""What a validated spec resolves to once its checkpoints and referenced files are read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dspark.spec.checkpoints import (
+    CheckpointRef,
+    geometry_differences,
+    geometry_from_hf_config,
+    resolve_checkpoint,
+)
+from dspark.spec.errors import SpecIssue, SpecValueError
+from dspark.spec.external import read_json, resolve_path, validate_file_data
+from dspark.spec.models import (
+    AdditiveCostModel,
+    CalibrationFile,
+    CalibrationInline,
+    CostModelFile,
+    CostTable,
+    DeploymentSpec,
+    GeometrySpec,
+    Sps1dCostModel,
+)
+
+
+@dataclass(frozen=True)
+class SpecFacts:
+    """The spec plus everything read from disk; a field is None where reading it failed."""
+
+    spec: DeploymentSpec
+    geometry: GeometrySpec | None
+    model_checkpoint: CheckpointRef | None
+    draft_checkpoint: CheckpointRef | None
+    draft_config: dict[str, Any] | None
+    cost_model: CostTable | None
+    temperatures: tuple[float, ...] | None
+
+
+def gather_facts(spec: DeploymentSpec, spec_dir: Path) -> tuple[SpecFacts, list[SpecIssue]]:
+    issues: list[SpecIssue] = []
+
+    def attempt(path: tuple[str, ...], action: Any) -> Any:
+        try:
+            return action()
+        except SpecValueError as exc:
+            issues.append(SpecIssue(path, str(exc), exc.hint))
+            return None
+
+    model_ref = attempt(("model", "checkpoint"),
+                        lambda: resolve_checkpoint(spec.model.checkpoint, "target", spec_dir))
+    geometry = _geometry(spec, model_ref, issues, attempt)
+    draft_ref = attempt(("draft", "checkpoint"),
+                        lambda: resolve_checkpoint(spec.draft.checkpoint, "draft", spec_dir))
+    draft_config = None
+    if draft_ref is not None:
+        draft_config = attempt(("draft", "checkpoint"), lambda: draft_ref.config("draft"))
+    cost_model = attempt(("cost_model", "file"), lambda: _cost_model(spec, spec_dir))
+    temperatures = attempt(("calibration", "file"), lambda: _temperatures(spec, spec_dir))
+    facts = SpecFacts(spec, geometry, model_ref, draft_ref, draft_config, cost_model, temperatures)
+    return facts, issues
+
+
+def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[SpecIssue],
+              attempt: Any) -> GeometrySpec | None:
+    inline = spec.model.geometry
+    if ref is None:
+        return _with_head_dim(inline)
+    config = attempt(("model", "checkpoint"), lambda: ref.config("model"))
+    if config is None:
+        if ref.directory.is_dir():
+            return None  # the config could not be read; that issue is already recorded
+        if inline is None:
+            issues.append(SpecIssue(
+                ("model", "geometry"),
+                f"required field is missing: checkpoint {spec.model.checkpoint!r} is not on "
+                f"this machine, so there is no config.json to read the geometry from",
+                "add model.geometry (vocab_size, hidden_size, intermediate_size, num_layers, "
+                "num_heads, num_kv_heads, max_position_embeddings, rope_theta, rms_norm_eps) or "
+                "point model.checkpoint at a directory with a config.json"))
+        return _with_head_dim(inline)
+    from_checkpoint = attempt(("model", "checkpoint"),
+                              lambda: geometry_from_hf_config(config, ref.config_path))
+    if from_checkpoint is None:
+        return None
+    for field, mine, theirs in geometry_differences(inline, from_checkpoint) if inline else ():
+        issues.append(SpecIssue(
+            ("model", "geometry", field),
+            f"{field} is {mine!r} here but {theirs!r} in {str(ref.config_path)!r}",
+            "remove model.geometry (it is read from the checkpoint) or make it match"))
+    return _with_head_dim(from_checkpoint)
+
+
+def _with_head_dim(geometry: GeometrySpec | None) -> GeometrySpec | None:
+    if geometry is None:
+        return None
+    return geometry.model_copy(update={"head_dim": geometry.resolved_head_dim})
+
+
+def _cost_model(spec: DeploymentSpec, spec_dir: Path) -> CostTable | None:
+    cost = spec.cost_model
+    if not isinstance(cost, CostModelFile):
+        return cost
+    path = resolve_path(cost.file, spec_dir)
+    model: type[CostTable] = Sps1dCostModel if cost.type == "sps-1d" else AdditiveCostModel
+    data = read_json(path, f"{cost.type} cost model file")
+    if isinstance(data, dict) and data.get("type", cost.type) != cost.type:
+        raise SpecValueError(f"cost model file {str(path)!r} holds a {data['type']!r} table",
+                             f"set cost_model.type: {data['type']} or use the right file")
+    return validate_file_data(model, data, path, f"{cost.type} cost model file",
+                              extra={"type": cost.type})
+
+
+def _temperatures(spec: DeploymentSpec, spec_dir: Path) -> tuple[float, ...] | None:
+    calibration = spec.calibration
+    if calibration is None:
+        return None
+    if isinstance(calibration, CalibrationFile):
+        path = resolve_path(calibration.file, spec_dir)
+        data = read_json(path, "calibration file")
+        calibration = validate_file_data(CalibrationInline, data, path, "calibration file")
+    assert isinstance(calibration, CalibrationInline)
+    return calibration.temperatures

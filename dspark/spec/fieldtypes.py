@@ -1,0 +1,44 @@
+"""Building blocks shared by the spec models: the strict frozen base and list-valued fields."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationInfo
+
+from dspark.spec.errors import SpecValueError
+
+
+def _list_to_tuple(value: Any) -> Any:
+    # YAML and JSON only have lists; tuples keep the frozen models deeply immutable.
+    return tuple(value) if isinstance(value, list) else value
+
+
+IntTuple = Annotated[tuple[int, ...], BeforeValidator(_list_to_tuple)]
+FloatTuple = Annotated[tuple[float, ...], BeforeValidator(_list_to_tuple)]
+
+
+def strictly_increasing(values: tuple[int, ...], what: str) -> tuple[int, ...]:
+    for i in range(1, len(values)):
+        if values[i] <= values[i - 1]:
+            raise SpecValueError(
+                f"{what} must be strictly increasing, but item {i} ({values[i]}) follows "
+                f"{values[i - 1]}", "sort the list and remove duplicates")
+    if values and values[0] < 1:
+        raise SpecValueError(f"{what} must be positive, got {values[0]}",
+                             "use token/batch counts of at least 1")
+    return values
+
+
+def same_length(values: tuple[Any, ...], info: ValidationInfo, other: str) -> None:
+    reference = info.data.get(other)
+    if reference is not None and len(values) != len(reference):
+        raise SpecValueError(
+            f"has {len(values)} entries but {other} has {len(reference)}",
+            f"give exactly one {info.field_name} value per {other} entry")
+
+
+class Section(BaseModel):
+    """Strict (no "7" -> 7 coercion), frozen, and closed to unknown keys."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)

@@ -1,0 +1,258 @@
+"""The deployment spec as pydantic models: the single source of truth for field names and docs.
+
+Models are strict (no "7" → 7 coercion), frozen, and reject unknown keys, so a typo in a spec is an
+error with a position instead of a silently ignored setting. Checks that need more than one section
+live in `dspark.spec.rules`; cost-model and calibration tables in `dspark.spec.tables`.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from dspark.spec.errors import SpecValueError
+from dspark.spec.fieldtypes import IntTuple, Section, strictly_increasing
+from dspark.spec.tables import (
+    AdditiveCostModel,
+    CalibrationFile,
+    CalibrationInline,
+    CalibrationSpec,
+    CostModelFile,
+    CostModelSpec,
+    CostTable,
+    Sps1dCostModel,
+)
+
+# Re-exported: the tables are part of the spec's public model set.
+__all__ = ["AdditiveCostModel", "BackendSpec", "CalibrationFile", "CalibrationInline",
+           "CalibrationSpec", "CostModelFile", "CostModelSpec", "CostTable", "DeploymentSpec",
+           "DraftSpec", "GenerationSpec", "GeometrySpec", "GraphSpec", "ModelSpec",
+           "ParallelismSpec", "ServingSpec", "Sps1dCostModel", "VerifySpec"]
+
+NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
+EMBEDDED_PREFIX = "embedded:"
+DEVICES_BY_BACKEND: dict[str, tuple[str, ...]] = {
+    "cpu": ("generic",),
+    "cuda": ("h100", "h200", "a100", "b200", "l40s"),
+    "ascend": ("910b", "910c"),
+}
+
+
+class GeometrySpec(Section):
+    """Shape of a Llama-family model (Hugging Face config.json names in parentheses)."""
+
+    vocab_size: int = Field(ge=1, description="Vocabulary size (vocab_size).")
+    hidden_size: int = Field(ge=1, description="Model width (hidden_size).")
+    intermediate_size: int = Field(ge=1, description="MLP width (intermediate_size).")
+    num_layers: int = Field(ge=1, description="Decoder layers (num_hidden_layers).")
+    num_heads: int = Field(ge=1, description="Attention query heads (num_attention_heads).")
+    num_kv_heads: int = Field(ge=1, description="Key/value heads (num_key_value_heads).")
+    head_dim: int | None = Field(
+        default=None, ge=1,
+        description="Per-head width (head_dim); defaults to hidden_size / num_heads.")
+    max_position_embeddings: int = Field(
+        ge=1, description="Longest supported position (max_position_embeddings).")
+    rope_theta: float = Field(gt=0, description="RoPE base frequency (rope_theta).")
+    rms_norm_eps: float = Field(gt=0, description="RMSNorm epsilon (rms_norm_eps).")
+
+    @field_validator("num_kv_heads")
+    @classmethod
+    def _kv_heads_divide_heads(cls, value: int, info: ValidationInfo) -> int:
+        heads = info.data.get("num_heads")
+        if heads is not None and heads % value:
+            raise SpecValueError(f"num_heads ({heads}) is not a multiple of num_kv_heads ({value})",
+                                 "grouped-query attention needs num_heads = k * num_kv_heads")
+        return value
+
+    @model_validator(mode="after")
+    def _default_head_dim_exists(self) -> GeometrySpec:
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise SpecValueError(
+                f"head_dim is not given and hidden_size ({self.hidden_size}) is not divisible by "
+                f"num_heads ({self.num_heads})", "set head_dim explicitly")
+        return self
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+
+class ModelSpec(Section):
+    """The target model that verifies draft tokens."""
+
+    family: Literal["llama"] = Field(description="Model family; only dense Llama is supported.")
+    checkpoint: str = Field(
+        min_length=1,
+        description="`embedded:<name>` for a checkpoint shipped with dspark, or a directory "
+                    "holding a Hugging Face config.json (relative paths are resolved against "
+                    "the spec file's directory).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Weight and activation dtype.")
+    geometry: GeometrySpec | None = Field(
+        default=None,
+        description="Model shape. Read from the checkpoint's config.json when it exists (an "
+                    "inline geometry must then equal it); required when the checkpoint "
+                    "directory is not available at compile time.")
+
+
+class DraftSpec(Section):
+    """The DSpark draft model and its confidence head."""
+
+    checkpoint: str = Field(
+        min_length=1,
+        description="`embedded:<name>` or a draft checkpoint directory (relative to the spec).")
+    gamma: int = Field(ge=1, description="Draft tokens proposed per request per step.")
+    confidence_head: bool = Field(
+        default=True,
+        description="Whether the draft has a confidence head (needed by cap-accept and compact).")
+    markov_embedding_size: int = Field(
+        default=64, ge=0,
+        description="Width of the previous-draft-token embedding fed to the confidence head "
+                    "(0 = none).")
+
+
+class ParallelismSpec(Section):
+    """How the deployment is split across devices."""
+
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks.")
+    dp: int = Field(default=1, ge=1, description="Data-parallel replicas.")
+    ep: int = Field(default=1, ge=1, description="Expert-parallel ranks (1 for dense models).")
+    dp_attention: bool = Field(
+        default=False, description="Data-parallel attention across the dp replicas (needs dp > 1).")
+
+
+class BackendSpec(Section):
+    """Where the deployment runs."""
+
+    kind: Literal["cpu", "cuda", "ascend"] = Field(description="Backend family.")
+    device: str = Field(
+        description="Device model: cpu → generic; cuda → h100, h200, a100, b200, l40s; "
+                    "ascend → 910b, 910c.")
+
+    @field_validator("device")
+    @classmethod
+    def _device_fits_kind(cls, value: str, info: ValidationInfo) -> str:
+        kind = info.data.get("kind")
+        allowed = DEVICES_BY_BACKEND.get(kind, ()) if isinstance(kind, str) else ()
+        if kind is not None and value not in allowed:
+            raise SpecValueError(f"device {value!r} is not a {kind} device",
+                                 f"use one of: {', '.join(allowed)}")
+        return value
+
+
+class VerifySpec(Section):
+    """How the target verifies draft tokens each step."""
+
+    mode: Literal["static", "cap-accept", "compact"] = Field(
+        default="static",
+        description="static: every request verifies N = gamma + 1 rows; cap-accept: the planner "
+                    "caps acceptance but all rows run; compact: only planned rows run.")
+    min_verify_len: int = Field(
+        default=1, ge=0, description="Fewest rows a request verifies, root included.")
+    max_verify_len: int = Field(
+        default=0, ge=0, description="Most rows a request verifies, root included (0 = gamma + 1).")
+    survival_eps: float = Field(
+        default=1e-6, ge=0, lt=1,
+        description="Survival values below this are treated as 0 and never planned.")
+    align_to_graph_tier: bool = Field(
+        default=False,
+        description="Fill padding rows of the chosen graph tier with the next-best candidates.")
+    lag_steps: int = Field(
+        default=0, ge=0,
+        description="Steps between the confidence the planner uses and the step it plans.")
+    allow_no_cost_model: bool = Field(
+        default=False,
+        description="Allow compact mode without a cost model; the planner then verifies every "
+                    "row (no budget), which only exercises the ragged layout.")
+
+
+class GraphSpec(Section):
+    """Graph capture (CUDA graphs / NPU graph mode) of the verify step."""
+
+    enabled: bool = Field(default=False, description="Capture and replay verify-step graphs.")
+    capture_batch_sizes: IntTuple = Field(
+        default=(),
+        description="Batch sizes to capture; tiers default to batch size × N. Strictly increasing.")
+    token_tiers: IntTuple = Field(
+        default=(),
+        description="Explicit token-count tiers (overrides capture_batch_sizes × N). "
+                    "Strictly increasing.")
+
+    @field_validator("capture_batch_sizes", "token_tiers")
+    @classmethod
+    def _increasing(cls, value: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        return strictly_increasing(value, str(info.field_name))
+
+
+class GenerationSpec(Section):
+    """Default sampling parameters."""
+
+    max_new_tokens: int = Field(default=128, ge=1, description="Tokens generated per request.")
+    temperature: float = Field(default=0.0, ge=0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0 = off).")
+
+
+class ServingSpec(Section):
+    """Scheduler and KV-cache limits."""
+
+    max_running_requests: int = Field(
+        default=32, ge=1, description="Most requests decoded together (the largest B).")
+    max_total_tokens: int = Field(default=65536, ge=1, description="KV-cache capacity in tokens.")
+    page_size: int = Field(default=16, ge=1, description="Tokens per KV-cache page.")
+    max_context_len: int = Field(
+        default=1024, ge=1,
+        description="Longest request (prompt + output); a multiple of page_size and at most the "
+                    "model's max_position_embeddings.")
+    generation: GenerationSpec = Field(
+        default_factory=GenerationSpec, description="Default sampling parameters.")
+
+    @field_validator("max_context_len")
+    @classmethod
+    def _whole_pages(cls, value: int, info: ValidationInfo) -> int:
+        page = info.data.get("page_size")
+        if page and value % page:
+            lower, upper = value // page * page, (value // page + 1) * page
+            raise SpecValueError(
+                f"{value} is not a multiple of page_size ({page})",
+                f"use {upper}" + (f" or {lower}" if lower else ""))
+        return value
+
+
+class DeploymentSpec(Section):
+    """A DSpark adaptive-verify speculative decoding deployment."""
+
+    name: str = Field(
+        description="Deployment name; becomes the generated package name "
+                    "(lowercase identifier, not a Python keyword).")
+    model: ModelSpec = Field(description="The target model.")
+    draft: DraftSpec = Field(description="The draft model.")
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec, description="Device parallelism.")
+    backend: BackendSpec = Field(description="Backend and device.")
+    verify: VerifySpec = Field(default_factory=VerifySpec, description="Verification mode.")
+    graph: GraphSpec = Field(default_factory=GraphSpec, description="Graph capture.")
+    cost_model: CostModelSpec | None = Field(
+        default=None,
+        description="Step cost model for the planner budget: {type: sps-1d|additive, file: PATH} "
+                    "or the table inline.")
+    calibration: CalibrationSpec | None = Field(
+        default=None,
+        description="STS temperatures: {temperatures: [...]} or {file: PATH}.")
+    serving: ServingSpec = Field(default_factory=ServingSpec, description="Serving limits.")
+
+    @field_validator("name")
+    @classmethod
+    def _package_name(cls, value: str) -> str:
+        if not re.fullmatch(NAME_PATTERN, value):
+            raise SpecValueError(
+                f"{value!r} is not a valid deployment name",
+                "use a lowercase identifier: a letter, then letters, digits or '_' "
+                "(at most 64 characters), e.g. llama31_8b_h200")
+        if keyword.iskeyword(value) or keyword.issoftkeyword(value):
+            raise SpecValueError(f"{value!r} is a Python keyword and cannot name a package",
+                                 f"use e.g. {value}_deploy")
+        return value

@@ -1,0 +1,43 @@
+"""The fully resolved, validated spec that the compiler consumes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.spec.checkpoints import CheckpointRef
+from dspark.spec.errors import FieldPath, Location, format_path
+from dspark.spec.models import CostTable, DeploymentSpec, GeometrySpec
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A spec that passed every check, with everything derived from it and read from disk."""
+
+    spec: DeploymentSpec
+    source: Path  # absolute path of the spec file
+    display_path: str  # posix path written into generated code (repo-relative when possible)
+    source_sha256: str  # of the spec file's bytes
+    geometry: GeometrySpec  # head_dim always set
+    model_checkpoint: CheckpointRef
+    draft_checkpoint: CheckpointRef
+    num_draft_tokens: int  # N = gamma + 1
+    max_verify_len: int  # verify.max_verify_len with 0 resolved to N
+    tiers: tuple[int, ...]  # graph tier grid; empty when graph capture is off
+    cost_model: CostTable | None  # inline or loaded from its file
+    temperatures: tuple[float, ...] | None  # inline or loaded from the calibration file
+    locations: Mapping[str, Location]  # dotted field path -> where its value is written
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def location_of(self, path: str | FieldPath) -> Location | None:
+        """Where a field is written in the spec, or None for a default value."""
+        key = path if isinstance(path, str) else format_path(path)
+        return self.locations.get(key)
+
+    def line_of(self, path: str | FieldPath) -> int | None:
+        location = self.location_of(path)
+        return location.line if location else None

@@ -1,0 +1,125 @@
+"""Cost-model and calibration tables: inline in the spec or in a JSON file it names."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
+
+from dspark.spec.errors import SpecValueError
+from dspark.spec.fieldtypes import FloatTuple, IntTuple, Section, same_length, strictly_increasing
+
+
+class Sps1dCostModel(Section):
+    """Steps-per-second table over the step's token count, looked up by floor."""
+
+    type: Literal["sps-1d"] = Field(description="Cost model kind.")
+    sample_batch_tokens: IntTuple = Field(
+        min_length=1, description="Probed token counts M, strictly increasing.")
+    sample_steps_per_sec: FloatTuple = Field(
+        min_length=1, description="Measured steps per second at each probed M (> 0).")
+    max_batch_tokens: int = Field(
+        ge=1, description="Largest token count the table may be used for.")
+
+    @field_validator("sample_batch_tokens")
+    @classmethod
+    def _increasing(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        return strictly_increasing(value, "sample_batch_tokens")
+
+    @field_validator("sample_steps_per_sec")
+    @classmethod
+    def _positive_rates(cls, value: tuple[float, ...], info: ValidationInfo) -> tuple[float, ...]:
+        same_length(value, info, "sample_batch_tokens")
+        if any(rate <= 0 for rate in value):
+            raise SpecValueError("steps per second must all be > 0",
+                                 "re-measure or drop the probes with a zero rate")
+        return value
+
+
+class AdditiveCostModel(Section):
+    """Step time T(B, M) = bias + alpha(B) + theta(M), theta linearly interpolated."""
+
+    type: Literal["additive"] = Field(description="Cost model kind.")
+    bias_seconds: float = Field(ge=0, description="Constant step overhead in seconds.")
+    bs_probes: IntTuple = Field(
+        min_length=1, description="Probed batch sizes B, strictly increasing.")
+    alpha_seconds: FloatTuple = Field(description="Seconds added per probed batch size (≥ 0).")
+    m_probes: IntTuple = Field(
+        min_length=1, description="Probed token counts M, strictly increasing.")
+    theta_seconds: FloatTuple = Field(description="Seconds added per probed token count (≥ 0).")
+
+    @field_validator("bs_probes", "m_probes")
+    @classmethod
+    def _increasing(cls, value: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        return strictly_increasing(value, str(info.field_name))
+
+    @field_validator("alpha_seconds", "theta_seconds")
+    @classmethod
+    def _non_negative(cls, value: tuple[float, ...], info: ValidationInfo) -> tuple[float, ...]:
+        same_length(value, info, "bs_probes" if info.field_name == "alpha_seconds" else "m_probes")
+        if any(seconds < 0 for seconds in value):
+            raise SpecValueError("times must be ≥ 0", "check the fit; negative times are invalid")
+        return value
+
+
+class CostModelFile(Section):
+    """A cost model stored in a JSON file with the same field names as the inline form."""
+
+    type: Literal["sps-1d", "additive"] = Field(description="Cost model kind.")
+    file: str = Field(min_length=1, description="JSON file path, relative to the spec file.")
+
+
+CostTable = Sps1dCostModel | AdditiveCostModel
+
+
+def _cost_model_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        kind, has_file = value.get("type"), "file" in value
+    else:
+        kind, has_file = getattr(value, "type", None), hasattr(value, "file")
+    if has_file:
+        return "file"
+    return kind if isinstance(kind, str) else None
+
+
+CostModelSpec = Annotated[
+    Annotated[Sps1dCostModel, Tag("sps-1d")]
+    | Annotated[AdditiveCostModel, Tag("additive")]
+    | Annotated[CostModelFile, Tag("file")],
+    Discriminator(
+        _cost_model_tag,
+        custom_error_type="cost_model_type",
+        custom_error_message="cost_model.type must be 'sps-1d' or 'additive'",
+    ),
+]
+
+
+class CalibrationInline(Section):
+    """Per-position STS temperatures T_1..T_gamma."""
+
+    temperatures: FloatTuple = Field(description="One temperature (> 0) per draft position.")
+
+    @field_validator("temperatures")
+    @classmethod
+    def _positive(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(t <= 0 for t in value):
+            raise SpecValueError("temperatures must all be > 0",
+                                 "use 1.0 for an uncalibrated position")
+        return value
+
+
+class CalibrationFile(Section):
+    """Calibration stored in a JSON file with a `temperatures` list."""
+
+    file: str = Field(min_length=1, description="JSON file path, relative to the spec file.")
+
+
+def _calibration_tag(value: Any) -> str:
+    has_file = "file" in value if isinstance(value, dict) else hasattr(value, "file")
+    return "file" if has_file else "inline"
+
+
+CalibrationSpec = Annotated[
+    Annotated[CalibrationInline, Tag("inline")] | Annotated[CalibrationFile, Tag("file")],
+    Discriminator(_calibration_tag),
+]

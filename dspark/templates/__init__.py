@@ -1,0 +1,1 @@
+"""Jinja2 templates of the generated deployment package (rendered by `dspark.compiler`)."""

@@ -1,0 +1,35 @@
+"""Helpers shared by runtime tests: compile a variant of a repo spec into a temp directory."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import yaml
+
+from dspark.compiler.api import build
+
+from .conftest import merged
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compile_variant(tmp_path: Path, spec: str, overrides: dict[str, Any], name: str) -> Path:
+    """Compile `specs/<spec>` with `overrides` deep-merged in; returns the package directory."""
+    data = yaml.safe_load((REPO / "specs" / spec).read_text())
+    data = merged(data, {"name": name, **overrides})
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    out = tmp_path / "pkgs" / name
+    build(path, out)
+    return out
+
+
+def import_file(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

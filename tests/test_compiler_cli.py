@@ -1,0 +1,161 @@
+"""`dspark-compile` commands: build, check, diff, overwrite protection, atomicity, speed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dspark.compiler import compile_spec, emit, write
+from dspark.compiler.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def project(tmp_path, write_spec, monkeypatch):
+    """A scratch project (specs/ + generated/) built once; the cwd is its root."""
+    (tmp_path / "pyproject.toml").touch()
+    (tmp_path / "specs").mkdir()
+    shutil.move(write_spec(), tmp_path / "specs" / "demo.yaml")
+    monkeypatch.chdir(tmp_path)
+    assert main(["build", "specs/demo.yaml"]) == 0
+    return tmp_path
+
+
+def test_build_writes_the_package_and_generated_init(project):
+    package = project / "generated" / "demo"
+    assert (package / "deployment.py").is_file() and (package / "manifest.json").is_file()
+    assert (project / "generated" / "__init__.py").read_text().startswith('"""')
+    assert not [p for p in (project / "generated").iterdir() if p.name.startswith(".")]
+
+
+def test_build_reports_spec_errors_with_exit_2(project, capsys):
+    spec = project / "specs" / "demo.yaml"
+    spec.write_text(spec.read_text().replace("gamma: 3", "gamma: -1"))
+    assert main(["build", "specs/demo.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specs/demo.yaml:") and "draft.gamma" in err and "hint:" in err
+
+
+def test_repository_generated_packages_are_up_to_date(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert main(["check"]) == 0, capsys.readouterr()
+
+
+def test_check_passes_then_fails_with_a_diff_after_a_change(project, capsys):
+    assert main(["check"]) == 0
+    spec = project / "specs" / "demo.yaml"
+    spec.write_text(spec.read_text().replace("gamma: 3", "gamma: 4"))
+    capsys.readouterr()
+    assert main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "--- generated/demo/attn_metadata.py" in out
+    assert "-NUM_DRAFT_TOKENS = 4\n+NUM_DRAFT_TOKENS = 5" in out
+
+
+def test_check_reports_missing_and_extra_files(project, capsys):
+    package = project / "generated" / "demo"
+    (package / "graph_runner.py").unlink()
+    (package / "stray.py").write_text("x = 1\n")
+    (package / "__pycache__").mkdir()
+    (package / "__pycache__" / "deployment.cpython-311.pyc").write_bytes(b"\0")
+    assert main(["check"]) == 1
+    out = capsys.readouterr().out
+    assert "--- /dev/null\n+++ generated/demo/graph_runner.py" in out
+    assert "--- generated/demo/stray.py\n+++ /dev/null" in out
+    assert "__pycache__" not in out
+
+
+def test_check_reports_packages_without_a_spec(project, capsys):
+    shutil.copytree(project / "generated" / "demo", project / "generated" / "old")
+    assert main(["check"]) == 1
+    assert "generated/old: no spec" in capsys.readouterr().out
+
+
+def test_diff_between_two_specs(project, write_spec, capsys):
+    other = write_spec({"serving": {"page_size": 32}}, name="other.yaml")
+    assert main(["diff", "specs/demo.yaml", str(other)]) == 1
+    out = capsys.readouterr().out
+    assert "--- a/demo/attn_metadata.py\n+++ b/demo/attn_metadata.py" in out
+    assert "-PAGE_SIZE = 16\n+PAGE_SIZE = 32" in out
+    assert main(["diff", "specs/demo.yaml", "specs/demo.yaml"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_hand_edits_are_not_overwritten_without_force(project, capsys):
+    target = project / "generated" / "demo" / "deployment.py"
+    target.write_text(target.read_text() + "# tweak\n")
+    assert main(["build", "specs/demo.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "generated/demo/deployment.py" in err and "--force" in err
+    assert target.read_text().endswith("# tweak\n")
+    assert main(["build", "specs/demo.yaml", "--force"]) == 0
+    assert not target.read_text().endswith("# tweak\n")
+
+
+def test_unknown_files_and_caches(project):
+    package = project / "generated" / "demo"
+    (package / "__pycache__").mkdir()
+    (package / "__pycache__" / "x.pyc").write_bytes(b"\0")
+    assert main(["build", "specs/demo.yaml"]) == 0  # byte-code is not a hand edit
+    (package / "notes.txt").write_text("mine")
+    assert main(["build", "specs/demo.yaml"]) == 1
+    assert (package / "notes.txt").exists()
+
+
+def test_a_failing_render_writes_nothing(project, monkeypatch):
+    out = project / "fresh" / "demo"
+
+    def broken_context(resolved, package_dir):
+        return {**real_context(resolved, package_dir), "N": object()}
+
+    real_context = emit.template_context
+    monkeypatch.setattr(emit, "template_context", broken_context)
+    with pytest.raises(TypeError):
+        main(["build", "specs/demo.yaml", "-o", str(out)])
+    assert not (project / "fresh").exists()
+
+
+def test_a_failing_write_leaves_the_old_package(project, monkeypatch):
+    package = project / "generated" / "demo"
+    before = {p.name: p.read_bytes() for p in package.iterdir()}
+    spec = project / "specs" / "demo.yaml"
+    spec.write_text(spec.read_text().replace("gamma: 3", "gamma: 4"))
+
+    def exploding_swap(staging, target):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(write, "_swap_in", exploding_swap)
+    with pytest.raises(OSError):
+        main(["build", "specs/demo.yaml"])
+    assert {p.name: p.read_bytes() for p in package.iterdir()} == before
+    assert sorted(p.name for p in (project / "generated").iterdir()) == ["__init__.py", "demo"]
+    with pytest.raises(OSError):
+        main(["build", "specs/demo.yaml", "-o", "elsewhere/demo"])
+    assert list((project / "elsewhere").iterdir()) == []
+
+
+def test_the_compiler_never_imports_torch(project):
+    code = ("import sys\nfrom dspark.compiler.cli import main\n"
+            "assert main(['build', 'specs/demo.yaml', '-o', 'out/demo']) == 0\n"
+            "assert main(['check']) == 0\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=project,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "dspark.compiler.cli" in imported
+    assert not {name for name in imported if name.split(".")[0] == "torch"}
+
+
+def test_one_compile_is_fast(project):
+    compile_spec("specs/demo.yaml")  # warm caches (templates, pydantic schemas)
+    start = time.perf_counter()
+    compile_spec("specs/demo.yaml")
+    assert time.perf_counter() - start < 1.0

@@ -1,0 +1,57 @@
+"""The CPU reference path must compute a row identically whatever else shares its step: this is
+what makes greedy speculative output bit-exact with target-only output."""
+
+import torch
+
+from dspark.runtime import ops
+from dspark.runtime.attn_metadata import PagedAttnMetadata, QueryPadding, cache_slots
+from dspark.runtime.backends.torch_paged import TorchPagedAttention
+from dspark.runtime.kv_cache import PagedKVCache
+
+
+def test_linear_rows_do_not_depend_on_row_count() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(688, 256)
+    x = torch.randn(300, 256)
+    full = ops.linear(x, w)
+    for rows in [*range(1, 40), 64, 257, 299]:
+        assert torch.equal(ops.linear(x[:rows], w), full[:rows]), rows
+    assert torch.equal(ops.linear(x[13:20], w), full[13:20])
+
+
+def _meta(prefix: list[int], extend: list[int], page_table: torch.Tensor, page: int) -> PagedAttnMetadata:
+    qo = torch.tensor([0, *torch.tensor(extend).cumsum(0).tolist()], dtype=torch.int32)
+    row_req = torch.repeat_interleave(torch.arange(len(extend)), torch.tensor(extend))
+    pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
+    return PagedAttnMetadata(qo, torch.tensor(prefix) + torch.tensor(extend), page_table, pos,
+                             cache_slots(page_table, row_req, pos, page), max(extend),
+                             QueryPadding.from_indptr(qo, pos, max(extend)))
+
+
+def test_paged_attention_row_is_the_same_alone_or_in_a_verify_block() -> None:
+    torch.manual_seed(1)
+    page, heads, kv_heads, dim = 4, 4, 2, 8
+    cache = PagedKVCache(1, 16, page, kv_heads, dim, torch.float32)
+    attn = TorchPagedAttention(cache, page, heads, dim ** -0.5)
+    table = torch.tensor([[3, 5, 7, 9], [2, 4, 6, 8]], dtype=torch.int32)
+    ctx = 6  # cached prefix of request 0
+    k = torch.randn(ctx + 5, kv_heads, dim)
+    v = torch.randn(ctx + 5, kv_heads, dim)
+    q = torch.randn(ctx + 5, heads, dim)
+    prefill = _meta([0], [ctx], table[:1], page)
+    attn.attend(0, q[:ctx], k[:ctx], v[:ctx], prefill)
+    block = _meta([ctx, 0], [5, 3], table, page)  # 5 verify rows beside another request
+    q2 = torch.cat((q[ctx:], torch.randn(3, heads, dim)))
+    k2 = torch.cat((k[ctx:], torch.randn(3, kv_heads, dim)))
+    v2 = torch.cat((v[ctx:], torch.randn(3, kv_heads, dim)))
+    out_block = attn.attend(0, q2, k2, v2, block)
+    for i in range(5):  # the same rows one at a time, as target-only decoding runs them
+        single = _meta([ctx + i], [1], table[:1], page)
+        out = attn.attend(0, q[ctx + i:ctx + i + 1], k[ctx + i:ctx + i + 1], v[ctx + i:ctx + i + 1], single)
+        assert torch.equal(out[0], out_block[i]), i
+    # and it is ordinary causal attention
+    keys = k.repeat_interleave(heads // kv_heads, 1)
+    vals = v.repeat_interleave(heads // kv_heads, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], is_causal=True)
+    torch.testing.assert_close(out_block[:5], ref[0].transpose(0, 1)[ctx:], rtol=1e-5, atol=1e-5)

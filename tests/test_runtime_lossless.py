@@ -1,0 +1,73 @@
+"""The oracle: greedy speculative output equals greedy target-only output, token for token."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark.runtime.engine import RequestError, Runtime
+from dspark.runtime.package import load_package
+from dspark.runtime.train_tiny import held_out_text
+
+from .runtime_helpers import REPO, compile_variant
+
+MAX_NEW = 40
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """Varied held-out prompts: different lengths, starting mid-line, one of a single byte."""
+    texts = held_out_text(200_000)
+    prompts = [texts[i][(97 * i) % 400:][: 5 + 23 * i] for i in range(7)] + ["x"]
+    return [tokenizer.encode(p) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("lossless")
+    pkg = load_package(compile_variant(tmp, "tiny_cpu_static.yaml", {}, "ref_pkg"))
+    prompts = _prompts(pkg.tokenizer)
+    outputs, stats = Runtime(pkg).generate(prompts, MAX_NEW, target_only=True)
+    assert stats.steps > 0 and all(outputs)
+    return tmp, prompts, outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_static_speculative_equals_target_only(reference, batch: int) -> None:
+    tmp, prompts, expected = reference
+    pkg_dir = compile_variant(tmp, "tiny_cpu_static.yaml",
+                              {"serving": {"max_running_requests": batch}}, f"lossless_b{batch}")
+    runtime = Runtime(load_package(pkg_dir))
+    outputs, stats = runtime.generate(prompts, MAX_NEW)
+    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert got == want, f"prompt {i}: speculative output differs from target-only"
+    assert stats.verify_rows == stats.request_steps * runtime.plan.num_draft_tokens
+    assert sum(stats.drafts_accepted) > 0  # the draft is doing real work
+    assert runtime.slots.num_free_slots == batch  # every slot came back
+
+
+def test_request_over_context_is_rejected_with_the_limit_named(reference) -> None:
+    tmp, _, _ = reference
+    runtime = Runtime(load_package(tmp / "pkgs" / "ref_pkg"))
+    with pytest.raises(RequestError, match="max_context_len"):
+        runtime.generate([[256] + [65] * 1000], 40)
+
+
+@pytest.mark.slow
+def test_cli_json_and_generated_entry_point_agree(tmp_path: Path) -> None:
+    pkg = REPO / "generated" / "tiny_cpu_static"
+    args = ["--prompt", "def parse(text):\n", "--prompt", "import re\n", "--max-new-tokens", "24",
+            "--json"]
+    spec = subprocess.run([sys.executable, "-m", "dspark.runtime.cli", "run", str(pkg), *args],
+                          capture_output=True, text=True, check=True)
+    ref = subprocess.run([sys.executable, "-m", "generated.tiny_cpu_static", "run", "--target-only",
+                          *args], capture_output=True, text=True, check=True, cwd=REPO)
+    a, b = json.loads(spec.stdout), json.loads(ref.stdout)
+    assert [c["token_ids"] for c in a["completions"]] == [c["token_ids"] for c in b["completions"]]
+    assert a["stats"]["mean_commit_len"] > 1.0 and b["stats"]["mean_commit_len"] == 1.0
+    assert len(a["stats"]["acceptance_by_position"]) == 7
+    assert all(len(c["token_ids"]) <= 24 for c in a["completions"])

@@ -1,0 +1,40 @@
+"""The embedded pair's training command end to end at a toy budget, and checkpoint round trips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.runtime.checkpoint import CheckpointError, load_draft, load_target
+from dspark.runtime.train_tiny import TrainSettings, corpus_files, train_tiny
+
+
+def test_held_out_split_is_deterministic_and_disjoint() -> None:
+    train, held = corpus_files()
+    assert held and train
+    assert not set(train) & set(held)
+    assert corpus_files() == (train, held)
+
+
+@pytest.mark.slow
+def test_train_tiny_writes_loadable_hf_layout_checkpoints(tmp_path: Path) -> None:
+    settings = TrainSettings(target_steps=2, draft_steps=2, seq_len=64, batch_size=2,
+                             anchors_per_seq=4, eval_windows=2)
+    report = train_tiny(tmp_path, settings, log=lambda _: None)
+    assert report["held_out_bits_per_byte"] > 0
+    target = load_target(str(tmp_path / "target"))
+    draft = load_draft(str(tmp_path / "draft"))
+    cfg = json.loads((tmp_path / "target" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 2
+    assert "model.layers.0.self_attn.q_proj.weight" in target.state_dict()
+    assert draft.cfg.gamma == 7 and draft.cfg.target_hidden_size == target.cfg.hidden_size
+    with torch.no_grad():
+        assert target.forward_dense(torch.tensor([[256, 100, 101]])).shape == (1, 3, 256)
+
+
+def test_missing_checkpoint_names_the_spec_field(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="model.checkpoint"):
+        load_target(str(tmp_path / "nowhere"))

@@ -1,0 +1,257 @@
+"""Loading specs: valid specs resolve; invalid ones fail with file:line:col and a hint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark.spec import SpecError, load_spec
+from dspark.spec import checkpoints as checkpoint_module
+
+REPO = Path(__file__).resolve().parents[1]
+
+VALID = """\
+name: demo
+model:
+  family: llama
+  checkpoint: /nonexistent/target
+  geometry:
+    vocab_size: 256
+    hidden_size: 64
+    intermediate_size: 128
+    num_layers: 2
+    num_heads: 4
+    num_kv_heads: 2
+    max_position_embeddings: 2048
+    rope_theta: 10000.0
+    rms_norm_eps: 1e-6
+draft:
+  checkpoint: /nonexistent/draft
+  gamma: 3
+backend:
+  kind: cpu
+  device: generic
+"""
+
+
+def errors_of(path: Path) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    return info.value
+
+
+def test_valid_spec_resolves_defaults_and_derived_values(write_spec):
+    resolved = load_spec(write_spec(text=VALID))
+    assert resolved.name == "demo"
+    assert resolved.num_draft_tokens == 4 and resolved.max_verify_len == 4
+    assert resolved.tiers == ()
+    assert resolved.geometry.head_dim == 16  # hidden / heads
+    assert resolved.spec.serving.page_size == 16
+    assert resolved.line_of("draft.gamma") == 17
+    assert resolved.line_of("verify.mode") is None  # a default has no line
+
+
+def test_exponent_floats_parse_as_floats(write_spec):
+    resolved = load_spec(write_spec(text=VALID))
+    assert resolved.geometry.rms_norm_eps == pytest.approx(1e-6)
+    text = VALID + "verify:\n  survival_eps: 1e-3\n"
+    assert load_spec(write_spec(text=text)).spec.verify.survival_eps == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("spec", sorted((REPO / "specs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_repository_specs_load(spec):
+    resolved = load_spec(spec)
+    assert resolved.display_path == f"specs/{spec.name}"
+    assert resolved.name == spec.stem
+
+
+def test_unknown_key_points_at_the_key_and_suggests_the_closest(write_spec):
+    error = errors_of(write_spec(text=VALID.replace("  gamma: 3", "  gama: 3")))
+    (issue,) = [i for i in error.issues if i.path == ("draft", "gama")]
+    assert (issue.location.line, issue.location.column) == (17, 3)
+    assert "unknown key 'gama'" in issue.message
+    assert "did you mean `gamma`" in issue.hint and "confidence_head" in issue.hint
+    assert f"{issue.location.file}:17:3: draft.gama: unknown key" in str(error)
+
+
+def test_missing_field_points_at_the_parent_mapping(write_spec):
+    error = errors_of(write_spec(text=VALID.replace("  gamma: 3\n", "")))
+    (issue,) = error.issues
+    assert issue.path == ("draft", "gamma")
+    assert (issue.location.line, issue.location.column) == (15, 1)  # the `draft:` line
+    assert "required field is missing" in issue.message and "add `gamma:`" in issue.hint
+
+
+def test_wrong_type_points_at_the_value_and_is_strict(write_spec):
+    error = errors_of(write_spec(text=VALID.replace("gamma: 3", 'gamma: "3"')))
+    (issue,) = error.issues
+    assert (issue.location.line, issue.location.column) == (17, 10)
+    assert "valid integer" in issue.message and "remove the quotes" in issue.hint
+
+
+def test_literal_error_suggests_a_value(write_spec):
+    error = errors_of(write_spec(text=VALID.replace("kind: cpu", "kind: cuad")))
+    (issue,) = error.issues
+    assert issue.path == ("backend", "kind") and issue.location.line == 19
+    assert "did you mean 'cuda'" in issue.hint
+
+
+def test_device_must_belong_to_the_backend(write_spec):
+    error = errors_of(write_spec(text=VALID.replace("device: generic", "device: h200")))
+    (issue,) = error.issues
+    assert issue.path == ("backend", "device") and issue.location.line == 20
+    assert "not a cpu device" in issue.message and "generic" in issue.hint
+
+
+def test_duplicate_key_is_an_error(write_spec):
+    error = errors_of(write_spec(text=VALID + "name: again\n"))
+    (issue,) = error.issues
+    assert issue.location.line == 21 and "duplicate key 'name'" in issue.message
+    assert "first defined at line 1" in issue.message
+
+
+def test_yaml_syntax_error_has_a_position(write_spec):
+    error = errors_of(write_spec(text=VALID.replace("gamma: 3", "gamma: [3")))
+    (issue,) = error.issues
+    assert "YAML syntax error" in issue.message and issue.location.line >= 17
+    assert str(error).startswith(f"{issue.location.file}:{issue.location.line}:")
+
+
+def test_every_problem_is_reported_at_once_in_source_order(write_spec):
+    text = VALID.replace("gamma: 3", "gamma: 0").replace("kind: cpu", "kind: gpu")
+    error = errors_of(write_spec(text=text))
+    assert [i.location.line for i in error.issues] == [17, 19]
+
+
+@pytest.mark.parametrize("name", ["Demo", "1abc", "with-dash", "class", "x" * 65, "ok\n"])
+def test_name_must_be_a_safe_package_name(write_spec, name):
+    error = errors_of(write_spec({"name": name}))
+    assert error.issues[0].path == ("name",)
+
+
+def test_spec_must_be_a_mapping(write_spec):
+    assert "YAML mapping" in str(errors_of(write_spec(text="- 1\n- 2\n")))
+    assert "empty" in str(errors_of(write_spec(text="")))
+
+
+def test_max_context_len_must_be_whole_pages(write_spec):
+    error = errors_of(write_spec({"serving": {"page_size": 16, "max_context_len": 1000}}))
+    assert error.issues[0].path == ("serving", "max_context_len")
+    assert "use 1008 or 992" in error.issues[0].hint
+
+
+def test_graph_lists_must_increase(write_spec):
+    error = errors_of(write_spec({"graph": {"enabled": True, "token_tiers": [8, 8]}}))
+    assert error.issues[0].path == ("graph", "token_tiers")
+    assert "strictly increasing" in error.issues[0].message
+
+
+def test_inline_cost_models_validate(write_spec, tmp_path):
+    sps = {"type": "sps-1d", "sample_batch_tokens": [4, 8], "sample_steps_per_sec": [100, 90.5],
+           "max_batch_tokens": 8}
+    assert load_spec(write_spec({"cost_model": sps})).cost_model.sample_steps_per_sec == (100.0,
+                                                                                         90.5)
+    error = errors_of(write_spec({"cost_model": {**sps, "sample_steps_per_sec": [1.0]}}))
+    assert error.issues[0].path == ("cost_model", "sample_steps_per_sec")
+    assert "has 1 entries" in error.issues[0].message
+    additive = {"type": "additive", "bias_seconds": 0.001, "bs_probes": [1, 8],
+                "alpha_seconds": [0.0, 1e-4], "m_probes": [8, 64], "theta_seconds": [0.0, -1.0]}
+    error = errors_of(write_spec({"cost_model": additive}))
+    assert error.issues[0].path == ("cost_model", "theta_seconds")
+    error = errors_of(write_spec({"cost_model": {"type": "linear"}}))
+    assert "sps-1d" in error.issues[0].hint
+
+
+def test_cost_model_file_is_loaded_and_validated(write_spec, tmp_path):
+    table = {"sample_batch_tokens": [4, 8], "sample_steps_per_sec": [100.0, 90.0],
+             "max_batch_tokens": 8}
+    (tmp_path / "costs.json").write_text(json.dumps(table))
+    resolved = load_spec(write_spec({"cost_model": {"type": "sps-1d", "file": "costs.json"}}))
+    assert resolved.cost_model.sample_batch_tokens == (4, 8)
+    (tmp_path / "bad.json").write_text(json.dumps({**table, "extra": 1}))
+    error = errors_of(write_spec({"cost_model": {"type": "sps-1d", "file": "bad.json"}}))
+    (issue,) = error.issues
+    assert issue.path == ("cost_model", "file") and "bad.json" in issue.message
+    assert "extra" in issue.message
+    error = errors_of(write_spec({"cost_model": {"type": "additive", "file": "missing.json"}}))
+    assert "missing.json" in error.issues[0].message and "does not exist" in error.issues[0].message
+
+
+def test_calibration_file_is_loaded(write_spec, tmp_path):
+    (tmp_path / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.5, 2]}))
+    resolved = load_spec(write_spec({"calibration": {"file": "sts.json"}}))
+    assert resolved.temperatures == (1.0, 1.5, 2.0)
+    (tmp_path / "broken.json").write_text("{")
+    error = errors_of(write_spec({"calibration": {"file": "broken.json"}}))
+    assert "not valid JSON" in error.issues[0].message
+
+
+def _checkpoint(directory: Path, config: dict) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+HF_CONFIG = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+
+
+def test_geometry_is_read_from_a_relative_checkpoint(write_spec, tmp_path):
+    _checkpoint(tmp_path / "ckpt", HF_CONFIG)
+    resolved = load_spec(write_spec({"model": {"checkpoint": "ckpt", "geometry": None}}))
+    assert resolved.geometry.num_layers == 2 and resolved.geometry.head_dim == 16
+    assert resolved.model_checkpoint.directory == tmp_path / "ckpt"
+
+
+def test_inline_geometry_must_match_the_checkpoint(write_spec, tmp_path):
+    _checkpoint(tmp_path / "ckpt", {**HF_CONFIG, "num_hidden_layers": 3, "vocab_size": 512})
+    error = errors_of(write_spec({"model": {"checkpoint": "ckpt"}}))
+    paths = {issue.path for issue in error.issues}
+    assert paths == {("model", "geometry", "num_layers"), ("model", "geometry", "vocab_size")}
+    assert all("config.json" in issue.message for issue in error.issues)
+
+
+def test_geometry_is_required_without_a_checkpoint(write_spec):
+    error = errors_of(write_spec({"model": {"geometry": None}}))
+    (issue,) = error.issues
+    assert issue.path == ("model", "geometry") and "required" in issue.message
+    assert issue.location.line == 2  # the `model:` line
+
+
+def test_checkpoint_config_missing_keys(write_spec, tmp_path):
+    config = {k: v for k, v in HF_CONFIG.items() if k not in ("hidden_size", "rope_theta")}
+    _checkpoint(tmp_path / "ckpt", config)
+    error = errors_of(write_spec({"model": {"checkpoint": "ckpt", "geometry": None}}))
+    (issue,) = error.issues
+    assert issue.path == ("model", "checkpoint") and "lacks hidden_size" in issue.message
+    _checkpoint(tmp_path / "defaults", {k: v for k, v in HF_CONFIG.items()
+                                        if k not in ("rope_theta", "rms_norm_eps")})
+    spec = write_spec({"model": {"checkpoint": "defaults", "geometry": None}})
+    geometry = load_spec(spec).geometry
+    assert (geometry.rope_theta, geometry.rms_norm_eps) == (10000.0, 1e-5)  # the runtime's defaults
+
+
+def test_embedded_checkpoints_resolve_from_the_package(write_spec, tmp_path, monkeypatch):
+    root = tmp_path / "embedded"
+    _checkpoint(root / "mini" / "target", HF_CONFIG)
+    _checkpoint(root / "mini" / "draft", {"gamma": 3, "markov_embedding_size": 64})
+    monkeypatch.setattr(checkpoint_module, "embedded_root", lambda: root)
+    resolved = load_spec(write_spec({"model": {"checkpoint": "embedded:mini", "geometry": None},
+                                     "draft": {"checkpoint": "embedded:mini"}}))
+    assert resolved.model_checkpoint.embedded == "mini"
+    assert resolved.draft_checkpoint.directory == root / "mini" / "draft"
+    error = errors_of(write_spec({"model": {"checkpoint": "embedded:huge", "geometry": None}}))
+    assert "embedded:mini" in error.issues[0].hint
+
+
+def test_schema_lists_every_section(capsys):
+    from dspark.compiler.cli import main
+
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert set(schema["properties"]) == {"name", "model", "draft", "parallelism", "backend",
+                                         "verify", "graph", "cost_model", "calibration", "serving"}
+    assert schema["additionalProperties"] is False
