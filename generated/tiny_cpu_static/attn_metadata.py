@@ -3,5 +3,65 @@ Do not edit: change the spec and recompile.
 
 Deployment tiny_cpu_static: cpu/generic backend, static verify mode."""
 
-NUM_DRAFT_TOKENS = 8
+from __future__ import annotations
+
+import torch
+
+from dspark.runtime.attn_metadata import PagedAttnMetadata, QueryPadding, cache_slots
+from dspark.runtime.backends.torch_paged import TorchPagedAttention as AttentionBackend
+
+NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts
 PAGE_SIZE = 16
+
+__all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
+
+
+def _rows(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, ends: torch.Tensor,
+          total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request index and absolute position of every packed row."""
+    device = prefix_lens.device
+    row_req = torch.repeat_interleave(torch.arange(prefix_lens.shape[0], device=device),
+                                      extend_lens.long(), output_size=total)
+    starts = (ends - extend_lens.long())[row_req]
+    positions = prefix_lens.long()[row_req] + torch.arange(total, device=device) - starts
+    return row_req, positions
+
+
+def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                          page_table: torch.Tensor) -> PagedAttnMetadata:
+    """Rows appended after each request's cached prefix (prefill, plain decode)."""
+    qo_indptr = torch.zeros(prefix_lens.shape[0] + 1, dtype=torch.int32, device=prefix_lens.device)
+    torch.cumsum(extend_lens, 0, out=qo_indptr[1:])
+    total = int(qo_indptr[-1])
+    row_req, positions = _rows(prefix_lens, extend_lens, qo_indptr[1:].long(), total)
+    max_seqlen_q = int(extend_lens.max())
+    return PagedAttnMetadata(
+        qo_indptr=qo_indptr,
+        kv_lens=(prefix_lens + extend_lens).to(torch.int32),
+        page_table=page_table,
+        positions=positions,
+        out_cache_loc=cache_slots(page_table, row_req, positions, PAGE_SIZE),
+        max_seqlen_q=max_seqlen_q,
+        padding=QueryPadding.from_indptr(qo_indptr, positions, max_seqlen_q),
+    )
+
+
+def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor) -> PagedAttnMetadata:
+    """static verify: every request runs all N rows, so `qo_indptr = [0, N, 2N, ..., B*N]`
+    and each KV length is `prefix + N`. Pure tensor code (no host sync): it can be captured."""
+    num_reqs = prefix_lens.shape[0]
+    device = prefix_lens.device
+    qo_indptr = torch.arange(0, (num_reqs + 1) * NUM_DRAFT_TOKENS, NUM_DRAFT_TOKENS,
+                             dtype=torch.int32, device=device)
+    positions = (prefix_lens.long()[:, None] + torch.arange(NUM_DRAFT_TOKENS, device=device)).reshape(-1)
+    row_req = torch.arange(num_reqs, device=device).repeat_interleave(NUM_DRAFT_TOKENS)
+    return PagedAttnMetadata(
+        qo_indptr=qo_indptr,
+        kv_lens=(prefix_lens + NUM_DRAFT_TOKENS).to(torch.int32),
+        page_table=page_table,
+        positions=positions,
+        out_cache_loc=cache_slots(page_table, row_req, positions, PAGE_SIZE),
+        max_seqlen_q=NUM_DRAFT_TOKENS,
+        padding=QueryPadding.from_indptr(qo_indptr, positions, NUM_DRAFT_TOKENS),
+    )
+

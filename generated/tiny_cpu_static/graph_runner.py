@@ -3,5 +3,20 @@ Do not edit: change the spec and recompile.
 
 Deployment tiny_cpu_static: cpu/generic backend, static verify mode."""
 
-NUM_DRAFT_TOKENS = 8
-PAGE_SIZE = 16
+from __future__ import annotations
+
+import torch
+
+from dspark.runtime.attn_metadata import PagedAttnMetadata
+from dspark.runtime.models.llama import AttentionBackend, LlamaForCausalLM
+
+
+class VerifyRunner:
+    """Eager verify forward: the CPU has no graphs to capture or replay."""
+
+    def __init__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> None:
+        self.target = target
+        self.attn = attn
+
+    def run(self, input_ids: torch.Tensor, meta: PagedAttnMetadata) -> torch.Tensor:
+        return self.target.forward_paged(input_ids, meta.positions, self.attn, meta)
