@@ -55,7 +55,7 @@ def test_check_passes_then_fails_with_a_diff_after_a_change(project, capsys):
     assert main(["check"]) == 1
     out = capsys.readouterr().out
     assert "--- generated/demo/attn_metadata.py" in out
-    assert "-NUM_DRAFT_TOKENS = 4\n+NUM_DRAFT_TOKENS = 5" in out
+    assert "-NUM_DRAFT_TOKENS = 4 " in out and "+NUM_DRAFT_TOKENS = 5 " in out
 
 
 def test_check_reports_missing_and_extra_files(project, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import runpy
 import subprocess
 import sys
@@ -40,8 +41,25 @@ def test_package_files_and_header(write_spec, tmp_path):
     assert package.files["__main__.py"].decode().endswith(
         "from pathlib import Path\n\nfrom dspark.runtime.entry import main\n\n"
         'if __name__ == "__main__":\n    raise SystemExit(main(Path(__file__).resolve().parent))\n')
-    body = package.files["attn_metadata.py"].decode().split('"""')[-1]
-    assert body == "\n\nNUM_DRAFT_TOKENS = 4\nPAGE_SIZE = 16\n"
+    body = package.files["attn_metadata.py"].decode()
+    assert "NUM_DRAFT_TOKENS = 4  # N = gamma + 1" in body and "PAGE_SIZE = 16\n" in body
+
+
+@pytest.mark.parametrize("kind,device,absent", [
+    ("cpu", "generic", ("Ascend", "npu", "cuda", "CUDAGraph", "if ", "elif ")),
+    ("cuda", "h200", ("Ascend", "npu", "NPUGraph")),
+    ("ascend", "910c", ("qo_indptr", "cuda", "CUDAGraph", "TorchPagedAttention")),
+])
+def test_backend_modules_have_no_dead_branches(write_spec, tmp_path, kind, device, absent):
+    overrides = {"backend": {"kind": kind, "device": device}}
+    if kind != "cpu":
+        overrides["graph"] = {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32]}
+    package = compile_spec(write_spec(overrides), tmp_path / "out" / "demo")
+    for name in ("attn_metadata.py", "graph_runner.py"):
+        code = package.files[name].decode().split('"""', 2)[-1]  # past the header docstring
+        compile(code, name, "exec")
+        for word in absent:
+            assert not re.search(rf"\b{re.escape(word.strip())}\b", code), (kind, name, word)
 
 
 def test_deployment_builds_the_runtime_config(write_spec, tmp_path):
