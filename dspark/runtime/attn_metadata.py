@@ -94,3 +94,18 @@ def cache_slots(page_table: torch.Tensor, row_req: torch.Tensor, positions: torc
     """Flat KV slot of each row: its request's page for the position, times page size, plus offset."""
     pages = page_table[row_req, positions // page_size].long()
     return pages * page_size + positions % page_size
+
+
+def ragged_rows(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, ends: torch.Tensor,
+                total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request index and absolute position of every packed row.
+
+    Requests own consecutive rows ending at `ends` (cumulative); request r's rows continue its
+    cached prefix, so their positions are `prefix_lens[r], prefix_lens[r] + 1, ...`.
+    """
+    device = prefix_lens.device
+    row_req = torch.repeat_interleave(torch.arange(prefix_lens.shape[0], device=device),
+                                      extend_lens.long(), output_size=total)
+    starts = (ends - extend_lens.long())[row_req]
+    positions = prefix_lens.long()[row_req] + torch.arange(total, device=device) - starts
+    return row_req, positions

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attn_metadata import AscendTndMetadata, cache_slots
+from dspark.runtime.attn_metadata import AscendTndMetadata, cache_slots, ragged_rows
 from dspark.runtime.backends.ascend import AscendFusedAttention as AttentionBackend
 
 NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts
@@ -16,23 +16,13 @@ PAGE_SIZE = 128
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 
-def _rows(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, ends: torch.Tensor,
-          total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request index and absolute position of every packed row."""
-    device = prefix_lens.device
-    row_req = torch.repeat_interleave(torch.arange(prefix_lens.shape[0], device=device),
-                                      extend_lens.long(), output_size=total)
-    starts = (ends - extend_lens.long())[row_req]
-    positions = prefix_lens.long()[row_req] + torch.arange(total, device=device) - starts
-    return row_req, positions
-
 
 def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                           page_table: torch.Tensor) -> AscendTndMetadata:
     """TND inputs for rows appended after each request's cached prefix (prefill, plain decode)."""
     ends = torch.cumsum(extend_lens.long(), 0)
     total = int(ends[-1])
-    row_req, positions = _rows(prefix_lens, extend_lens, ends, total)
+    row_req, positions = ragged_rows(prefix_lens, extend_lens, ends, total)
     return AscendTndMetadata(
         actual_seq_lengths_q=ends,
         actual_seq_lengths_kv=(prefix_lens + extend_lens).long(),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attn_metadata import PagedAttnMetadata, QueryPadding, cache_slots
+from dspark.runtime.attn_metadata import PagedAttnMetadata, QueryPadding, cache_slots, ragged_rows
 from dspark.runtime.backends.torch_paged import TorchPagedAttention as AttentionBackend
 
 NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts
@@ -16,16 +16,6 @@ PAGE_SIZE = 16
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 
-def _rows(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, ends: torch.Tensor,
-          total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request index and absolute position of every packed row."""
-    device = prefix_lens.device
-    row_req = torch.repeat_interleave(torch.arange(prefix_lens.shape[0], device=device),
-                                      extend_lens.long(), output_size=total)
-    starts = (ends - extend_lens.long())[row_req]
-    positions = prefix_lens.long()[row_req] + torch.arange(total, device=device) - starts
-    return row_req, positions
-
 
 def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                           page_table: torch.Tensor) -> PagedAttnMetadata:
@@ -33,7 +23,7 @@ def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
     qo_indptr = torch.zeros(prefix_lens.shape[0] + 1, dtype=torch.int32, device=prefix_lens.device)
     torch.cumsum(extend_lens, 0, out=qo_indptr[1:])
     total = int(qo_indptr[-1])
-    row_req, positions = _rows(prefix_lens, extend_lens, qo_indptr[1:].long(), total)
+    row_req, positions = ragged_rows(prefix_lens, extend_lens, qo_indptr[1:].long(), total)
     max_seqlen_q = int(extend_lens.max())
     return PagedAttnMetadata(
         qo_indptr=qo_indptr,
