@@ -16,7 +16,6 @@ PAGE_SIZE = 16
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 
-
 def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                           page_table: torch.Tensor) -> PagedAttnMetadata:
     """Rows appended after each request's cached prefix (prefill, plain decode)."""
