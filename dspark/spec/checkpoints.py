@@ -8,30 +8,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import dspark
+from dspark.runtime.config import HF_GEOMETRY_KEYS, HF_OPTIONAL_KEYS, ModelGeometry
 from dspark.spec.errors import SpecValueError
 from dspark.spec.external import read_json, resolve_path, validate_file_data
 from dspark.spec.models import EMBEDDED_PREFIX, GeometrySpec
 
 Role = Literal["target", "draft"]
-
-# Hugging Face LlamaConfig key for each geometry field.
-HF_GEOMETRY_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "max_position_embeddings": "max_position_embeddings",
-    "rope_theta": "rope_theta",
-    "rms_norm_eps": "rms_norm_eps",
-}
-# Absent keys mean what `dspark.runtime.models.llama.LlamaConfig.from_hf` makes of them, so the
-# compiled geometry always equals what the runtime will load.
-_HF_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
-_OPTIONAL_HF_KEYS = ("head_dim", "num_key_value_heads", *_HF_DEFAULTS)
-
 
 def embedded_root() -> Path:
     # Located from the dspark package rather than imported as `dspark.runtime.checkpoints`:
@@ -81,17 +63,13 @@ def resolve_checkpoint(raw: str, role: Role, spec_dir: Path) -> CheckpointRef:
 
 
 def geometry_from_hf_config(config: dict[str, Any], path: Path) -> GeometrySpec:
-    missing = [key for field, key in HF_GEOMETRY_KEYS.items()
-               if key not in config and key not in _OPTIONAL_HF_KEYS]
+    missing = [key for key in HF_GEOMETRY_KEYS.values()
+               if key not in config and key not in HF_OPTIONAL_KEYS]
     if missing:
         raise SpecValueError(f"model config {str(path)!r} lacks {', '.join(missing)}",
                              "use a Hugging Face Llama config.json")
-    values = {field: config[key] for field, key in HF_GEOMETRY_KEYS.items()
-              if config.get(key) is not None}
-    values.setdefault("num_kv_heads", values["num_heads"])  # absent: plain multi-head attention
-    for field, default in _HF_DEFAULTS.items():
-        values.setdefault(field, default)
-    return validate_file_data(GeometrySpec, values, path, "model config")
+    # The same reading the runtime's loader makes, so the compiled geometry is what will load.
+    return validate_file_data(GeometrySpec, ModelGeometry.hf_values(config), path, "model config")
 
 
 def geometry_differences(inline: GeometrySpec, from_checkpoint: GeometrySpec

@@ -11,7 +11,7 @@ through one Linear layer to one logit per position.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -20,6 +20,8 @@ from torch import nn
 
 from dspark.runtime import ops
 from dspark.runtime.models.llama import LlamaConfig, LlamaMLP, RMSNorm
+
+LLAMA_FIELDS = tuple(f.name for f in fields(LlamaConfig))
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,7 @@ class DraftConfig:
         return cls(**fields)
 
     def layer_config(self) -> LlamaConfig:
-        return LlamaConfig(self.vocab_size, self.hidden_size, self.intermediate_size,
-                           self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
-                           self.max_position_embeddings, self.rope_theta, self.rms_norm_eps)
+        return LlamaConfig(**{f: getattr(self, f) for f in LLAMA_FIELDS})
 
 
 class DraftLayer(nn.Module):

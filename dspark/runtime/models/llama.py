@@ -10,7 +10,6 @@ directory loads without renaming. Two forward paths share the weights:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -20,60 +19,8 @@ from torch import nn
 from dspark.runtime import ops
 from dspark.runtime.config import ModelGeometry
 
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
-        heads = int(cfg["num_attention_heads"])
-        return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            max_position_embeddings=int(cfg["max_position_embeddings"]),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        )
-
-    @classmethod
-    def from_geometry(cls, g: ModelGeometry) -> LlamaConfig:
-        return cls(g.vocab_size, g.hidden_size, g.intermediate_size, g.num_layers, g.num_heads,
-                   g.num_kv_heads, g.head_dim, g.max_position_embeddings, g.rope_theta,
-                   g.rms_norm_eps)
-
-    def to_hf(self) -> dict[str, Any]:
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-        }
+# The model's config is the deployment geometry itself (HF config.json <-> ModelGeometry).
+LlamaConfig = ModelGeometry
 
 
 class AttentionBackend(Protocol):
