@@ -121,13 +121,21 @@ def lr_at(frac: float, peak: float, warmup_frac: float = 0.03) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train_loop(total_steps: int, step: Callable[[float], float], log: Callable[[str], None],
-               name: str) -> float:
-    """Run `step(progress)` `total_steps` times; returns the minutes it took."""
+def train_loop(total_steps: int, opt: torch.optim.Optimizer, peak_lr: float,
+               loss_fn: Callable[[], torch.Tensor], log: Callable[[str], None], name: str) -> float:
+    """`total_steps` optimizer steps on `loss_fn()` (scheduled LR, clipped grads); returns minutes."""
+    params = [p for group in opt.param_groups for p in group["params"]]
     start = time.monotonic()
     ema = None
     for i in range(total_steps):
-        loss = step(i / total_steps)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(i / total_steps, peak_lr)
+        loss_t = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss_t.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        loss = loss_t.item()
         ema = loss if ema is None else 0.95 * ema + 0.05 * loss
         if (i + 1) % 25 == 0:
             log(f"[{name}] step {i + 1:5d}/{total_steps}  {(time.monotonic() - start) / 60:5.2f} min"
@@ -165,20 +173,13 @@ def train_target(s: TrainSettings, stream: torch.Tensor, log: Callable[[str], No
     data = batches(stream, s.seq_len, s.batch_size, gen)
     model.train()
 
-    def step(frac: float) -> float:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(frac, s.target_lr)
+    def loss_fn() -> torch.Tensor:
         batch = next(data)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16_autocast):
             logits = model.dense_logits(model.forward_dense(batch[:, :-1]))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        return loss.item()
+        return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
-    minutes = train_loop(s.target_steps, step, log, "target")
+    minutes = train_loop(s.target_steps, opt, s.target_lr, loss_fn, log, "target")
     model.eval()
     return model, minutes
 
@@ -228,23 +229,16 @@ def train_draft(s: TrainSettings, target: LlamaForCausalLM, stream: torch.Tensor
     weights = s.position_decay ** torch.arange(s.gamma, dtype=torch.float32)
     draft.train()
 
-    def step(frac: float) -> float:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(frac, s.draft_lr)
+    def loss_fn() -> torch.Tensor:
         tokens = next(data)[:, :-1]
         anchors = torch.randint(1, s.seq_len - s.gamma, (s.batch_size, s.anchors_per_seq), generator=gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16_autocast):
             hidden, target_logp = draft_targets(target, tokens, anchors, s.gamma)
             kl, bce, _ = draft_losses(draft, hidden.float(), tokens, anchors, target_logp.float(),
                                       weights)
-        loss = kl + s.confidence_weight * bce
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
-        return loss.item()
+        return kl + s.confidence_weight * bce
 
-    minutes = train_loop(s.draft_steps, step, log, "draft")
+    minutes = train_loop(s.draft_steps, opt, s.draft_lr, loss_fn, log, "draft")
     draft.eval()
     return draft, minutes
 
