@@ -3,10 +3,11 @@
 The draft is conditioned on the target: every committed position's target hidden state is
 projected into a context feature that the draft layers attend to (their K/V for that position).
 One forward over the block `[root, MASK x gamma]` at positions `T … T+gamma` gives a backbone
-state `g_k` for every draft position at once. A light sequential head then turns `g_k` into
-logits using the embedding of the previous draft token (the root for `k = 1`), so position `k`
-knows what was drafted at `k - 1`. The confidence head maps `[hidden_k ; markov_embedding(prev_k)]`
-through one Linear layer to one logit per position.
+state `g_k` for every draft position at once. A light sequential head (a residual MLP, gamma
+small steps) then turns `g_k` into logits from the Markov embedding of the previous draft token
+(the root for `k = 1`) and its own previous hidden state, so position `k` knows what was drafted
+before it. The confidence head maps `[hidden_k ; markov_embedding(prev_k)]` through one Linear
+layer to one logit per position.
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ class DSparkDraft(nn.Module):
         m = cfg.markov_embedding_size
         if m > 0:
             self.markov_embed = nn.Embedding(cfg.vocab_size, m)
-            self.markov_proj = nn.Linear(m, d, bias=False)
+        # The sequential head: a residual MLP over [backbone state ; previous-token embedding ;
+        # the head's previous hidden state], so position k knows the whole drafted prefix.
+        self.head_up = nn.Linear(2 * d + m, d, bias=False)
+        self.head_down = nn.Linear(d, d, bias=False)
         if cfg.confidence_head:
             self.confidence_head = nn.Linear(d + m, 1)
 
@@ -138,18 +142,45 @@ class DSparkDraft(nn.Module):
             x = layer(x, cos, sin, ck, cv, mask)
         return x
 
-    def head(self, g: torch.Tensor, prev_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits and confidence logits for backbone states `g[..., d]` given the previous tokens."""
+    def head(self, g: torch.Tensor, prev_ids: torch.Tensor, state: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One sequential step: logits, confidence logit and the new state for position k.
+
+        `g` is the backbone state of position k, `prev_ids` the token at k - 1 (the root for
+        k = 1) and `state` the hidden of position k - 1 (zeros for k = 1).
+        """
         if self.cfg.markov_embedding_size > 0:
             m = self.markov_embed(prev_ids)
-            hidden = self.norm(g + self.markov_proj(m))
-            conf_in = torch.cat((hidden, m), dim=-1)
         else:
-            hidden = self.norm(g)
-            conf_in = hidden
+            m = g.new_zeros(*g.shape[:-1], 0)
+        head_in = torch.cat((g, m, state), dim=-1)
+        hidden = self.norm(g + self.head_down(F.silu(self.head_up(head_in))))
         logits = self.lm_head(hidden)
-        conf = self.confidence_head(conf_in).squeeze(-1) if self.cfg.confidence_head else None
-        return logits, conf
+        conf = None
+        if self.cfg.confidence_head:
+            conf = self.confidence_head(torch.cat((hidden, m), dim=-1)).squeeze(-1)
+        return logits, conf, hidden
+
+    def _run_head(self, g: torch.Tensor, first_prev: torch.Tensor, greedy: bool,
+                  forced_prev: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head over all gamma positions of `g[..., gamma, d]`.
+
+        The previous token is the drafted one (`greedy`) or `forced_prev[..., k]` (training).
+        """
+        state = torch.zeros_like(g[..., 0, :])
+        prev = first_prev
+        logits, confs = [], []
+        for k in range(self.cfg.gamma):
+            if forced_prev is not None:
+                prev = forced_prev[..., k]
+            step_logits, conf, state = self.head(g[..., k, :], prev, state)
+            if greedy:
+                prev = step_logits.argmax(-1)
+            logits.append(step_logits)
+            confs.append(conf)
+        conf_logits = torch.stack(confs, dim=-1) if self.cfg.confidence_head else None
+        return torch.stack(logits, dim=-2), conf_logits
 
     # -- training ------------------------------------------------------------------------
     def forward_train(self, target_hidden: torch.Tensor, tokens: torch.Tensor,
@@ -178,7 +209,7 @@ class DSparkDraft(nn.Module):
 
         g = self.backbone(block_ids, block_pos, ctx_kv, mask).view(b, n_anchor, gamma + 1, -1)[:, :, 1:]
         prev = tokens.gather(1, (anchors[..., None] + offs[:-1]).reshape(b, -1)).view(b, n_anchor, gamma)
-        return self.head(g, prev)
+        return self._run_head(g, prev[..., 0], greedy=False, forced_prev=prev)
 
     # -- serving -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -208,12 +239,5 @@ class DSparkDraft(nn.Module):
                           torch.ones(len(root_ids), n, n, dtype=torch.bool, device=root_ids.device)),
                          dim=-1)
         g = self.backbone(block_ids, block_pos, ctx_kv, mask)[:, 1:]
-        prev = root_ids
-        drafts, confs = [], []
-        for k in range(gamma):
-            logits, conf = self.head(g[:, k], prev)
-            prev = logits.argmax(-1)
-            drafts.append(prev)
-            confs.append(conf)
-        conf_logits = torch.stack(confs, dim=1) if self.cfg.confidence_head else None
-        return torch.stack(drafts, dim=1), conf_logits
+        logits, conf_logits = self._run_head(g, root_ids, greedy=True)
+        return logits.argmax(-1), conf_logits
