@@ -22,6 +22,7 @@ def test_held_out_split_is_deterministic_and_disjoint() -> None:
 @pytest.mark.slow
 def test_train_tiny_writes_loadable_hf_layout_checkpoints(tmp_path: Path) -> None:
     settings = TrainSettings(target_steps=2, draft_steps=2, seq_len=64, batch_size=2,
+                             target_short_seq_len=32,
                              anchors_per_seq=4, eval_windows=2)
     report = train_tiny(tmp_path, settings, log=lambda _: None)
     assert report["held_out_bits_per_byte"] > 0

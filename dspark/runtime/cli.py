@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(run)
     train = sub.add_parser("train-tiny", help="train the embedded tiny target + draft pair")
     train.add_argument("-o", "--out", type=Path, required=True, help="output directory")
-    train.add_argument("--target-steps", type=int, default=None, help="default 1000 (~10 min)")
+    train.add_argument("--target-steps", type=int, default=None, help="default 1300 (~10 min)")
     train.add_argument("--draft-steps", type=int, default=None, help="default 1200 (~9 min)")
     train.add_argument("--seed", type=int, default=0)
     return parser
