@@ -22,7 +22,8 @@ def test_held_out_split_is_deterministic_and_disjoint() -> None:
 @pytest.mark.slow
 def test_train_tiny_writes_loadable_hf_layout_checkpoints(tmp_path: Path) -> None:
     settings = TrainSettings(target_steps=2, draft_steps=2, seq_len=64, batch_size=2,
-                             target_short_seq_len=32,
+                             target_short_seq_len=32, on_policy_sequences=2,
+                             on_policy_prompt_len=32,
                              anchors_per_seq=4, eval_windows=2)
     report = train_tiny(tmp_path, settings, log=lambda _: None)
     assert report["held_out_bits_per_byte"] > 0
@@ -39,3 +40,19 @@ def test_train_tiny_writes_loadable_hf_layout_checkpoints(tmp_path: Path) -> Non
 def test_missing_checkpoint_names_the_spec_field(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="model.checkpoint"):
         load_target(str(tmp_path / "nowhere"))
+
+
+def test_greedy_continue_with_dense_cache_matches_full_recompute() -> None:
+    from dspark.runtime.models.llama import LlamaForCausalLM
+    from dspark.runtime.train_tiny import TARGET_CONFIG
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(TARGET_CONFIG).eval()
+    prompts = torch.randint(0, 256, (2, 9))
+    fast = model.greedy_continue(prompts, 6)
+    slow = prompts
+    with torch.no_grad():
+        for _ in range(6):
+            nxt = model.dense_logits(model.forward_dense(slow))[:, -1].argmax(-1, keepdim=True)
+            slow = torch.cat((slow, nxt), dim=1)
+    assert torch.equal(fast, slow)

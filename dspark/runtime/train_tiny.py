@@ -45,6 +45,10 @@ class TrainSettings:
     draft_lr: float = 2e-3
     gamma: int = 7
     anchors_per_seq: int = 64
+    # On-policy distillation: half of each draft batch are the target's own greedy
+    # continuations of data prompts — the text the draft will see when decoding.
+    on_policy_sequences: int = 512
+    on_policy_prompt_len: int = 256
     position_decay: float = 0.85
     confidence_weight: float = 0.5
     eval_windows: int = 64
@@ -222,6 +226,17 @@ def draft_losses(draft: DSparkDraft, hidden: torch.Tensor, tokens: torch.Tensor,
     return (kl * w).sum(-1).mean(), (bce * w).sum(-1).mean(), match
 
 
+def on_policy_sequences(target: LlamaForCausalLM, stream: torch.Tensor, s: TrainSettings,
+                        gen: torch.Generator, log: Callable[[str], None]) -> torch.Tensor:
+    """`[n, seq_len]` data prompts followed by the target's greedy (float32) continuations."""
+    start = time.monotonic()
+    prompts = next(batches(stream, s.on_policy_prompt_len - 1, s.on_policy_sequences, gen))
+    out = torch.cat([target.greedy_continue(chunk, s.seq_len - s.on_policy_prompt_len)
+                     for chunk in prompts.split(128)])
+    log(f"[draft] {len(out)} on-policy sequences in {(time.monotonic() - start) / 60:.1f} min")
+    return out
+
+
 def train_draft(s: TrainSettings, target: LlamaForCausalLM, stream: torch.Tensor,
                 log: Callable[[str], None]) -> tuple[DSparkDraft, float]:
     torch.manual_seed(s.seed + 1)
@@ -235,12 +250,14 @@ def train_draft(s: TrainSettings, target: LlamaForCausalLM, stream: torch.Tensor
         p.requires_grad_(False)
     opt = torch.optim.AdamW(draft.parameters(), lr=s.draft_lr, betas=(0.9, 0.95), weight_decay=0.01)
     gen = torch.Generator().manual_seed(s.seed + 1)
-    data = batches(stream, s.seq_len, s.batch_size, gen)
+    data = batches(stream, s.seq_len, s.batch_size - s.batch_size // 2, gen)
+    policy = on_policy_sequences(target, stream, s, gen, log)
     weights = s.position_decay ** torch.arange(s.gamma, dtype=torch.float32)
     draft.train()
 
     def loss_fn() -> torch.Tensor:
-        tokens = next(data)[:, :-1]
+        picked = torch.randint(0, len(policy), (s.batch_size // 2,), generator=gen)
+        tokens = torch.cat((next(data)[:, :-1], policy[picked]))
         anchors = torch.randint(1, s.seq_len - s.gamma, (s.batch_size, s.anchors_per_seq), generator=gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.bf16_autocast):
             hidden, target_logp = draft_targets(target, tokens, anchors, s.gamma)

@@ -50,16 +50,25 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
 
-    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Causal attention over `[b, t]` rows. With `cache` (a `[k, v]` pair, appended to in
+        place) the rows follow the cached ones: one new row per call attends to all of them."""
         b, t, _ = x.shape
         c = self.cfg
-        q = ops.apply_rope(self.q_proj(x).view(b, t, c.num_heads, c.head_dim), cos, sin)
-        k = ops.apply_rope(self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim), cos, sin)
-        v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=c.num_heads != c.num_kv_heads,
-        )
+        q = ops.apply_rope(self.q_proj(x).view(b, t, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
+        k = ops.apply_rope(self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        causal = True
+        if cache is not None:
+            if cache:
+                if t != 1:
+                    raise ValueError("a cached dense forward appends one row at a time")
+                k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+                causal = False
+            cache[:] = [k, v]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                             enable_gqa=c.num_heads != c.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def forward_paged(self, layer_id: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -112,16 +121,32 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBackbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Causal forward over `[b, t]` tokens; returns the last layer's residual stream `[b, t, d]`."""
+    def forward_dense(self, input_ids: torch.Tensor, cache: list[list[torch.Tensor]] | None = None,
+                      start: int = 0) -> torch.Tensor:
+        """Causal forward over `[b, t]` tokens at positions `start …`; returns the last layer's
+        residual stream `[b, t, d]`. `cache` (one `[k, v]` per layer) enables incremental decoding."""
         c = self.cfg
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         cos, sin = ops.rope_cos_sin(positions, c.head_dim, c.rope_theta)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin)
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = cache[i] if cache is not None else None
+            x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin, layer_cache)
             x = x + layer.mlp.forward_dense(layer.post_attention_layernorm(x))
         return x
+
+    @torch.no_grad()
+    def greedy_continue(self, prompts: torch.Tensor, steps: int) -> torch.Tensor:
+        """`[b, P + steps]`: the prompts followed by their greedy continuations (dense KV cache)."""
+        cache: list[list[torch.Tensor]] = [[] for _ in self.model.layers]
+        hidden = self.forward_dense(prompts, cache)
+        out = [prompts]
+        for i in range(steps):
+            nxt = self.dense_logits(hidden[:, -1:]).argmax(-1)
+            out.append(nxt)
+            if i + 1 < steps:
+                hidden = self.forward_dense(nxt, cache, start=prompts.shape[1] + i)
+        return torch.cat(out, dim=1)
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
