@@ -96,6 +96,12 @@ def cache_slots(page_table: torch.Tensor, row_req: torch.Tensor, positions: torc
     return pages * page_size + positions % page_size
 
 
+def prefix_slots(page_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
+    """`[B, length]` flat KV slots of positions `0 … length-1` of every request."""
+    offs = torch.arange(length, device=page_table.device)
+    return page_table[:, offs // page_size].long() * page_size + offs % page_size
+
+
 def ragged_rows(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, ends: torch.Tensor,
                 total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Request index and absolute position of every packed row.

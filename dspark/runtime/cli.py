@@ -10,7 +10,7 @@ from pathlib import Path
 COMMANDS = ("run", "train-tiny")
 
 
-def _add_run_args(p: argparse.ArgumentParser) -> None:
+def add_run_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompts-file", type=Path,
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a generated package on prompts")
     run.add_argument("package", type=Path, help="generated package directory, e.g. generated/tiny_cpu_static")
-    _add_run_args(run)
+    add_run_args(run)
     train = sub.add_parser("train-tiny", help="train the embedded tiny target + draft pair")
     train.add_argument("-o", "--out", type=Path, required=True, help="output directory")
     train.add_argument("--target-steps", type=int, default=None, help="default 1300 (~10 min)")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dspark.runtime.accept import greedy_accept
-from dspark.runtime.attn_metadata import cache_slots
+from dspark.runtime.attn_metadata import cache_slots, prefix_slots
 from dspark.runtime.checkpoint import load_draft, load_target
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots, SlotHandle
 from dspark.runtime.package import GeneratedPackage
@@ -258,8 +258,7 @@ class Runtime:
     def _draft_context(self, running: list[Request], page_table: torch.Tensor,
                        prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cap = -(-int(prefix.max()) // self.page_size) * self.page_size
-        offs = torch.arange(cap, device=self.device)
-        slots = page_table[:, offs // self.page_size].long() * self.page_size + offs % self.page_size
+        slots = prefix_slots(page_table, self.page_size, cap)
         return [(self.draft_kv.k[i][slots], self.draft_kv.v[i][slots])
                 for i in range(self.draft.cfg.num_layers)]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dspark.runtime.cli import _add_run_args, run_package
+from dspark.runtime.cli import add_run_args, run_package
 
 
 def main(package_dir: Path, argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m generated.{package_dir.name}",
                                      description=f"Run the {package_dir.name} deployment.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_run_args(sub.add_parser("run", help="generate completions for prompts"))
+    add_run_args(sub.add_parser("run", help="generate completions for prompts"))
     args = parser.parse_args(argv)
     return run_package(package_dir, args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attn_metadata import PagedAttnMetadata
+from dspark.runtime.attn_metadata import PagedAttnMetadata, prefix_slots
 from dspark.runtime.kv_cache import PagedKVCache
 
 
@@ -33,8 +33,7 @@ class TorchPagedAttention:
 
         # Keys: every slot of each request's page table, [B, C, Hkv, D].
         cap = meta.page_table.shape[1] * self.page_size
-        offs = torch.arange(cap, device=q.device)
-        slots = meta.page_table[:, offs // self.page_size].long() * self.page_size + offs % self.page_size
+        slots = prefix_slots(meta.page_table, self.page_size, cap)
         keys = self.cache.k[layer_id][slots].permute(0, 2, 3, 1)  # B, Hkv, D, C
         vals = self.cache.v[layer_id][slots].transpose(1, 2)  # B, Hkv, C, D
 
@@ -42,6 +41,7 @@ class TorchPagedAttention:
         q_rows = q_rows.view(num_reqs, width, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
         scores = torch.matmul(q_rows.reshape(num_reqs, num_kv, group * width, head_dim), keys)
         scores = scores.view(num_reqs, num_kv, group, width, cap) * self.scale
+        offs = torch.arange(cap, device=q.device)
         hidden = offs[None, None, :] > pad.positions[:, :, None]  # B, W, C
         scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # padding rows see no key at all
