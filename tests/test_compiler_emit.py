@@ -87,10 +87,11 @@ def test_static_and_adaptive_planner_config(write_spec, tmp_path):
     adaptive = compile_spec(spec, tmp_path / "demo").files["planner_config.py"]
     assert b"from dspark.runtime.plan import AdaptiveVerifyPlan\n" in adaptive
     assert keywords(adaptive, "AdaptiveVerifyPlan") == {
-        "gamma": 3, "min_verify_len": 2, "max_verify_len": 4, "survival_eps": 1e-4,
+        "gamma": 3, "mode": "compact", "min_verify_len": 2, "max_verify_len": 4, "survival_eps": 1e-4,
         "align_to_graph_tier": False, "lag_steps": 0, "temperatures": (1.0, 1.5, 2.0),
         "cost_model": {"type": "sps-1d", "sample_batch_tokens": (4, 64),
-                       "sample_steps_per_sec": (100.0, 50.0), "max_batch_tokens": 64}}
+                       "sample_steps_per_sec": (100.0, 50.0), "max_batch_tokens": 64},
+        "token_tiers": ()}
     spec = write_spec({"verify": {"mode": "cap-accept"}})
     kwargs = keywords(compile_spec(spec, tmp_path / "demo").files["planner_config.py"],
                       "AdaptiveVerifyPlan")

@@ -32,3 +32,11 @@ def test_first_draft_rejected_commits_only_the_fallback() -> None:
     acc = greedy_accept(torch.tensor([[3, 3]]), torch.tensor([[4, 3, 3]]), torch.tensor([3]))
     assert acc.correct_len.tolist() == [0]
     assert acc.bonus.tolist() == [4]
+
+
+def test_new_seq_lens_advance_by_commit_len_and_keep_their_dtype() -> None:
+    drafts = torch.tensor([[5, 6], [5, 0]])
+    target = torch.tensor([[5, 6, 7], [5, 6, 7]])
+    acc = greedy_accept(drafts, target, torch.tensor([3, 3]), torch.tensor([10, 20], dtype=torch.int32))
+    assert acc.new_seq_lens is not None and acc.new_seq_lens.dtype == torch.int32
+    assert acc.new_seq_lens.tolist() == [13, 22]

@@ -1,50 +1,106 @@
-"""CUDA backend: graph capture per tier and the lossless oracle. Skips cleanly without a GPU."""
+"""CUDA backend: graph capture per tier, Triton kernels compiled for real, and the lossless oracle.
+
+Skips cleanly without a GPU.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from dspark.runtime.accept import greedy_accept
 from dspark.runtime.engine import Runtime
+from dspark.runtime.kernels import HAS_TRITON, build_verify_rows, pack_rows, scatter_rows
+from dspark.runtime.layout import RaggedVerifyLayout
 from dspark.runtime.package import load_package
 
 from .runtime_helpers import compile_variant
+from .test_runtime_modes import COSTLY_ROWS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+CUDA = {"backend": {"kind": "cuda", "device": "h200"}, "serving": {"max_running_requests": 8}}
+VARIANTS = {
+    "static": {**CUDA, "graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8]}},
+    "cap_accept": {**CUDA, "verify": {"mode": "cap-accept"}, "cost_model": COSTLY_ROWS,
+                   "graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8]}},
+    "compact": {**CUDA, "verify": {"mode": "compact", "align_to_graph_tier": True},
+                "cost_model": COSTLY_ROWS,
+                "graph": {"enabled": True, "token_tiers": [8, 16, 24, 32, 48, 64]}},
+    "compact_eager": {**CUDA, "verify": {"mode": "compact"}, "cost_model": COSTLY_ROWS,
+                      "graph": {"enabled": False}},
+}
+
 
 @pytest.fixture(scope="module")
-def cuda_runtime(tmp_path_factory: pytest.TempPathFactory) -> Runtime:
+def runtimes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Runtime]:
+    torch.backends.cuda.matmul.allow_tf32 = False
     tmp = tmp_path_factory.mktemp("cuda")
-    pkg_dir = compile_variant(tmp, "tiny_cpu_static.yaml", {
-        "backend": {"kind": "cuda", "device": "h200"},
-        "graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8]},
-        "serving": {"max_running_requests": 8},
-    }, "tiny_cuda_static")
-    return Runtime(load_package(pkg_dir))
+    return {name: Runtime(load_package(compile_variant(tmp, "tiny_cpu_static.yaml", overrides,
+                                                       f"tiny_cuda_{name}")))
+            for name, overrides in VARIANTS.items()}
 
 
-def test_graph_replay_matches_eager_forward(cuda_runtime: Runtime) -> None:
-    rt = cuda_runtime
-    slots = [rt.slots.admit() for _ in range(3)]
+@pytest.mark.parametrize(("name", "lens"), [("static", [8, 8, 8]), ("compact", [2, 1, 4]),
+                                            ("compact", [8, 3, 5, 1, 1])])
+def test_graph_replay_matches_eager_forward(runtimes: dict[str, Runtime], name: str, lens: list[int]) -> None:
+    rt = runtimes[name]
+    slots = [rt.slots.admit() for _ in lens]
     for h in slots:
         rt.slots.reserve(h.slot, 64)
-    page_table = rt.slots.page_table[[h.slot for h in slots]].cuda()
-    prefix = torch.tensor([5, 9, 17], dtype=torch.int32, device="cuda")
-    meta = rt.metadata.build_verify_metadata(prefix, page_table)
-    ids = torch.randint(0, 256, (meta.total_rows,), device="cuda")
-    replayed = rt.verify_runner.run(ids, meta).clone()
-    eager = rt.target.forward_paged(ids, meta.positions, rt.attn, meta)
-    torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
-    for h in slots:
-        rt.slots.release(h.slot)
+    try:
+        page_table = rt.slots.page_table[[h.slot for h in slots]].cuda()
+        prefix = torch.tensor([5, 9, 17, 1, 30][: len(lens)], dtype=torch.int32, device="cuda")
+        verify_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        layout = RaggedVerifyLayout.from_verify_lens(verify_lens, rt.tiers)
+        assert layout.graph_num_tokens in rt.verify_runner.graphs  # a captured tier
+        ids = torch.randint(0, 256, (layout.total_rows,), device="cuda")
+        replayed = rt.verify_runner.run(ids, prefix, page_table, layout).clone()
+        if rt.compact:
+            meta = rt.metadata.build_verify_metadata(prefix, page_table, verify_lens, layout.total_rows)
+        else:
+            meta = rt.metadata.build_verify_metadata(prefix, page_table)
+        eager = rt.target.forward_paged(ids, meta.positions, rt.attn, meta)
+        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+    finally:
+        for h in slots:
+            rt.slots.release(h.slot)
 
 
-def test_static_speculative_equals_target_only_on_cuda(cuda_runtime: Runtime) -> None:
-    tok = cuda_runtime.package.tokenizer
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_speculative_equals_target_only_on_cuda(runtimes: dict[str, Runtime], name: str) -> None:
+    rt = runtimes[name]
+    tok = rt.package.tokenizer
     prompts = [tok.encode(p) for p in ["def main(argv):\n", "import os\n", "class A:\n    x = 1\n",
-                                       "for i in range(10):\n", "x"]]
-    ref, _ = cuda_runtime.generate(prompts, 48, target_only=True)
-    out, stats = cuda_runtime.generate(prompts, 48)
-    assert out == ref
+                                       "for i in range(10):\n", "x", "    return self._"]]
+    ref, _ = rt.generate(prompts, 48, target_only=True)
+    out, stats = rt.generate(prompts, 48)
+    mismatched = [i for i, (a, b) in enumerate(zip(out, ref, strict=True)) if a != b]
+    assert not mismatched, f"{name}: prompts {mismatched} differ from target-only"
     assert sum(stats.drafts_accepted) > 0
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_kernels_compiled_for_cuda_match_torch() -> None:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for num_reqs, gamma in [(1, 1), (5, 7), (32, 7), (64, 3)]:
+        n = gamma + 1
+        lens = torch.randint(1, n + 1, (num_reqs,), generator=gen, dtype=torch.int32).cuda()
+        prefix = torch.randint(0, 200, (num_reqs,), generator=gen, dtype=torch.int32).cuda()
+        table = torch.randint(1, 500, (num_reqs, 16), generator=gen, dtype=torch.int32).cuda()
+        total = int(lens.sum())
+        a = build_verify_rows(lens, prefix, table, 16, total, num_draft_tokens=n, impl="triton")
+        b = build_verify_rows(lens, prefix, table, 16, total, num_draft_tokens=n, impl="torch")
+        for field in ("qo_indptr", "row_req", "positions", "out_cache_loc", "src_index"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        hidden = torch.randn(num_reqs * n, 96, device="cuda")
+        packed_t = pack_rows(hidden, a.src_index, impl="triton")
+        assert torch.equal(packed_t, pack_rows(hidden, a.src_index, impl="torch"))
+        assert torch.equal(scatter_rows(packed_t, a.src_index, num_reqs * n, impl="triton"),
+                           scatter_rows(packed_t, a.src_index, num_reqs * n, impl="torch"))
+        drafts = torch.randint(0, 3, (num_reqs, gamma), generator=gen).cuda()
+        pred = torch.randint(0, 3, (num_reqs, n), generator=gen).cuda()
+        x = greedy_accept(drafts, pred, lens, prefix, impl="triton")
+        y = greedy_accept(drafts, pred, lens, prefix, impl="torch")
+        for field in ("correct_len", "commit_len", "bonus", "new_seq_lens"):
+            assert torch.equal(getattr(x, field), getattr(y, field)), field

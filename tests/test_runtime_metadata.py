@@ -25,21 +25,36 @@ GAMMA = 3
 N = GAMMA + 1
 
 
+MODES = ("static", "cap-accept", "compact")
+
+
 @pytest.fixture(scope="module")
-def builders(tmp_path_factory: pytest.TempPathFactory):
+def mode_builders(tmp_path_factory: pytest.TempPathFactory):
+    """`{mode: (cpu attn_metadata module, ascend attn_metadata module)}` for every verify mode."""
     tmp = tmp_path_factory.mktemp("meta")
     common = {"model": {"checkpoint": str(tmp / "absent"), "geometry": GEOMETRY},
               "draft": {"checkpoint": str(tmp / "absent_draft"), "gamma": GAMMA},
               "graph": {"enabled": False},
               "serving": {"page_size": PAGE, "max_context_len": 64, "max_running_requests": 4}}
-    cpu = compile_variant(tmp, "tiny_cpu_static.yaml",
-                          {**common, "backend": {"kind": "cpu", "device": "generic"}}, "meta_cpu")
-    asc = compile_variant(tmp, "ascend_910c_static.yaml",
-                          {**common, "backend": {"kind": "ascend", "device": "910c"},
-                           "model": {**common["model"], "dtype": "float32"},
-                           "parallelism": {"tp": 1}}, "meta_ascend")
-    return (import_file(Path(cpu) / "attn_metadata.py", "meta_cpu_attn"),
-            import_file(Path(asc) / "attn_metadata.py", "meta_ascend_attn"))
+    out = {}
+    for mode in MODES:
+        verify = {"mode": mode, "allow_no_cost_model": True}
+        tag = mode.replace("-", "_")
+        cpu = compile_variant(tmp, "tiny_cpu_static.yaml",
+                              {**common, "verify": verify, "backend": {"kind": "cpu", "device": "generic"}},
+                              f"meta_cpu_{tag}")
+        asc = compile_variant(tmp, "ascend_910c_static.yaml",
+                              {**common, "verify": verify, "backend": {"kind": "ascend", "device": "910c"},
+                               "model": {**common["model"], "dtype": "float32"},
+                               "parallelism": {"tp": 1}}, f"meta_ascend_{tag}")
+        out[mode] = (import_file(Path(cpu) / "attn_metadata.py", f"meta_cpu_attn_{tag}"),
+                     import_file(Path(asc) / "attn_metadata.py", f"meta_ascend_attn_{tag}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def builders(mode_builders):
+    return mode_builders["static"]
 
 
 def _tables() -> torch.Tensor:
@@ -76,10 +91,45 @@ def test_extend_metadata_is_ragged(builders) -> None:
     assert a.actual_seq_lengths_kv.tolist() == [4, 4, 11]
 
 
-@pytest.mark.parametrize("prefix", [[0, 0, 0], [5, 1, 20], [13, 7, 2]])
-def test_ascend_metadata_through_reference_operator_matches_cpu_backend(builders, prefix) -> None:
-    cpu, asc = builders
-    torch.manual_seed(sum(prefix))
+def _verify_metadata(module, mode: str, prefix: torch.Tensor, table: torch.Tensor, lens: list[int]):
+    if mode == "compact":
+        return module.build_verify_metadata(prefix, table, torch.tensor(lens, dtype=torch.int32), sum(lens))
+    return module.build_verify_metadata(prefix, table)
+
+
+def test_compact_metadata_packs_only_planned_rows(mode_builders) -> None:
+    cpu, asc = mode_builders["compact"]
+    prefix = torch.tensor([5, 0, 17], dtype=torch.int32)
+    lens = torch.tensor([2, 1, 4], dtype=torch.int32)
+    m = cpu.build_verify_metadata(prefix, _tables(), lens, 7)
+    assert m.total_rows == 7  # not 3 x N = 12
+    assert m.qo_indptr.tolist() == [0, 2, 3, 7]  # cu_seqlens_q
+    assert m.kv_lens.tolist() == [5 + 2, 0 + 1, 17 + 4]
+    assert m.positions.tolist() == [5, 6, 0, 17, 18, 19, 20]
+    assert m.out_cache_loc.tolist()[3:] == [10 * PAGE + 1, 10 * PAGE + 2, 10 * PAGE + 3, 10 * PAGE + 4]
+    a = asc.build_verify_metadata(prefix, _tables(), lens, 7)
+    assert a.actual_seq_lengths_q.tolist() == [2, 3, 7]  # cumulative ends qo_indptr[1:]
+    assert a.actual_seq_lengths_kv.tolist() == [7, 1, 21]
+    assert torch.equal(a.slot_mapping, m.out_cache_loc)
+    assert torch.equal(a.positions, m.positions)
+
+
+@pytest.mark.parametrize("mode", ["static", "cap-accept"])
+def test_fixed_width_modes_ignore_the_plan_in_metadata(mode_builders, mode: str) -> None:
+    cpu, asc = mode_builders[mode]
+    prefix = torch.tensor([3, 9], dtype=torch.int32)
+    m = cpu.build_verify_metadata(prefix, _tables()[:2])
+    assert m.qo_indptr.tolist() == [0, N, 2 * N]
+    assert asc.build_verify_metadata(prefix, _tables()[:2]).actual_seq_lengths_q.tolist() == [N, 2 * N]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("prefix", "lens"), [([0, 0, 0], [4, 4, 4]), ([5, 1, 20], [2, 1, 4]),
+                                              ([13, 7, 2], [1, 3, 2]), ([0, 9, 0], [3, 1, 1])])
+def test_ascend_metadata_through_reference_operator_matches_cpu_backend(mode_builders, mode, prefix,
+                                                                       lens) -> None:
+    cpu, asc = mode_builders[mode]
+    torch.manual_seed(sum(prefix) + 7 * sum(lens))
     heads, kv_heads, dim = GEOMETRY["num_heads"], GEOMETRY["num_kv_heads"], GEOMETRY["head_dim"]
     cpu_cache = PagedKVCache(1, 16, PAGE, kv_heads, dim, torch.float32)
     asc_cache = PagedKVCache(1, 16, PAGE, kv_heads, dim, torch.float32)
@@ -104,9 +154,33 @@ def test_ascend_metadata_through_reference_operator_matches_cpu_backend(builders
         q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
         torch.testing.assert_close(ascend_attend(q, k, v, ma), cpu_attn.attend(0, q, k, v, mc),
                                    rtol=1e-5, atol=1e-5)
-    mc = cpu.build_verify_metadata(pre, table)
-    ma = asc.build_verify_metadata(pre, table)
+    mc = _verify_metadata(cpu, mode, pre, table, lens)
+    ma = _verify_metadata(asc, mode, pre, table, lens)
     t = mc.total_rows
+    assert t == (sum(lens) if mode == "compact" else len(lens) * N)
     q, k, v = torch.randn(t, heads, dim), torch.randn(t, kv_heads, dim), torch.randn(t, kv_heads, dim)
     torch.testing.assert_close(ascend_attend(q, k, v, ma), cpu_attn.attend(0, q, k, v, mc),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_compact_rows_see_what_the_same_rows_see_in_a_full_verify(mode_builders) -> None:
+    """A planned row attends to exactly the keys it would see in the full B x N step: the
+    unplanned rows come after it, so dropping them changes nothing before them."""
+    cpu_static, _ = mode_builders["static"]
+    cpu_compact, _ = mode_builders["compact"]
+    heads, kv_heads, dim = GEOMETRY["num_heads"], GEOMETRY["num_kv_heads"], GEOMETRY["head_dim"]
+    torch.manual_seed(3)
+    prefix = torch.tensor([6, 2, 11], dtype=torch.int32)
+    lens = [3, 1, 2]
+    table = _tables()
+    full = cpu_static.build_verify_metadata(prefix, table)
+    packed = cpu_compact.build_verify_metadata(prefix, table, torch.tensor(lens, dtype=torch.int32),
+                                               sum(lens))
+    src = torch.tensor([r * N + i for r, n in enumerate(lens) for i in range(n)])
+    q = torch.randn(3 * N, heads, dim)
+    k, v = torch.randn(3 * N, kv_heads, dim), torch.randn(3 * N, kv_heads, dim)
+    out_full = TorchPagedAttention(PagedKVCache(1, 16, PAGE, kv_heads, dim, torch.float32), PAGE, heads,
+                                   dim ** -0.5).attend(0, q, k, v, full)
+    out_packed = TorchPagedAttention(PagedKVCache(1, 16, PAGE, kv_heads, dim, torch.float32), PAGE, heads,
+                                     dim ** -0.5).attend(0, q[src], k[src], v[src], packed)
+    torch.testing.assert_close(out_packed, out_full[src], rtol=1e-6, atol=1e-6)

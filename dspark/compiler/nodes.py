@@ -85,6 +85,7 @@ def planner_arguments(resolved: ResolvedSpec) -> dict[str, Any]:
     verify = spec.verify
     return {
         "gamma": spec.draft.gamma,
+        "mode": verify.mode,
         "min_verify_len": verify.min_verify_len,
         "max_verify_len": resolved.max_verify_len,
         "survival_eps": verify.survival_eps,
@@ -92,6 +93,7 @@ def planner_arguments(resolved: ResolvedSpec) -> dict[str, Any]:
         "lag_steps": verify.lag_steps,
         "temperatures": resolved.temperatures,
         "cost_model": resolved.cost_model.model_dump() if resolved.cost_model else None,
+        "token_tiers": resolved.tiers if verify.mode == "compact" else (),
     }
 
 
@@ -117,7 +119,7 @@ DERIVED: tuple[DerivedNode, ...] = (
     DerivedNode("parallel_plan", ("spec.parallelism", "model_geometry"), _parallel_plan),
     DerivedNode("tier_grid", ("spec.graph", "spec.draft"), _tier_grid),
     DerivedNode("planner_config",
-                (*HEADER_INPUTS, "spec.draft", "spec.cost_model", "spec.calibration"),
+                (*HEADER_INPUTS, "spec.draft", "spec.cost_model", "spec.calibration", "tier_grid"),
                 _planner, {"planner_config.py": "planner_config.py.j2"}),
     DerivedNode("backend_metadata",
                 (*HEADER_INPUTS, "spec.draft", "spec.serving", "model_geometry", "parallel_plan"),

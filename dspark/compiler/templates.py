@@ -16,6 +16,8 @@ def environment() -> jinja2.Environment:
         loader=jinja2.PackageLoader("dspark", "templates"),
         undefined=jinja2.StrictUndefined,  # a typo in a template is an error, not empty output
         keep_trailing_newline=True,
+        trim_blocks=True,  # a block tag's own line leaves no blank line behind
+        lstrip_blocks=True,
         autoescape=False,  # output is Python source; `py` does the escaping that matters
     )
     env.filters["py"] = py_literal

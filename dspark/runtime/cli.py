@@ -1,4 +1,4 @@
-"""`dspark`: run a generated deployment package, and train the embedded model pair."""
+"""`dspark`: run or profile a generated deployment package, and train the embedded model pair."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-COMMANDS = ("run", "train-tiny")
+COMMANDS = ("run", "profile", "train-tiny")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-only", action="store_true",
                    help="decode with the target alone (the lossless reference)")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
+    p.add_argument("--budget-fraction", type=float, default=None, metavar="F",
+                   help="experiments: verify this share (0..1) of the candidate drafts every step "
+                        "instead of the cost model's budget (cap-accept and compact only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,12 +31,70 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a generated package on prompts")
     run.add_argument("package", type=Path, help="generated package directory, e.g. generated/tiny_cpu_static")
     add_run_args(run)
+    prof = sub.add_parser("profile", help="measure verify step times and fit the planner's cost tables")
+    prof.add_argument("package", type=Path,
+                      help="a compact generated package, e.g. generated/tiny_cpu_compact")
+    prof.add_argument("-o", "--out", type=Path, required=True,
+                      help="directory for sps_1d.json, additive.json and profile.json")
+    prof.add_argument("--batch-sizes", type=_int_list, default=None,
+                      help="comma-separated B values (default: powers of two up to max_running_requests)")
+    prof.add_argument("--grid-density", type=int, default=8, help="row counts per B in the (B, M) grid")
+    prof.add_argument("--repeats", type=int, default=5, help="timed steps per point (the median is kept)")
+    prof.add_argument("--warmup", type=int, default=2, help="untimed steps per point")
+    prof.add_argument("--m-bin", type=int, default=64, help="M bin width of the additive fit")
+    prof.add_argument("--context-len", type=int, default=128, help="cached tokens per request")
+    prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     train = sub.add_parser("train-tiny", help="train the embedded tiny target + draft pair")
     train.add_argument("-o", "--out", type=Path, required=True, help="output directory")
     train.add_argument("--target-steps", type=int, default=None, help="default 1300 (~10 min)")
     train.add_argument("--draft-steps", type=int, default=None, help="default 1200 (~9 min)")
     train.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def profile_package(args: argparse.Namespace) -> int:
+    from dspark.runtime.engine import RequestError, Runtime
+    from dspark.runtime.package import PackageError, load_package
+    from dspark.runtime.profiler import (
+        ProfilePlan,
+        fit_profile,
+        format_fit_report,
+        rows_around,
+        run_profile,
+        write_tables,
+    )
+    from dspark.runtime.step_timer import ProfileError, VerifyStepTimer
+
+    try:
+        pkg = load_package(args.package)
+        runtime = Runtime(pkg)
+        timer = VerifyStepTimer(runtime, context_len=args.context_len)
+        tiers = runtime.tiers
+        plan = ProfilePlan(batch_sizes=timer.batch_sizes(args.batch_sizes),
+                           num_draft_tokens=timer.cap, min_verify_len=timer.floor,
+                           grid_density=args.grid_density, repeats=args.repeats, warmup=args.warmup,
+                           m_bin=args.m_bin, max_rows=tiers[-1] if tiers else None,
+                           extra_rows=rows_around(tiers))
+    except (PackageError, RequestError, ProfileError, ValueError) as err:
+        print(f"dspark: error: {err}", file=sys.stderr)
+        return 2
+    dep = pkg.deployment
+    meta = {"deployment": dep.name, "backend": dep.backend, "device": dep.device,
+            "dtype": dep.model.dtype, "verify_mode": dep.verify_mode, "tiers": ",".join(map(str, tiers)),
+            "context_len": str(args.context_len)}
+    result = run_profile(timer, plan, progress=not args.no_progress, meta=meta)
+    sps, fit = fit_profile(result)
+    print(format_fit_report(result, sps, fit), end="")
+    for name, path in write_tables(args.out, sps, fit, result).items():
+        print(f"wrote {name}: {path}")
+    return 0
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -54,12 +115,12 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
 
     try:
         pkg = load_package(package_dir)
-        runtime = Runtime(pkg)
+        runtime = Runtime(pkg, forced_budget_fraction=args.budget_fraction)
         prompts = read_prompts(args)
         max_new = args.max_new_tokens or pkg.deployment.serving.max_new_tokens
         outputs, stats = runtime.generate([pkg.tokenizer.encode(p) for p in prompts], max_new,
                                           target_only=args.target_only)
-    except (PackageError, RequestError) as err:
+    except (PackageError, RequestError, ValueError) as err:
         print(f"dspark: error: {err}", file=sys.stderr)
         return 2
     texts = [pkg.tokenizer.decode(o) for o in outputs]
@@ -78,6 +139,13 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     print(f"\n[{pkg.deployment.name} · {mode}] {summary['generated_tokens']} tokens in "
           f"{summary['wall_seconds']:.2f} s = {summary['tokens_per_second']:.1f} tokens/s · "
           f"{summary['steps']} steps · mean commit_len {summary['mean_commit_len']:.2f} per request-step")
+    if summary["mean_predicted_tau_per_step"] is not None and not args.target_only:
+        per = max(stats.request_steps, 1)
+        print(f"verify rows per request-step: {summary['verify_rows'] / per:.2f} run, "
+              f"{summary['planned_rows'] / per:.2f} planned, "
+              f"{summary['padding_rows'] / per:.2f} tier padding · per step: "
+              f"predicted tau {summary['mean_predicted_tau_per_step']:.2f}, committed "
+              f"{summary['mean_committed_per_planned_step']:.2f}")
     if not args.target_only:
         acc = " ".join("-" if a is None else f"{a:.2f}" for a in summary["acceptance_by_position"])
         print(f"acceptance by draft position: {acc}")
@@ -88,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return run_package(args.package, args)
+    if args.command == "profile":
+        return profile_package(args)
     from dspark.runtime.train_tiny import TrainSettings, train_tiny
 
     budgets = {k: v for k, v in (("target_steps", args.target_steps),

@@ -17,8 +17,12 @@ import torch
 from dspark.runtime.accept import greedy_accept
 from dspark.runtime.attn_metadata import cache_slots, prefix_slots
 from dspark.runtime.checkpoint import load_draft, load_target
+from dspark.runtime.kernels import build_verify_rows, pack_rows, scatter_rows
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots, SlotHandle
+from dspark.runtime.layout import RaggedVerifyLayout
 from dspark.runtime.package import GeneratedPackage
+from dspark.runtime.plan import StepPlan
+from dspark.runtime.planner import LaggedSurvival
 
 
 class RequestError(ValueError):
@@ -50,12 +54,36 @@ class RunStats:
     verify_rows: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    padding_rows: int = 0  # rows added to reach the step's graph tier
+    planned_rows: int = 0  # sum of verify_lens (in cap-accept fewer rows than run)
+    predicted_tau: float = 0.0  # sum over planned steps of the planner's tau
+    planned_committed: int = 0  # committed tokens of those same steps
     drafts_verified: list[int] = field(default_factory=list)
     drafts_accepted: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.drafts_verified = [0] * self.gamma
         self.drafts_accepted = [0] * self.gamma
+
+    def record_step(self, correct: list[int], verify_lens: list[int], layout: RaggedVerifyLayout,
+                    step: StepPlan) -> None:
+        for c, vl in zip(correct, verify_lens, strict=True):
+            for k in range(vl - 1):
+                self.drafts_verified[k] += 1
+                self.drafts_accepted[k] += int(k < c)
+        committed = sum(correct) + len(correct)
+        self.steps += 1
+        self.request_steps += len(correct)
+        self.committed_tokens += committed
+        self.verify_rows += layout.total_rows
+        self.padding_rows += layout.num_padding_rows
+        self.planned_rows += sum(verify_lens)
+        if step.decision is not None and step.survival is not None:
+            # tau of the rows actually allocated: B + the survival of every verified draft.
+            lens = step.verify_lens.to(step.survival.device).long()
+            verified = torch.arange(step.survival.shape[1], device=lens.device)[None, :] < (lens - 1)[:, None]
+            self.predicted_tau += len(correct) + float((step.survival * verified).sum())
+            self.planned_committed += committed
 
     @property
     def wall_seconds(self) -> float:
@@ -74,6 +102,12 @@ class RunStats:
             "mean_commit_len": round(self.committed_tokens / per_request_step, 4),
             "mean_accepted_drafts": round(sum(self.drafts_accepted) / per_request_step, 4),
             "verify_rows": self.verify_rows,
+            "padding_rows": self.padding_rows,
+            "planned_rows": self.planned_rows,
+            "mean_predicted_tau_per_step": (round(self.predicted_tau / self.steps, 4)
+                                            if self.planned_committed else None),
+            "mean_committed_per_planned_step": (round(self.planned_committed / self.steps, 4)
+                                                if self.planned_committed else None),
             "drafts_verified_by_position": self.drafts_verified,
             "drafts_accepted_by_position": self.drafts_accepted,
             "acceptance_by_position": [round(a / v, 4) if v else None
@@ -95,11 +129,17 @@ def backend_device(backend: str) -> torch.device:
 
 
 class Runtime:
-    def __init__(self, package: GeneratedPackage) -> None:
+    def __init__(self, package: GeneratedPackage, forced_budget_fraction: float | None = None) -> None:
         dep = package.deployment
         self.package = package
         self.deployment = dep
         self.plan = package.plan
+        if forced_budget_fraction is not None:
+            if dep.verify_mode == "static":
+                raise RequestError("a forced budget fraction needs a cap-accept or compact deployment; "
+                                   "static mode has no planner")
+            # An experiment override: verify this share of the candidate drafts every step.
+            self.plan = self.plan.with_overrides(forced_budget_fraction=forced_budget_fraction)
         self.metadata = package.attn_metadata
         self.device = backend_device(dep.backend)
         self.target = load_target(dep.model.checkpoint, dep.model.dtype, package.directory).to(self.device)
@@ -117,6 +157,11 @@ class Runtime:
                                      dc.head_dim, dtype, self.device)
         self.attn = self.metadata.AttentionBackend(self.kv, s.page_size, tc.num_heads, tc.head_dim ** -0.5)
         self.verify_runner = package.graph_runner.VerifyRunner(self.target, self.attn)
+        self.tiers: tuple[int, ...] = tuple(package.graph_runner.TOKEN_TIERS)
+        self.compact = dep.verify_mode == "compact"
+        # The lagged-confidence history is per runtime: a plan is shared, immutable config.
+        self.history = (LaggedSurvival(self.plan.lag_steps, self.plan.gamma)
+                        if self.plan.lag_steps else None)
 
     def _check_models(self) -> None:
         geo = self.deployment.model.geometry
@@ -272,18 +317,27 @@ class Runtime:
         drafts, conf_logits = self.draft.propose(roots, prefix.long(),
                                                  self._draft_context(running, page_table, prefix),
                                                  prefix.long())
-        verify_lens = self.plan.verify_lens(num_reqs, conf_logits).to(self.device)
-        meta = self.metadata.build_verify_metadata(prefix, page_table)
-        ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)
-        hidden = self.verify_runner.run(ids, meta)
-        pred = self.target.compute_logits(hidden).argmax(-1).view(num_reqs, n)
-        acc = greedy_accept(drafts, pred, verify_lens)
+        step = self.plan.plan_step(conf_logits, [r.handle.slot for r in running],
+                                   [r.handle.generation for r in running], self.history)
+        verify_lens = step.verify_lens.to(self.device)
+        # cap-accept runs every row and caps only acceptance; compact runs the planned rows.
+        run_lens = verify_lens if self.compact else torch.full_like(verify_lens, n)
+        layout = RaggedVerifyLayout.from_verify_lens(run_lens, self.tiers)
+        rows = build_verify_rows(run_lens, prefix, page_table, self.page_size, layout.total_rows,
+                                 num_draft_tokens=n)
+        ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)  # fixed stride: N per request
+        if self.compact:
+            ids = pack_rows(ids, rows.src_index)
+        hidden = self.verify_runner.run(ids, prefix, page_table, layout)
+        pred = self.target.compute_logits(hidden).argmax(-1)
+        if self.compact:  # back to the fixed stride accept reads; unplanned rows are never read
+            pred = scatter_rows(pred, rows.src_index, num_reqs * n, fill=-1)
+        acc = greedy_accept(drafts, pred.view(num_reqs, n), verify_lens)
 
-        # Rows of the root and the accepted drafts become draft context; the rest is discarded.
-        col = torch.arange(n, device=self.device)
-        keep = (col[None, :] <= acc.correct_len[:, None]).reshape(-1)
-        row_req = torch.arange(num_reqs, device=self.device).repeat_interleave(n)
-        self._append_draft_context(hidden[keep], meta.positions[keep], row_req[keep], page_table)
+        # The root and the accepted drafts become draft context; the other rows are discarded.
+        offset = rows.positions - prefix.long()[rows.row_req]
+        keep = offset <= acc.correct_len[rows.row_req]
+        self._append_draft_context(hidden[keep], rows.positions[keep], rows.row_req[keep], page_table)
 
         correct = acc.correct_len.tolist()
         bonus = acc.bonus.tolist()
@@ -292,12 +346,4 @@ class Runtime:
             r.seq_len += c + 1
             r.root = b
             self._commit(r, d[:c] + [b])
-        lens = verify_lens.tolist()
-        for c, vl in zip(correct, lens, strict=True):
-            for k in range(vl - 1):
-                stats.drafts_verified[k] += 1
-                stats.drafts_accepted[k] += int(k < c)
-        stats.steps += 1
-        stats.request_steps += num_reqs
-        stats.committed_tokens += sum(correct) + num_reqs
-        stats.verify_rows += int(meta.total_rows)
+        stats.record_step(correct, verify_lens.tolist(), layout, step)

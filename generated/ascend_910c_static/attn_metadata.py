@@ -35,7 +35,8 @@ def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
 
 def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor) -> AscendTndMetadata:
     """static verify: every request runs all N rows, so the query ends are fixed-width,
-    `actual_seq_lengths_q = [N, 2N, ..., B*N]`, and each KV length is `prefix + N`."""
+    `actual_seq_lengths_q = [N, 2N, ..., B*N]`, and each KV length is `prefix + N`.
+    """
     num_reqs = prefix_lens.shape[0]
     device = prefix_lens.device
     ends = torch.arange(NUM_DRAFT_TOKENS, (num_reqs + 1) * NUM_DRAFT_TOKENS, NUM_DRAFT_TOKENS,
@@ -51,4 +52,3 @@ def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor) -
         slot_mapping=cache_slots(page_table, row_req, positions, PAGE_SIZE),
         max_seqlen_q=NUM_DRAFT_TOKENS,
     )
-

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attn_metadata import AscendTndMetadata
 from dspark.runtime.backends.ascend import AscendFusedAttention
+from dspark.runtime.layout import RaggedVerifyLayout, padding_requests
 from dspark.runtime.models.llama import LlamaForCausalLM
 
 from .attn_metadata import NUM_DRAFT_TOKENS, build_verify_metadata
 
-CAPTURE_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
-TOKEN_TIERS = [8, 16, 32, 64, 128, 256]  # rows each graph replays: batch size x N
+TOKEN_TIERS = [8, 16, 32, 64, 128, 256]  # rows a step is padded to: captured batch size x N
 PAGES_PER_REQUEST = 64
 
 
@@ -24,7 +23,7 @@ class VerifyRunner:
     The fused attention operator takes its sequence lengths on the host, so they are baked into
     a captured graph; every layer's attention is captured as an updatable task group, and
     before each replay the runner re-issues those tasks with the step's
-    `actual_seq_lengths_kv` (the query ends stay fixed-width in static mode). Padding
+    `actual_seq_lengths_kv` (the query ends stay fixed-width, `[N, 2N, ..., B*N]`). Padding
     requests have prefix 0 and an all-null block table, so their K/V writes land in the null
     page that no real request reads.
     """
@@ -33,44 +32,41 @@ class VerifyRunner:
         self.target = target
         self.attn = attn
         device = target.lm_head.weight.device
-        max_bs = CAPTURE_BATCH_SIZES[-1]
-        self.input_ids = torch.zeros(max_bs * NUM_DRAFT_TOKENS, dtype=torch.long, device=device)
-        self.prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(max_bs, PAGES_PER_REQUEST, dtype=torch.int32, device=device)
+        max_slots = TOKEN_TIERS[-1] // NUM_DRAFT_TOKENS
+        self.input_ids = torch.zeros(TOKEN_TIERS[-1], dtype=torch.long, device=device)
+        self.prefix_lens = torch.zeros(max_slots, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(max_slots, PAGES_PER_REQUEST, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.npu.NPUGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        for bs in reversed(CAPTURE_BATCH_SIZES):
-            self._capture(bs)
+        for tier in reversed(TOKEN_TIERS):
+            self._capture(tier)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        meta = build_verify_metadata(self.prefix_lens[:bs], self.page_table[:bs])
-        return self.target.forward_paged(self.input_ids[: bs * NUM_DRAFT_TOKENS], meta.positions,
-                                         self.attn, meta)
+    def _forward(self, tier: int) -> torch.Tensor:
+        batch_size = tier // NUM_DRAFT_TOKENS
+        meta = build_verify_metadata(self.prefix_lens[:batch_size], self.page_table[:batch_size])
+        return self.target.forward_paged(self.input_ids[:tier], meta.positions, self.attn, meta)
 
-    def _capture(self, bs: int) -> None:
-        self._forward(bs)  # warm up kernels outside the graph
+    def _capture(self, tier: int) -> None:
+        batch_size = tier // NUM_DRAFT_TOKENS
+        q_ends = [NUM_DRAFT_TOKENS * (i + 1) for i in range(batch_size)]
+        kv_lens = [NUM_DRAFT_TOKENS] * batch_size  # the capture runs with every prefix at 0
+        self._forward(tier)  # warm up kernels outside the graph
         graph = torch.npu.NPUGraph()
-        q_ends = [NUM_DRAFT_TOKENS * (i + 1) for i in range(bs)]
-        kv_lens = [NUM_DRAFT_TOKENS] * bs  # the capture runs with every prefix at 0
-        with self.attn.capturing(bs, q_ends, kv_lens), torch.npu.graph(graph):
-            self.hidden[bs] = self._forward(bs)
-        self.graphs[bs] = graph
+        with self.attn.capturing(tier, q_ends, kv_lens), torch.npu.graph(graph):
+            self.hidden[tier] = self._forward(tier)
+        self.graphs[tier] = graph
 
-    def run(self, input_ids: torch.Tensor, meta: AscendTndMetadata) -> torch.Tensor:
-        num_reqs = meta.num_requests
-        bs = next((b for b in CAPTURE_BATCH_SIZES if b >= num_reqs), None)
-        if bs is None:
-            raise RuntimeError(f"{num_reqs} requests exceed the largest captured batch size "
-                               f"{CAPTURE_BATCH_SIZES[-1]}; the spec's serving.max_running_requests "
-                               "must not exceed graph.capture_batch_sizes")
-        rows = num_reqs * NUM_DRAFT_TOKENS
+    def run(self, input_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+            layout: RaggedVerifyLayout) -> torch.Tensor:
+        tier, rows = layout.graph_num_tokens, layout.total_rows
+        slots = tier // NUM_DRAFT_TOKENS
+        prefix_lens, page_table = padding_requests(prefix_lens, page_table, slots)
         self.input_ids[:rows].copy_(input_ids)
-        self.input_ids[rows: bs * NUM_DRAFT_TOKENS].zero_()
-        self.prefix_lens[:num_reqs].copy_(meta.actual_seq_lengths_kv - NUM_DRAFT_TOKENS)
-        self.prefix_lens[num_reqs:bs].zero_()
-        self.page_table[:num_reqs].copy_(meta.block_table)
-        self.page_table[num_reqs:bs].zero_()
-        kv_lens = meta.actual_seq_lengths_kv.tolist() + [NUM_DRAFT_TOKENS] * (bs - num_reqs)
-        self.attn.update_captured(bs, kv_lens)
-        self.graphs[bs].replay()
-        return self.hidden[bs][:rows]
+        self.input_ids[rows:tier].zero_()
+        self.prefix_lens[:slots].copy_(prefix_lens)
+        self.page_table[:slots].copy_(page_table)
+        q_ends = [NUM_DRAFT_TOKENS * (i + 1) for i in range(slots)]
+        kv_lens = (prefix_lens + NUM_DRAFT_TOKENS).tolist()
+        self.attn.update_captured(tier, q_ends, kv_lens)
+        self.graphs[tier].replay()
+        return self.hidden[tier][:rows]

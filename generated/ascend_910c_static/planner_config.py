@@ -6,4 +6,3 @@ Deployment ascend_910c_static: ascend/910c backend, static verify mode."""
 from dspark.runtime.plan import StaticVerifyPlan
 
 PLAN = StaticVerifyPlan(gamma=7)
-

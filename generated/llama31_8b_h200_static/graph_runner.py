@@ -7,70 +7,64 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attn_metadata import PagedAttnMetadata
+from dspark.runtime.layout import RaggedVerifyLayout, padding_requests
 from dspark.runtime.models.llama import AttentionBackend, LlamaForCausalLM
 
 from .attn_metadata import NUM_DRAFT_TOKENS, build_verify_metadata
 
-CAPTURE_BATCH_SIZES = [1, 2, 4, 8, 16, 32]
-TOKEN_TIERS = [8, 16, 32, 64, 128, 256]  # rows each graph replays: batch size x N
+TOKEN_TIERS = [8, 16, 32, 64, 128, 256]  # rows a step is padded to: captured batch size x N
 PAGES_PER_REQUEST = 512
 
 
 class VerifyRunner:
     """One CUDA graph per captured batch size.
 
-    A step of B requests replays the smallest captured batch size >= B; the padding requests have
-    prefix 0 and an all-null page table, so their K/V writes land in the null page that no real
-    request reads. The metadata is rebuilt inside the graph from the static `prefix_lens` and
-    `page_table` buffers (`build_verify_metadata` does not synchronise with the host).
+    A step of B requests replays the smallest captured batch size >= B; the padding requests
+    have prefix 0 and an all-null page table, so their K/V writes land in the null page that no
+    real request reads. The metadata is rebuilt inside the graph from the static `prefix_lens`
+    and `page_table` buffers (`build_verify_metadata` does not synchronise with the host).
     """
 
     def __init__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> None:
         self.target = target
         self.attn = attn
         device = target.lm_head.weight.device
-        max_bs = CAPTURE_BATCH_SIZES[-1]
-        self.input_ids = torch.zeros(max_bs * NUM_DRAFT_TOKENS, dtype=torch.long, device=device)
-        self.prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(max_bs, PAGES_PER_REQUEST, dtype=torch.int32, device=device)
+        max_slots = TOKEN_TIERS[-1] // NUM_DRAFT_TOKENS
+        self.input_ids = torch.zeros(TOKEN_TIERS[-1], dtype=torch.long, device=device)
+        self.prefix_lens = torch.zeros(max_slots, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(max_slots, PAGES_PER_REQUEST, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         pool = None
-        for bs in reversed(CAPTURE_BATCH_SIZES):  # largest first: smaller graphs reuse its pool
-            pool = self._capture(bs, pool)
+        for tier in reversed(TOKEN_TIERS):  # largest first: smaller graphs reuse its pool
+            pool = self._capture(tier, pool)
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        meta = build_verify_metadata(self.prefix_lens[:bs], self.page_table[:bs])
-        return self.target.forward_paged(self.input_ids[: bs * NUM_DRAFT_TOKENS], meta.positions,
-                                         self.attn, meta)
+    def _forward(self, tier: int) -> torch.Tensor:
+        batch_size = tier // NUM_DRAFT_TOKENS
+        meta = build_verify_metadata(self.prefix_lens[:batch_size], self.page_table[:batch_size])
+        return self.target.forward_paged(self.input_ids[:tier], meta.positions, self.attn, meta)
 
-    def _capture(self, bs: int, pool: object) -> object:
+    def _capture(self, tier: int, pool: object) -> object:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up kernels and the allocator outside the graph
-                self._forward(bs)
+                self._forward(tier)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.hidden[bs] = self._forward(bs)
-        self.graphs[bs] = graph
+            self.hidden[tier] = self._forward(tier)
+        self.graphs[tier] = graph
         return graph.pool()
 
-    def run(self, input_ids: torch.Tensor, meta: PagedAttnMetadata) -> torch.Tensor:
-        num_reqs = meta.num_requests
-        bs = next((b for b in CAPTURE_BATCH_SIZES if b >= num_reqs), None)
-        if bs is None:
-            raise RuntimeError(f"{num_reqs} requests exceed the largest captured batch size "
-                               f"{CAPTURE_BATCH_SIZES[-1]}; the spec's serving.max_running_requests "
-                               "must not exceed graph.capture_batch_sizes")
-        rows = num_reqs * NUM_DRAFT_TOKENS
+    def run(self, input_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+            layout: RaggedVerifyLayout) -> torch.Tensor:
+        tier, rows = layout.graph_num_tokens, layout.total_rows
+        slots = tier // NUM_DRAFT_TOKENS
+        prefix_lens, page_table = padding_requests(prefix_lens, page_table, slots)
         self.input_ids[:rows].copy_(input_ids)
-        self.input_ids[rows: bs * NUM_DRAFT_TOKENS].zero_()
-        self.prefix_lens[:num_reqs].copy_(meta.kv_lens - NUM_DRAFT_TOKENS)
-        self.prefix_lens[num_reqs:bs].zero_()
-        self.page_table[:num_reqs].copy_(meta.page_table)
-        self.page_table[num_reqs:bs].zero_()
-        self.graphs[bs].replay()
-        return self.hidden[bs][:rows]
+        self.input_ids[rows:tier].zero_()
+        self.prefix_lens[:slots].copy_(prefix_lens)
+        self.page_table[:slots].copy_(page_table)
+        self.graphs[tier].replay()
+        return self.hidden[tier][:rows]

@@ -6,4 +6,3 @@ Deployment llama31_8b_h200_static: cuda/h200 backend, static verify mode."""
 from dspark.runtime.plan import StaticVerifyPlan
 
 PLAN = StaticVerifyPlan(gamma=7)
-

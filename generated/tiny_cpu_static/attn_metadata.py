@@ -37,7 +37,8 @@ def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
 
 def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor) -> PagedAttnMetadata:
     """static verify: every request runs all N rows, so `qo_indptr = [0, N, 2N, ..., B*N]`
-    and each KV length is `prefix + N`. Pure tensor code (no host sync): it can be captured."""
+    and each KV length is `prefix + N`. Pure tensor code (no host sync): it can be captured.
+    """
     num_reqs = prefix_lens.shape[0]
     device = prefix_lens.device
     qo_indptr = torch.arange(0, (num_reqs + 1) * NUM_DRAFT_TOKENS, NUM_DRAFT_TOKENS,
@@ -53,4 +54,3 @@ def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor) -
         max_seqlen_q=NUM_DRAFT_TOKENS,
         padding=QueryPadding.from_indptr(qo_indptr, positions, NUM_DRAFT_TOKENS),
     )
-

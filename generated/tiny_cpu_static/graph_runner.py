@@ -7,16 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attn_metadata import PagedAttnMetadata
+from dspark.runtime.layout import RaggedVerifyLayout
 from dspark.runtime.models.llama import AttentionBackend, LlamaForCausalLM
+
+from .attn_metadata import build_verify_metadata
+
+TOKEN_TIERS: tuple[int, ...] = ()  # graph capture is off: steps run at their real row count
 
 
 class VerifyRunner:
-    """Eager verify forward: the CPU has no graphs to capture or replay."""
+    """Eager verify forward: every request runs its N rows."""
 
     def __init__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> None:
         self.target = target
         self.attn = attn
 
-    def run(self, input_ids: torch.Tensor, meta: PagedAttnMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
+            layout: RaggedVerifyLayout) -> torch.Tensor:
+        meta = build_verify_metadata(prefix_lens, page_table)
         return self.target.forward_paged(input_ids, meta.positions, self.attn, meta)

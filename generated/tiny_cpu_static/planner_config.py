@@ -6,4 +6,3 @@ Deployment tiny_cpu_static: cpu/generic backend, static verify mode."""
 from dspark.runtime.plan import StaticVerifyPlan
 
 PLAN = StaticVerifyPlan(gamma=7)
-

@@ -81,7 +81,7 @@ class AscendFusedAttention:
 
     Eager calls pass the step's lengths directly. Inside `capturing(key)` each call is recorded
     as an updatable task group (torch_npu's `graph_task_group_begin/end`); `update_captured`
-    re-issues those tasks with a later step's KV lengths before the graph is replayed.
+    re-issues those tasks with a later step's lengths before the graph is replayed.
     """
 
     def __init__(self, cache: PagedKVCache, page_size: int, num_heads: int, scale: float) -> None:
@@ -120,8 +120,11 @@ class AscendFusedAttention:
         finally:
             self._capture_key = None
 
-    def update_captured(self, key: int, kv_lens: list[int]) -> None:
-        """Point graph `key`'s attention tasks at this step's per-request KV lengths."""
+    def update_captured(self, key: int, q_ends: list[int], kv_lens: list[int]) -> None:
+        """Point graph `key`'s attention tasks at this step's query ends and KV lengths.
+
+        Fixed-width steps pass the captured query ends again; compact steps change both.
+        """
         npu = torch.npu  # registered by torch_npu
         if self._update_stream is None:
             self._update_stream = npu.Stream()
@@ -130,7 +133,7 @@ class AscendFusedAttention:
                 npu.graph_task_update_begin(self._update_stream, task.handle)
                 self._torch_npu.npu_fused_infer_attention_score.out(
                     *task.args, workspace=task.workspace, out=task.out,
-                    **{**task.kwargs, "actual_seq_lengths_kv": kv_lens})
+                    **{**task.kwargs, "actual_seq_lengths": q_ends, "actual_seq_lengths_kv": kv_lens})
                 npu.graph_task_update_end(self._update_stream)
                 task.event.record(self._update_stream)
 

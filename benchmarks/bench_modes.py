@@ -1,0 +1,97 @@
+"""static vs cap-accept vs compact (and any other builds of one deployment) on the same load.
+
+Every package runs the same held-out prompts in one process; the runs are interleaved over
+`--rounds` so that drift of a shared machine hits every package alike, and each package's
+tokens/s is the median over rounds. Prints, per package: tokens/s and its ratio to the first
+package, mean commit_len, verify rows run per request-step (padding rows separately), the
+planner's predicted tau against the committed tokens of the same steps, and whether the output
+equals target-only greedy decoding (it must).
+
+    .venv/bin/python benchmarks/bench_modes.py generated/tiny_cpu_static generated/tiny_cpu_cap_accept \\
+        generated/tiny_cpu_compact --prompts 32 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench_static import held_out_prompts
+
+from dspark.runtime.engine import RunStats, Runtime
+from dspark.runtime.package import load_package
+
+
+def summarize(name: str, mode: str, runs: list[RunStats], lossless: bool) -> dict[str, Any]:
+    last = runs[-1].to_json()
+    steps = runs[-1].request_steps or 1
+    tau = last["mean_predicted_tau_per_step"]
+    committed = last["mean_committed_per_planned_step"]
+    return {
+        "package": name,
+        "mode": mode,
+        "tokens_per_s": statistics.median(r.to_json()["tokens_per_second"] for r in runs),
+        "mean_commit_len": last["mean_commit_len"],
+        "rows_per_request_step": round(runs[-1].verify_rows / steps, 3),
+        "padding_rows_per_request_step": round(runs[-1].padding_rows / steps, 3),
+        "planned_rows_per_request_step": round(runs[-1].planned_rows / steps, 3),
+        "predicted_tau_per_step": tau,
+        "committed_per_step": committed,
+        "lossless": lossless,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("packages", type=Path, nargs="+",
+                        help="generated packages; the first is the baseline")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt-chars", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    runtimes = [Runtime(load_package(p)) for p in args.packages]
+    tokenizer = runtimes[0].package.tokenizer
+    prompts = [tokenizer.encode(p) for p in held_out_prompts(args.prompts, args.prompt_chars)]
+    reference, _ = runtimes[0].generate(prompts, args.max_new_tokens, target_only=True)
+    for rt in runtimes:
+        rt.generate(prompts[:2], 8)  # warm up (first graph replays, allocator growth)
+    stats: list[list[RunStats]] = [[] for _ in runtimes]
+    lossless = [True] * len(runtimes)
+    for _ in range(args.rounds):
+        for i, rt in enumerate(runtimes):
+            out, run = rt.generate(prompts, args.max_new_tokens)
+            stats[i].append(run)
+            lossless[i] &= out == reference
+    rows = [summarize(rt.deployment.name, rt.deployment.verify_mode, s, ok)
+            for rt, s, ok in zip(runtimes, stats, lossless, strict=True)]
+    base = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["ratio_to_first"] = round(row["tokens_per_s"] / base, 3)
+    if args.json:
+        print(json.dumps({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                          "max_running_requests": runtimes[0].deployment.serving.max_running_requests,
+                          "results": rows}, indent=2))
+        return
+    print(f"{len(prompts)} held-out prompts x {args.max_new_tokens} tokens, median of {args.rounds} "
+          f"interleaved rounds, device {runtimes[0].device}")
+    head = (f"{'package':<28} {'mode':<10} {'tok/s':>8} {'ratio':>6} {'commit':>7} {'rows':>6} "
+            f"{'pad':>5} {'tau':>7} {'actual':>7} lossless")
+    print(head)
+    for r in rows:
+        tau = "-" if r["predicted_tau_per_step"] is None else f"{r['predicted_tau_per_step']:.2f}"
+        act = "-" if r["committed_per_step"] is None else f"{r['committed_per_step']:.2f}"
+        print(f"{r['package']:<28} {r['mode']:<10} {r['tokens_per_s']:>8.1f} {r['ratio_to_first']:>6.2f} "
+              f"{r['mean_commit_len']:>7.2f} {r['rows_per_request_step']:>6.2f} "
+              f"{r['padding_rows_per_request_step']:>5.2f} {tau:>7} {act:>7} {r['lossless']}")
+    print("rows = verify rows run per request-step (compact: planned rows only); pad = tier padding "
+          "rows per request-step; tau / actual = predicted vs committed tokens per step (B summed)")
+
+
+if __name__ == "__main__":
+    main()

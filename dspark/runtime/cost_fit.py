@@ -1,0 +1,220 @@
+"""Fit step-cost tables from measured verify step times (pure numpy, no model needed).
+
+Two tables come out of one profile (DESIGN §6):
+
+* the 1D SPS table, `steps/s` at `M = B·N` for each profiled batch size, looked up by floor, which
+  reproduces the measured static sweep exactly (a tier cliff included);
+* the additive table `T(B, M) = bias + alpha(B) + theta(M)`, fitted by non-negative least squares on
+  binned `M` and evaluated by the runtime with `theta` linearly interpolated at the *unbinned* `M`.
+  The fit's residuals are therefore computed with the table's own `step_time`, which is what the
+  planner will see, not with the binned design matrix.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark.runtime.cost_models import AdditiveCostTable, SpsTable
+
+Sample = tuple[int, int, float]
+"""One measurement: `(num_reqs B, num_rows M, seconds)`."""
+
+DEFAULT_M_BIN = 64
+
+
+def nnls(a: np.ndarray, b: np.ndarray, *, tol: float | None = None,
+         max_iter: int | None = None) -> np.ndarray:
+    """Solve `min ||a x - b||_2` subject to `x >= 0` (Lawson–Hanson active set).
+
+    `tol` is the gradient threshold below which no further variable is freed; the default scales with
+    the problem like LAPACK-style rank tolerances do, so the caller need not know the units of `b`.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.ndim != 2 or b.ndim != 1 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"nnls needs a (m, n) matrix and an (m,) vector, got {a.shape} and {b.shape}")
+    m, n = a.shape
+    if tol is None:
+        col_norm = float(np.abs(a).sum(axis=0).max(initial=0.0))
+        tol = 10.0 * np.finfo(np.float64).eps * max(m, n) * col_norm * float(np.abs(b).max(initial=0.0))
+    if max_iter is None:
+        max_iter = 3 * n + 10
+
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    # Variables whose freeing the gradient asked for but the solve refused (a rounding artefact near
+    # the optimum); excluded until x moves again, so the outer loop cannot cycle on them.
+    refused = np.zeros(n, dtype=bool)
+    gradient = a.T @ b
+    iterations = 0
+    while True:
+        candidates = ~passive & ~refused
+        if not candidates.any():
+            break
+        j = int(np.argmax(np.where(candidates, gradient, -np.inf)))
+        if gradient[j] <= tol:
+            break
+        passive[j] = True
+        trial = _solve_on(a, b, passive)
+        if trial[j] <= 0.0:
+            passive[j] = False
+            refused[j] = True
+            continue
+        while np.any(trial[passive] <= 0.0):
+            iterations += 1
+            if iterations > max_iter:
+                raise RuntimeError(f"nnls did not converge in {max_iter} iterations; the design matrix is "
+                                   "probably badly conditioned (check for duplicated columns)")
+            # Step from x towards the unconstrained solution only as far as feasibility allows and
+            # drop the variable that reached zero; every iterate stays feasible.
+            blocking = np.flatnonzero(passive & (trial <= 0.0))
+            ratios = x[blocking] / (x[blocking] - trial[blocking])
+            x = x + float(ratios.min()) * (trial - x)
+            x[blocking[np.argmin(ratios)]] = 0.0
+            passive &= x > 0.0
+            x[~passive] = 0.0
+            trial = _solve_on(a, b, passive)
+        x = trial
+        refused[:] = False
+        gradient = a.T @ (b - a @ x)
+    return x
+
+
+def _solve_on(a: np.ndarray, b: np.ndarray, passive: np.ndarray) -> np.ndarray:
+    """Unconstrained least squares on the passive columns, zero elsewhere."""
+    out = np.zeros(a.shape[1])
+    if passive.any():
+        out[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+    return out
+
+
+def bin_rows(num_rows: int, m_bin: int = DEFAULT_M_BIN) -> int:
+    """Bin a row count for the additive fit: `round(M / m_bin) · m_bin`, halves rounded up, at least 1.
+
+    Halves round up (not Python's round-half-even) so that equal-width bins are centred on their
+    probe for every bin. The zero bin (`M < m_bin / 2`) is placed at `M = 1`, the smallest legal row
+    count: the table needs probes >= 1, and a fixed placement keeps the bin a pure function of `M`
+    (placing it at the smallest measured `M` would make the probes depend on the sampled grid).
+    """
+    if m_bin < 1:
+        raise ValueError(f"m_bin must be >= 1, got {m_bin}")
+    if num_rows < 1:
+        raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+    return max(((2 * num_rows + m_bin) // (2 * m_bin)) * m_bin, 1)
+
+
+def _check_samples(samples: Iterable[Sample]) -> list[Sample]:
+    out = []
+    for num_reqs, num_rows, seconds in samples:
+        if num_reqs < 1 or num_rows < num_reqs:
+            raise ValueError(f"sample (B={num_reqs}, M={num_rows}) is impossible: need 1 <= B <= M")
+        if not np.isfinite(seconds) or seconds <= 0.0:
+            raise ValueError(f"sample (B={num_reqs}, M={num_rows}) has step time {seconds!r}; "
+                             "step times must be finite and > 0 seconds")
+        out.append((int(num_reqs), int(num_rows), float(seconds)))
+    if not out:
+        raise ValueError("no samples to fit; run the profile first")
+    return out
+
+
+def fit_sps_table(static_samples: Iterable[Sample], max_batch_tokens: int) -> SpsTable:
+    """The 1D SPS table from static-sweep samples `(B, M = B·N, seconds)`: steps/s = 1 / seconds.
+
+    Samples that share `M` are pooled by their median, so the probes come out strictly increasing.
+    """
+    by_rows: dict[int, list[float]] = defaultdict(list)
+    for _, num_rows, seconds in _check_samples(static_samples):
+        by_rows[num_rows].append(seconds)
+    rows = tuple(sorted(by_rows))
+    sps = tuple(1.0 / float(np.median(by_rows[m])) for m in rows)
+    return SpsTable(sample_batch_tokens=rows, sample_steps_per_sec=sps, max_batch_tokens=max_batch_tokens)
+
+
+@dataclass(frozen=True)
+class FitResidual:
+    """One sample against the fitted table, predicted at the unbinned `M` as the runtime evaluates it."""
+
+    num_reqs: int
+    num_rows: int
+    measured_seconds: float
+    predicted_seconds: float
+
+    @property
+    def residual_seconds(self) -> float:
+        return self.measured_seconds - self.predicted_seconds
+
+    @property
+    def relative_error(self) -> float:
+        return self.residual_seconds / self.measured_seconds
+
+
+@dataclass(frozen=True)
+class AdditiveFit:
+    """The fitted additive table and how well it reproduces the samples it was fitted on."""
+
+    table: AdditiveCostTable
+    m_bin: int
+    residuals: tuple[FitResidual, ...]
+    rms_seconds: float
+    r_squared: float
+    max_relative_error: float
+
+
+def fit_additive(samples: Iterable[Sample], m_bin: int = DEFAULT_M_BIN) -> AdditiveFit:
+    """Fit `seconds ≈ bias + alpha[B] + theta[bin(M)]` by non-negative least squares.
+
+    Identifiability: alpha at the smallest `B` and theta at the smallest bin are pinned to 0, so `bias`
+    is the step time at the cheapest measured corner. Every coefficient is constrained to be >= 0,
+    which the table requires and which encodes the physical assumption that more requests or more rows
+    never make a step cheaper than that corner; measurement noise that says otherwise is clamped.
+    """
+    checked = _check_samples(samples)
+    batch_sizes = sorted({b for b, _, _ in checked})
+    bins = sorted({bin_rows(m, m_bin) for _, m, _ in checked})
+    alpha_col = {b: 1 + i for i, b in enumerate(batch_sizes[1:])}
+    theta_col = {m: 1 + len(alpha_col) + i for i, m in enumerate(bins[1:])}
+
+    design = np.zeros((len(checked), 1 + len(alpha_col) + len(theta_col)))
+    design[:, 0] = 1.0
+    measured = np.array([s for _, _, s in checked])
+    for row, (num_reqs, num_rows, _) in enumerate(checked):
+        if num_reqs in alpha_col:
+            design[row, alpha_col[num_reqs]] = 1.0
+        if (m := bin_rows(num_rows, m_bin)) in theta_col:
+            design[row, theta_col[m]] = 1.0
+
+    # Solve in units of the largest measurement so the tolerance does not depend on seconds vs ms.
+    scale = float(measured.max())
+    coef = nnls(design, measured / scale) * scale
+    table = AdditiveCostTable(
+        bias_seconds=float(coef[0]),
+        bs_probes=tuple(batch_sizes),
+        alpha_seconds=(0.0, *(float(coef[alpha_col[b]]) for b in batch_sizes[1:])),
+        m_probes=tuple(bins),
+        theta_seconds=(0.0, *(float(coef[theta_col[m]]) for m in bins[1:])),
+    )
+
+    residuals = tuple(FitResidual(b, m, s, float(table.step_time(b, m))) for b, m, s in checked)
+    res = np.array([r.residual_seconds for r in residuals])
+    ss_res = float(res @ res)
+    ss_tot = float(((measured - measured.mean()) ** 2).sum())
+    # Constant measurements leave R² undefined; a fit that reproduces them exactly is called perfect.
+    r_squared = 1.0 - ss_res / ss_tot if ss_tot > 0.0 else (1.0 if ss_res == 0.0 else 0.0)
+    return AdditiveFit(
+        table=table,
+        m_bin=m_bin,
+        residuals=residuals,
+        rms_seconds=float(np.sqrt(ss_res / len(res))),
+        r_squared=r_squared,
+        max_relative_error=float(np.max(np.abs(res / measured))),
+    )
+
+
+def largest_residuals(fit: AdditiveFit, count: int) -> list[FitResidual]:
+    """The `count` samples the additive table reproduces worst, largest absolute residual first."""
+    return sorted(fit.residuals, key=lambda r: abs(r.residual_seconds), reverse=True)[:count]
+

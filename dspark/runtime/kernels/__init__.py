@@ -1,0 +1,15 @@
+"""Device kernels of a verify step: ragged layout, greedy acceptance, packing to and from fixed stride.
+
+Every kernel has a torch reference (any device, no host sync) and a Triton implementation; the
+public functions take Triton for CUDA tensors when it is installed and the reference otherwise,
+and accept `impl="torch" | "triton"` to force one (tests run the Triton kernels on CPU under
+`TRITON_INTERPRET=1`). Sizes that shape outputs or launch grids are Python ints from the caller,
+so nothing here waits on the device and every kernel can be captured in a CUDA graph.
+`greedy_accept` itself lives in `dspark.runtime.accept`, next to its `AcceptResult`.
+"""
+
+from dspark.runtime.kernels._dispatch import HAS_TRITON, Impl
+from dspark.runtime.kernels.layout import VerifyRows, build_verify_rows
+from dspark.runtime.kernels.scatter import pack_rows, scatter_rows
+
+__all__ = ["HAS_TRITON", "Impl", "VerifyRows", "build_verify_rows", "pack_rows", "scatter_rows"]
