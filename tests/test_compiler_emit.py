@@ -128,6 +128,16 @@ def test_output_is_deterministic(write_spec, tmp_path, monkeypatch):
     assert str(tmp_path) not in "".join((first / name).read_text() for name in names)
 
 
+def test_py_literal_keeps_nested_items_within_the_width():
+    """A nested value starts after its `key: ` (and the outer `name=`): both count."""
+    table = {"alpha_seconds": tuple(1.2345678901234567e-05 * i for i in range(6)),
+             "m_probes": (1, 64, 128), "theta_seconds": tuple(0.1 / (i + 3) for i in range(9))}
+    rendered = py_literal(table, indent=4, width=100, lead=len("cost_model="))
+    lines = ("    cost_model=" + rendered + ",").splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert ast.literal_eval(rendered) == table
+
+
 def test_py_literal_renders_only_plain_data():
     value = {"a": (1, 2.5, None, True), "b": ["x'\"\n"], "c": (7,)}
     assert ast.literal_eval(py_literal(value)) == value

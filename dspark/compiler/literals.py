@@ -16,15 +16,16 @@ class LiteralError(TypeError):
     pass
 
 
-def py_literal(value: Any, indent: int = 0, width: int = 100) -> str:
+def py_literal(value: Any, indent: int = 0, width: int = 100, lead: int = 0) -> str:
     """`value` as a Python literal; containers that do not fit in `width` are split one item per
-    line, continuing at `indent` spaces (the column of the line the literal starts on)."""
+    line, continuing at `indent` spaces (the column of the line the literal starts on). `lead`
+    counts what precedes the literal on its first line after the indent (a `key: ` or `name=`)."""
     flat = _flat(value)
-    if indent + len(flat) <= width or not isinstance(value, (list, tuple, dict)) or not value:
-        return flat
+    if indent + lead + len(flat) + 1 <= width or not isinstance(value, (list, tuple, dict)) or not value:
+        return flat  # + 1: the comma that follows an item
     inner = " " * (indent + 4)
     if isinstance(value, dict):
-        items = [f"{_flat(key)}: {py_literal(item, indent + 4, width)}"
+        items = [f"{_flat(key)}: {py_literal(item, indent + 4, width, len(_flat(key)) + 2)}"
                  for key, item in value.items()]
     elif all(type(item) in (*_SCALARS, float) for item in value):
         items = _pack([_flat(item) for item in value], width - len(inner) - 1)
