@@ -45,7 +45,7 @@ write("h200_compact_aligned", verify={"mode": "compact", "align_to_graph_tier": 
       graph=tiers)
 PYEOF
 "$PY" -m dspark.compiler.cli build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile"
-"$PY" -m dspark.runtime.cli profile "$W/pkgs/h200_profile" -o "$W/tables" --repeats 5 --grid-density 8 \
+"$PY" -m dspark.runtime.cli profile "$W/pkgs/h200_profile" -o "$W/tables" --repeats 5 --grid-density 8 --m-bin 16 \
   --no-progress 2>&1 | tee "$OUT/profile.txt" | tail -n 12
 cp "$W"/tables/*.json "$OUT/"
 

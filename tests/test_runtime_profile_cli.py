@@ -8,6 +8,7 @@ import pytest
 
 from dspark.runtime.cli import main
 from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, load_cost_model
+from dspark.runtime.package import load_package
 from dspark.runtime.step_timer import ProfileError, spread_rows
 
 from .runtime_helpers import compile_variant
@@ -27,6 +28,15 @@ def test_profile_measures_a_compact_package_and_writes_both_tables(tmp_path, cap
     assert isinstance(sps, SpsTable) and sps.sample_batch_tokens == (8, 16, 32)
     assert sps.max_batch_tokens == 32  # the largest tier: no step may exceed it
     assert isinstance(additive, AdditiveCostTable) and additive.bs_probes == (1, 2, 4)
+    # the draft's step time per batch size rides along, for the objective's denominator
+    assert sps.draft_bs_probes == additive.draft_bs_probes == (1, 2, 4)
+    assert all(seconds > 0 for seconds in additive.draft_seconds)
+    compiled = compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                               {"verify": {"mode": "compact"},
+                                "cost_model": {"type": "additive", "file": str(out / "additive.json")}},
+                               "uses_profiled_table")
+    table = load_package(compiled).plan.table
+    assert table == additive and table.draft_time(2) == additive.draft_seconds[1]
     profile = json.loads((out / "profile.json").read_text())
     assert profile["meta"]["tiers"] == "8,16,24,32" and profile["meta"]["backend"] == "cpu"
     # the tier boundaries are measured densely (tier - 2 ... tier + 2) where the grid reaches

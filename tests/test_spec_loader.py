@@ -164,6 +164,16 @@ def test_inline_cost_models_validate(write_spec, tmp_path):
     assert "sps-1d" in error.issues[0].hint
 
 
+def test_cost_models_take_an_optional_draft_term(write_spec):
+    sps = {"type": "sps-1d", "sample_batch_tokens": [4, 8], "sample_steps_per_sec": [100, 90.5],
+           "max_batch_tokens": 8, "draft_bs_probes": [1, 4], "draft_seconds": [0.001, 0.002]}
+    assert load_spec(write_spec({"cost_model": sps})).cost_model.draft_seconds == (0.001, 0.002)
+    error = errors_of(write_spec({"cost_model": {**sps, "draft_seconds": [0.001]}}))
+    assert error.issues[0].path == ("cost_model", "draft_seconds")
+    error = errors_of(write_spec({"cost_model": {**sps, "draft_bs_probes": [4, 1]}}))
+    assert error.issues[0].path == ("cost_model", "draft_bs_probes")
+
+
 def test_cost_model_file_is_loaded_and_validated(write_spec, tmp_path):
     table = {"sample_batch_tokens": [4, 8], "sample_steps_per_sec": [100.0, 90.0],
              "max_batch_tokens": 8}

@@ -92,7 +92,8 @@ def planner_arguments(resolved: ResolvedSpec) -> dict[str, Any]:
         "align_to_graph_tier": verify.align_to_graph_tier,
         "lag_steps": verify.lag_steps,
         "temperatures": resolved.temperatures,
-        "cost_model": resolved.cost_model.model_dump() if resolved.cost_model else None,
+        # Without defaults: an absent optional draft term leaves no empty fields in the output.
+        "cost_model": resolved.cost_model.model_dump(exclude_defaults=True) if resolved.cost_model else None,
         "token_tiers": resolved.tiers if verify.mode == "compact" else (),
     }
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 COMMANDS = ("run", "profile", "train-tiny")
@@ -43,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--warmup", type=int, default=2, help="untimed steps per point")
     prof.add_argument("--m-bin", type=int, default=64, help="M bin width of the additive fit")
     prof.add_argument("--context-len", type=int, default=128, help="cached tokens per request")
+    prof.add_argument("--no-draft-time", action="store_true",
+                      help="leave the draft's step time out of the tables (by default it is measured "
+                           "per batch size and the planner adds it to the verify time)")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     train = sub.add_parser("train-tiny", help="train the embedded tiny target + draft pair")
     train.add_argument("-o", "--out", type=Path, required=True, help="output directory")
@@ -57,6 +63,12 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _median_seconds(measure: Callable[[], float], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        measure()
+    return statistics.median(measure() for _ in range(repeats))
 
 
 def profile_package(args: argparse.Namespace) -> int:
@@ -92,7 +104,16 @@ def profile_package(args: argparse.Namespace) -> int:
     result = run_profile(timer, plan, progress=not args.no_progress, meta=meta)
     sps, fit = fit_profile(result)
     print(format_fit_report(result, sps, fit), end="")
-    for name, path in write_tables(args.out, sps, fit, result).items():
+    additive = fit.table
+    if not args.no_draft_time:
+        probes = plan.batch_sizes
+        draft = tuple(_median_seconds(lambda b=b: timer.draft_seconds(b), args.warmup, args.repeats)
+                      for b in probes)
+        sps = dataclasses.replace(sps, draft_bs_probes=probes, draft_seconds=draft)
+        additive = dataclasses.replace(additive, draft_bs_probes=probes, draft_seconds=draft)
+        print("\ndraft step (added to the verify time by the planner)\n" + "  ".join(
+            f"B={b}:{s * 1e3:.4f}" for b, s in zip(probes, draft, strict=True)) + "  (ms)")
+    for name, path in write_tables(args.out, sps, additive, result).items():
         print(f"wrote {name}: {path}")
     return 0
 

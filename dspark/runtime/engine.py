@@ -300,8 +300,9 @@ class Runtime:
         stats.committed_tokens += len(running)
         stats.verify_rows += len(running)
 
-    def _draft_context(self, running: list[Request], page_table: torch.Tensor,
-                       prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def draft_context(self, page_table: torch.Tensor,
+                      prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each draft layer's cached context K/V over the requests' first `max(prefix)` slots."""
         cap = -(-int(prefix.max()) // self.page_size) * self.page_size
         slots = prefix_slots(page_table, self.page_size, cap)
         return [(self.draft_kv.k[i][slots], self.draft_kv.v[i][slots])
@@ -315,7 +316,7 @@ class Runtime:
         roots = self._tensor([r.root for r in running])
 
         drafts, conf_logits = self.draft.propose(roots, prefix.long(),
-                                                 self._draft_context(running, page_table, prefix),
+                                                 self.draft_context(page_table, prefix),
                                                  prefix.long())
         step = self.plan.plan_step(conf_logits, [r.handle.slot for r in running],
                                    [r.handle.generation for r in running], self.history)

@@ -77,6 +77,18 @@ class VerifyStepTimer:
         sizes = {1 << i for i in range(self.max_reqs.bit_length()) if 1 << i <= self.max_reqs}
         return tuple(sorted(sizes | {self.max_reqs}))
 
+    def draft_seconds(self, num_reqs: int) -> float:
+        """Wall seconds of one synchronised draft step (context gather + propose) for B requests:
+        the draft-cost term the planner adds to the verify step time."""
+        rt = self.runtime
+        roots = torch.randint(rt.target.cfg.vocab_size, (num_reqs,), generator=self.generator).to(rt.device)
+        prefix = torch.full((num_reqs,), self.context_len, dtype=torch.long, device=rt.device)
+        _synchronize(rt.device)
+        start = time.perf_counter()
+        rt.draft.propose(roots, prefix, rt.draft_context(self.page_table[:num_reqs], prefix), prefix)
+        _synchronize(rt.device)
+        return time.perf_counter() - start
+
     def __call__(self, num_reqs: int, num_rows: int) -> float:
         rt = self.runtime
         lens = spread_rows(num_rows, num_reqs, self.floor, self.cap)

@@ -35,6 +35,26 @@ class Sps1dCostModel(Section):
                                  "re-measure or drop the probes with a zero rate")
         return value
 
+    draft_bs_probes: IntTuple = Field(
+        default=(), description="Optional: batch sizes at which the draft's step time was measured, "
+                                "strictly increasing.")
+    draft_seconds: FloatTuple = Field(
+        default=(), description="Optional: the draft's seconds per step at each draft_bs_probes entry "
+                                "(≥ 0); the planner adds them to the verify step time.")
+
+    @field_validator("draft_bs_probes")
+    @classmethod
+    def _draft_increasing(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        return strictly_increasing(value, "draft_bs_probes")
+
+    @field_validator("draft_seconds")
+    @classmethod
+    def _draft_non_negative(cls, value: tuple[float, ...], info: ValidationInfo) -> tuple[float, ...]:
+        same_length(value, info, "draft_bs_probes")
+        if any(seconds < 0 for seconds in value):
+            raise SpecValueError("draft times must be ≥ 0", "re-measure the draft step")
+        return value
+
 
 class AdditiveCostModel(Section):
     """Step time T(B, M) = bias + alpha(B) + theta(M), theta linearly interpolated."""
@@ -59,6 +79,26 @@ class AdditiveCostModel(Section):
         same_length(value, info, "bs_probes" if info.field_name == "alpha_seconds" else "m_probes")
         if any(seconds < 0 for seconds in value):
             raise SpecValueError("times must be ≥ 0", "check the fit; negative times are invalid")
+        return value
+
+    draft_bs_probes: IntTuple = Field(
+        default=(), description="Optional: batch sizes at which the draft's step time was measured, "
+                                "strictly increasing.")
+    draft_seconds: FloatTuple = Field(
+        default=(), description="Optional: the draft's seconds per step at each draft_bs_probes entry "
+                                "(≥ 0); the planner adds them to the verify step time.")
+
+    @field_validator("draft_bs_probes")
+    @classmethod
+    def _draft_increasing(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        return strictly_increasing(value, "draft_bs_probes")
+
+    @field_validator("draft_seconds")
+    @classmethod
+    def _draft_non_negative(cls, value: tuple[float, ...], info: ValidationInfo) -> tuple[float, ...]:
+        same_length(value, info, "draft_bs_probes")
+        if any(seconds < 0 for seconds in value):
+            raise SpecValueError("draft times must be ≥ 0", "re-measure the draft step")
         return value
 
 
