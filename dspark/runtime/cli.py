@@ -7,8 +7,10 @@ import dataclasses
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 COMMANDS = ("run", "profile", "train-tiny")
 
@@ -23,6 +25,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-only", action="store_true",
                    help="decode with the target alone (the lossless reference)")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
+    p.add_argument("--record", type=Path, default=None, metavar="DIR",
+                   help="write calibration shards (sts/), the step ring (steps.jsonl) and run.json "
+                        "into DIR (default when the spec sets serving.record_steps: runs/<name>-<time>)")
+    p.add_argument("--record-steps", type=int, default=None, metavar="N",
+                   help="decode steps kept in the ring (default: the spec's serving.record_steps, "
+                        "or 100000 with --record)")
     p.add_argument("--budget-fraction", type=float, default=None, metavar="F",
                    help="experiments: verify this share (0..1) of the candidate drafts every step "
                         "instead of the cost model's budget (cap-accept and compact only)")
@@ -130,17 +138,48 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def open_recorder(pkg: Any, args: argparse.Namespace) -> Any:
+    """The run's recorder, or None when neither the spec nor `--record` asks for one."""
+    from dspark.runtime.recording import RunRecorder
+
+    spec_steps = pkg.deployment.serving.record_steps
+    if args.record is None and not spec_steps:
+        return None
+    directory = args.record or Path("runs") / f"{pkg.deployment.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    steps = args.record_steps or spec_steps or 100_000
+    return RunRecorder(directory, pkg.plan.gamma, policy_of(pkg.deployment), steps)
+
+
+def policy_of(deployment: Any) -> str:
+    """The sampling policy a run's labels describe; the decode loop is greedy today."""
+    return "greedy"
+
+
+def run_info(runtime: Any, target_only: bool, stats: Any) -> dict[str, Any]:
+    dep = runtime.deployment
+    return {"deployment": dep.name, "verify_mode": dep.verify_mode, "backend": dep.backend,
+            "device": dep.device, "gamma": runtime.plan.gamma, "lag_steps": runtime.plan.lag_steps,
+            "policy": policy_of(dep), "tiers": list(runtime.tiers), "target_only": target_only,
+            "stats": stats.to_json() if stats is not None else None}
+
+
 def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     from dspark.runtime.engine import RequestError, Runtime
     from dspark.runtime.package import PackageError, load_package
 
     try:
         pkg = load_package(package_dir)
-        runtime = Runtime(pkg, forced_budget_fraction=args.budget_fraction)
+        recorder = open_recorder(pkg, args)
+        runtime = Runtime(pkg, forced_budget_fraction=args.budget_fraction, recorder=recorder)
         prompts = read_prompts(args)
         max_new = args.max_new_tokens or pkg.deployment.serving.max_new_tokens
-        outputs, stats = runtime.generate([pkg.tokenizer.encode(p) for p in prompts], max_new,
-                                          target_only=args.target_only)
+        try:
+            outputs, stats = runtime.generate([pkg.tokenizer.encode(p) for p in prompts], max_new,
+                                              target_only=args.target_only)
+        finally:
+            if recorder is not None:  # flush what was recorded even when the run failed
+                recorder.close(run_info(runtime, args.target_only,
+                                        stats if "stats" in locals() else None))
     except (PackageError, RequestError, ValueError) as err:
         print(f"dspark: error: {err}", file=sys.stderr)
         return 2

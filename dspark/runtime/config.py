@@ -117,6 +117,7 @@ class ServingConfig:
     temperature: float
     top_p: float
     top_k: int
+    record_steps: int = 0  # measurement ring size; 0 = off
 
     def __post_init__(self) -> None:
         _require(self.max_context_len % self.page_size == 0,

@@ -23,6 +23,7 @@ from dspark.runtime.layout import RaggedVerifyLayout
 from dspark.runtime.package import GeneratedPackage
 from dspark.runtime.plan import StepPlan
 from dspark.runtime.planner import LaggedSurvival
+from dspark.runtime.recording import RunRecorder
 
 
 class RequestError(ValueError):
@@ -78,11 +79,9 @@ class RunStats:
         self.verify_rows += layout.total_rows
         self.padding_rows += layout.num_padding_rows
         self.planned_rows += sum(verify_lens)
-        if step.decision is not None and step.survival is not None:
-            # tau of the rows actually allocated: B + the survival of every verified draft.
-            lens = step.verify_lens.to(step.survival.device).long()
-            verified = torch.arange(step.survival.shape[1], device=lens.device)[None, :] < (lens - 1)[:, None]
-            self.predicted_tau += len(correct) + float((step.survival * verified).sum())
+        tau = step.tau
+        if tau is not None:
+            self.predicted_tau += tau
             self.planned_committed += committed
 
     @property
@@ -129,7 +128,8 @@ def backend_device(backend: str) -> torch.device:
 
 
 class Runtime:
-    def __init__(self, package: GeneratedPackage, forced_budget_fraction: float | None = None) -> None:
+    def __init__(self, package: GeneratedPackage, forced_budget_fraction: float | None = None,
+                 recorder: RunRecorder | None = None) -> None:
         dep = package.deployment
         self.package = package
         self.deployment = dep
@@ -159,6 +159,7 @@ class Runtime:
         self.verify_runner = package.graph_runner.VerifyRunner(self.target, self.attn)
         self.tiers: tuple[int, ...] = tuple(package.graph_runner.TOKEN_TIERS)
         self.compact = dep.verify_mode == "compact"
+        self.recorder = recorder  # calibration shards and step records (`dspark run --record`)
         # The lagged-confidence history is per runtime: a plan is shared, immutable config.
         self.history = (LaggedSurvival(self.plan.lag_steps, self.plan.gamma)
                         if self.plan.lag_steps else None)
@@ -309,6 +310,7 @@ class Runtime:
                 for i in range(self.draft.cfg.num_layers)]
 
     def _speculative_step(self, running: list[Request], stats: RunStats) -> None:
+        start = time.perf_counter()
         n = self.plan.num_draft_tokens
         num_reqs = len(running)
         page_table = self._page_table(running)
@@ -343,8 +345,38 @@ class Runtime:
         correct = acc.correct_len.tolist()
         bonus = acc.bonus.tolist()
         draft_rows = drafts.tolist()
+        handles = [r.handle for r in running]
         for r, c, b, d in zip(running, correct, bonus, draft_rows, strict=True):
             r.seq_len += c + 1
             r.root = b
             self._commit(r, d[:c] + [b])
-        stats.record_step(correct, verify_lens.tolist(), layout, step)
+        lens = verify_lens.tolist()
+        stats.record_step(correct, lens, layout, step)
+        seconds = time.perf_counter() - start  # the step's wall time, before any recording work
+        if self.recorder is not None and conf_logits is not None:
+            # The uncapped greedy match: its labels are exact wherever every row ran.
+            raw = greedy_accept(drafts, pred.view(num_reqs, n), torch.full_like(verify_lens, n)).correct_len
+            self.recorder.sts.add(conf_logits, raw, run_lens == n)
+            self.recorder.steps.append(self._step_record(
+                handles, step, layout, lens, correct, raw.tolist(), conf_logits, seconds))
+
+    def _step_record(self, handles: list[SlotHandle], step: StepPlan, layout: RaggedVerifyLayout,
+                     lens: list[int], correct: list[int], raw: list[int], conf_logits: torch.Tensor,
+                     seconds: float) -> dict[str, Any]:
+        decision = step.decision
+        survival = step.survival.tolist() if step.survival is not None else [None] * len(lens)
+        confidence = conf_logits.float().tolist()
+        return {
+            "num_reqs": len(lens), "lag": self.plan.lag_steps, "mode": self.deployment.verify_mode,
+            "budget": decision.budget if decision else None, "aligned_budget": step.aligned_budget,
+            "decision_tau": decision.tau if decision else None,
+            "planned_rows": sum(lens), "rows": layout.total_rows, "tier": layout.graph_num_tokens,
+            "padding_rows": layout.num_padding_rows, "tau": step.tau,
+            "committed": sum(correct) + len(correct),
+            "predicted_step_seconds": decision.predicted_step_seconds if decision else None,
+            "step_seconds": seconds,
+            "requests": [{"slot": h.slot, "generation": h.generation, "verify_len": vl, "correct_len": c,
+                          "raw_correct_len": rc, "commit_len": c + 1, "confidence": z, "survival": s}
+                         for h, vl, c, rc, z, s in zip(handles, lens, correct, raw, confidence, survival,
+                                                       strict=True)],
+        }

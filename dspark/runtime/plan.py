@@ -36,6 +36,16 @@ class StepPlan:
     decision: BudgetDecision | None = None
     aligned_budget: int | None = None  # the budget after graph-tier alignment, when it applied
 
+    @property
+    def tau(self) -> float | None:
+        """Expected committed tokens of the rows actually allocated: B + the survival of every
+        verified draft (None without a planner)."""
+        if self.decision is None or self.survival is None:
+            return None
+        lens = self.verify_lens.to(self.survival.device).long()
+        verified = torch.arange(self.survival.shape[1], device=lens.device)[None, :] < (lens - 1)[:, None]
+        return lens.shape[0] + float((self.survival * verified).sum())
+
 
 @dataclass(frozen=True)
 class StaticVerifyPlan:

@@ -209,6 +209,11 @@ class ServingSpec(Section):
                     "model's max_position_embeddings.")
     generation: GenerationSpec = Field(
         default_factory=GenerationSpec, description="Default sampling parameters.")
+    record_steps: int = Field(
+        default=0, ge=0,
+        description="Decode steps kept in the measurement ring (per-step budget, rows, tier, "
+                    "predicted tau and step time, committed tokens) plus calibration shards; "
+                    "0 = off. `dspark run --record DIR` turns it on for one run.")
 
     @field_validator("max_context_len")
     @classmethod

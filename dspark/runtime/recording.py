@@ -1,0 +1,146 @@
+"""What a run records for calibration and reports: STS shards, a bounded ring of step records.
+
+A record directory (`dspark run … --record DIR`) holds
+- `run.json`: the deployment, mode, policy, lag, tiers and the run's counts;
+- `steps.jsonl`: the last `record_steps` decode steps (B, budget, rows, tier, predicted tau and
+  step time, committed tokens, measured step time, and per request verify_len / correct_len /
+  commit_len / confidence / survival);
+- `sts/shard-*.pt` + `sts/meta.json`: per verified request the raw confidence logits and
+  `prefix_mask[k] = k < correct_len` under greedy matching, the layout SGLang's recorder writes.
+
+Labels exist only where every draft was verified: a compact step that verified fewer than N rows
+of a request does not know whether the later drafts would have matched, so such requests are
+skipped (and counted, with the reason) rather than recorded with made-up labels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RUN_FORMAT = "dspark-run"
+RUN_VERSION = 1
+PARTIAL_VERIFY_REASON = ("compact steps that verified fewer than N rows of a request carry no label "
+                         "for the unverified drafts; record with a cap-accept build (which runs every "
+                         "row) for unbiased calibration data")
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(name))
+        os.replace(name, path)
+    except BaseException:
+        Path(name).unlink(missing_ok=True)
+        raise
+
+
+class StsRecorder:
+    """Buffers `(logits, prefix_mask)` rows and writes them in shards of `shard_size` rows."""
+
+    def __init__(self, directory: Path, gamma: int, policy: str, shard_size: int = 4096) -> None:
+        if shard_size < 1:
+            raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+        self.directory = directory
+        self.gamma = gamma
+        self.policy = policy
+        self.shard_size = shard_size
+        self.num_samples = 0
+        self.skipped_requests = 0
+        self.num_shards = 0
+        self._logits: list[torch.Tensor] = []
+        self._masks: list[torch.Tensor] = []
+        self._buffered = 0
+
+    def add(self, logits: torch.Tensor, correct_len: torch.Tensor, fully_verified: torch.Tensor) -> None:
+        """Record the fully verified requests of a step: raw logits `[B, gamma]`, greedy
+        `correct_len [B]` (the uncapped matching prefix), `fully_verified [B]` bool."""
+        keep = fully_verified.bool()
+        self.skipped_requests += int((~keep).sum())
+        if not bool(keep.any()):
+            return
+        logits = logits[keep].detach().float().cpu()
+        lens = correct_len[keep].long().cpu()
+        mask = torch.arange(self.gamma)[None, :] < lens[:, None]
+        self._logits.append(logits)
+        self._masks.append(mask)
+        self._buffered += logits.shape[0]
+        self.num_samples += logits.shape[0]
+        while self._buffered >= self.shard_size:
+            self._write_shard(self.shard_size)
+
+    def _write_shard(self, rows: int) -> None:
+        logits, mask = torch.cat(self._logits), torch.cat(self._masks)
+        shard = {"logits": logits[:rows].contiguous(), "prefix_mask": mask[:rows].contiguous()}
+        path = self.directory / f"shard-{self.num_shards:05d}.pt"
+        _atomic_write(path, lambda tmp: torch.save(shard, tmp))
+        self.num_shards += 1
+        self._logits, self._masks = [logits[rows:]], [mask[rows:]]
+        self._buffered -= rows
+
+    def close(self, fingerprint: dict[str, Any] | None = None) -> None:
+        """Flush the last partial shard and write `meta.json`."""
+        if self._buffered:
+            self._write_shard(self._buffered)
+        meta = {"policy": self.policy, "num_samples": self.num_samples, "num_shards": self.num_shards,
+                "skipped_requests": self.skipped_requests,
+                "skip_reason": PARTIAL_VERIFY_REASON if self.skipped_requests else None}
+        if fingerprint is not None:
+            meta["fingerprint"] = fingerprint
+        _atomic_write(self.directory / "meta.json",
+                      lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+
+
+@dataclass
+class StepRing:
+    """The last `capacity` decode steps, as JSON-ready dicts."""
+
+    capacity: int
+    records: deque[dict[str, Any]] = field(default_factory=deque)
+    total: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"record_steps must be >= 1 to record, got {self.capacity}")
+        self.records = deque(maxlen=self.capacity)
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.records.append({"step": self.total, **record})
+        self.total += 1
+
+    def write(self, path: Path) -> None:
+        lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records)
+        _atomic_write(path, lambda tmp: tmp.write_text(lines))
+
+
+class RunRecorder:
+    """Everything one `dspark run --record DIR` writes; `close` is safe to call once."""
+
+    def __init__(self, directory: str | Path, gamma: int, policy: str, record_steps: int,
+                 shard_size: int = 4096) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.sts = StsRecorder(self.directory / "sts", gamma, policy, shard_size)
+        self.steps = StepRing(record_steps)
+        self._closed = False
+
+    def close(self, run_info: dict[str, Any]) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        fingerprint = run_info.get("fingerprint")
+        self.sts.close(fingerprint)
+        self.steps.write(self.directory / "steps.jsonl")
+        info = {"format": RUN_FORMAT, "version": RUN_VERSION, **run_info,
+                "recorded_steps": len(self.steps.records), "total_steps": self.steps.total}
+        _atomic_write(self.directory / "run.json",
+                      lambda tmp: tmp.write_text(json.dumps(info, indent=2) + "\n"))

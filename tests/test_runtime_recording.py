@@ -1,0 +1,92 @@
+"""`dspark run --record`: calibration shards and the step ring agree with what the run did."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from dspark.runtime.cli import main
+from dspark.runtime.engine import Runtime
+from dspark.runtime.package import load_package
+from dspark.runtime.recording import RunRecorder
+
+from .runtime_helpers import compile_variant
+from .test_runtime_lossless import _prompts
+from .test_runtime_modes import COSTLY_ROWS
+
+
+def _shards(directory):
+    data = [torch.load(p, weights_only=True) for p in sorted(directory.glob("shard-*.pt"))]
+    return torch.cat([d["logits"] for d in data]), torch.cat([d["prefix_mask"] for d in data])
+
+
+def _steps(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cap_accept_records_every_request_with_labels_from_the_uncapped_match(tmp_path) -> None:
+    pkg = load_package(compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                                       {"verify": {"mode": "cap-accept"}, "cost_model": COSTLY_ROWS,
+                                        "serving": {"max_running_requests": 4}}, "rec_cap"))
+    recorder = RunRecorder(tmp_path / "run", pkg.plan.gamma, "greedy", record_steps=1000, shard_size=16)
+    runtime = Runtime(pkg, recorder=recorder)
+    _, stats = runtime.generate(_prompts(pkg.tokenizer), 32)
+    recorder.close({"deployment": pkg.deployment.name, "stats": stats.to_json()})
+
+    logits, mask = _shards(tmp_path / "run" / "sts")
+    steps = _steps(tmp_path / "run" / "steps.jsonl")
+    requests = [r for s in steps for r in s["requests"]]
+    assert logits.shape == mask.shape == (stats.request_steps, pkg.plan.gamma)
+    assert len(list((tmp_path / "run" / "sts").glob("shard-*.pt"))) == -(-stats.request_steps // 16)
+    # rows in step order: the label is the uncapped greedy prefix, which may exceed the cap
+    raw = torch.tensor([r["raw_correct_len"] for r in requests])
+    assert torch.equal(mask.sum(1), raw)
+    assert torch.equal(mask, torch.arange(pkg.plan.gamma)[None, :] < raw[:, None])  # prefixes
+    assert torch.allclose(logits, torch.tensor([r["confidence"] for r in requests]))
+    assert all(r["correct_len"] == min(r["raw_correct_len"], r["verify_len"] - 1) for r in requests)
+    assert any(r["raw_correct_len"] > r["correct_len"] for r in requests)  # the cap did bite
+    assert len(steps) == stats.steps and sum(s["committed"] for s in steps) == stats.committed_tokens
+    assert all(s["tau"] is not None and s["budget"] is not None for s in steps)
+    meta = json.loads((tmp_path / "run" / "sts" / "meta.json").read_text())
+    assert meta["num_samples"] == stats.request_steps and meta["skipped_requests"] == 0
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["format"] == "dspark-run" and run["total_steps"] == stats.steps
+
+
+def test_compact_records_only_fully_verified_requests_and_says_why(tmp_path) -> None:
+    pkg = load_package(compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                                       {"verify": {"mode": "compact"}, "cost_model": COSTLY_ROWS,
+                                        "serving": {"max_running_requests": 4}}, "rec_compact"))
+    recorder = RunRecorder(tmp_path / "run", pkg.plan.gamma, "greedy", record_steps=3)
+    runtime = Runtime(pkg, recorder=recorder)
+    _, stats = runtime.generate(_prompts(pkg.tokenizer), 32)
+    recorder.close({"deployment": pkg.deployment.name})
+    meta = json.loads((tmp_path / "run" / "sts" / "meta.json").read_text())
+    assert meta["skipped_requests"] > 0 and "cap-accept" in meta["skip_reason"]
+    assert meta["num_samples"] + meta["skipped_requests"] == stats.request_steps
+    steps = _steps(tmp_path / "run" / "steps.jsonl")
+    assert len(steps) == 3 and steps[-1]["step"] == stats.steps - 1  # a bounded ring: the last 3
+
+
+def test_cli_record_flag_writes_a_run_directory(tmp_path, capsys) -> None:
+    pkg = compile_variant(tmp_path, "tiny_cpu_static.yaml", {"serving": {"max_running_requests": 2}},
+                          "rec_cli")
+    out = tmp_path / "rec"
+    assert main(["run", str(pkg), "--prompt", "def f(x):", "--prompt", "import os",
+                 "--max-new-tokens", "24", "--record", str(out), "--record-steps", "2"]) == 0
+    capsys.readouterr()
+    run = json.loads((out / "run.json").read_text())
+    assert run["verify_mode"] == "static" and run["policy"] == "greedy"
+    assert run["recorded_steps"] == 2 and run["stats"]["generated_tokens"] == 48
+    assert (out / "sts" / "shard-00000.pt").is_file()
+
+
+def test_spec_record_steps_turns_recording_on_with_a_default_directory(tmp_path, monkeypatch, capsys) -> None:
+    pkg = compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                          {"serving": {"max_running_requests": 2, "record_steps": 5}}, "rec_spec")
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(pkg), "--prompt", "x = ", "--max-new-tokens", "40"]) == 0
+    capsys.readouterr()
+    (run_dir,) = (tmp_path / "runs").glob("rec_spec-*")
+    assert len(_steps(run_dir / "steps.jsonl")) == 5  # the spec's ring size
