@@ -18,14 +18,15 @@ from dspark.runtime.package import load_package
 from dspark.runtime.train_tiny import held_out_text
 
 
-def held_out_prompts(count: int, length: int) -> list[str]:
-    """`count` prompts of `length` characters cut at line starts from held-out files."""
+def held_out_prompts(count: int, length: int, phase: int = 40) -> list[str]:
+    """`count` prompts of `length` characters cut at line starts from held-out files: every 97th
+    line, starting at line `phase` (different phases give disjoint prompt sets)."""
     prompts: list[str] = []
     for text in held_out_text(4 << 20):
         lines = text.splitlines(keepends=True)
         offset = 0
         for i, line in enumerate(lines):
-            if i % 97 == 40 and text[offset:offset + length].strip():
+            if i % 97 == phase and text[offset:offset + length].strip():
                 prompts.append(text[offset:offset + length])
             offset += len(line)
             if len(prompts) == count:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from dspark.atomic import atomic_write_text, staged_file
 from dspark.runtime.cost_fit import (
     DEFAULT_M_BIN,
     AdditiveFit,
@@ -245,7 +245,7 @@ class ProfileResult:
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        _atomic_write_text(Path(path), json.dumps(self.to_json(), indent=1) + "\n")
+        atomic_write_text(Path(path), json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ProfileResult:
@@ -326,10 +326,10 @@ def write_tables(out_dir: str | os.PathLike[str], sps: SpsTable, fit: AdditiveFi
     additive = fit.table if isinstance(fit, AdditiveFit) else fit
     staged: dict[str, Path] = {}
     try:
-        staged[SPS_FILE] = _stage(out, lambda p: save_cost_model(sps, p))
-        staged[ADDITIVE_FILE] = _stage(out, lambda p: save_cost_model(additive, p))
+        staged[SPS_FILE] = staged_file(out, lambda p: save_cost_model(sps, p))
+        staged[ADDITIVE_FILE] = staged_file(out, lambda p: save_cost_model(additive, p))
         if result is not None:
-            staged[PROFILE_FILE] = _stage(out, result.save)
+            staged[PROFILE_FILE] = staged_file(out, result.save)
     except BaseException:
         for tmp in staged.values():
             tmp.unlink(missing_ok=True)
@@ -340,30 +340,3 @@ def write_tables(out_dir: str | os.PathLike[str], sps: SpsTable, fit: AdditiveFi
         os.replace(tmp, out / name)
         written[name] = out / name
     return written
-
-
-def _stage(out: Path, write: Callable[[Path], None]) -> Path:
-    fd, name = tempfile.mkstemp(dir=out, prefix=".staging-", suffix=".json")
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        write(tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(name, path)
-    except BaseException:
-        Path(name).unlink(missing_ok=True)
-        raise
-

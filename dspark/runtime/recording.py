@@ -16,8 +16,6 @@ skipped (and counted, with the reason) rather than recorded with made-up labels.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,23 +23,13 @@ from typing import Any
 
 import torch
 
+from dspark.atomic import atomic_write
+
 RUN_FORMAT = "dspark-run"
 RUN_VERSION = 1
 PARTIAL_VERIFY_REASON = ("compact steps that verified fewer than N rows of a request carry no label "
                          "for the unverified drafts; record with a cap-accept build (which runs every "
                          "row) for unbiased calibration data")
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(name))
-        os.replace(name, path)
-    except BaseException:
-        Path(name).unlink(missing_ok=True)
-        raise
 
 
 class StsRecorder:
@@ -82,7 +70,7 @@ class StsRecorder:
         logits, mask = torch.cat(self._logits), torch.cat(self._masks)
         shard = {"logits": logits[:rows].contiguous(), "prefix_mask": mask[:rows].contiguous()}
         path = self.directory / f"shard-{self.num_shards:05d}.pt"
-        _atomic_write(path, lambda tmp: torch.save(shard, tmp))
+        atomic_write(path, lambda tmp: torch.save(shard, tmp))
         self.num_shards += 1
         self._logits, self._masks = [logits[rows:]], [mask[rows:]]
         self._buffered -= rows
@@ -96,7 +84,7 @@ class StsRecorder:
                 "skip_reason": PARTIAL_VERIFY_REASON if self.skipped_requests else None}
         if fingerprint is not None:
             meta["fingerprint"] = fingerprint
-        _atomic_write(self.directory / "meta.json",
+        atomic_write(self.directory / "meta.json",
                       lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
 
 
@@ -119,7 +107,7 @@ class StepRing:
 
     def write(self, path: Path) -> None:
         lines = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records)
-        _atomic_write(path, lambda tmp: tmp.write_text(lines))
+        atomic_write(path, lambda tmp: tmp.write_text(lines))
 
 
 class RunRecorder:
@@ -142,5 +130,5 @@ class RunRecorder:
         self.steps.write(self.directory / "steps.jsonl")
         info = {"format": RUN_FORMAT, "version": RUN_VERSION, **run_info,
                 "recorded_steps": len(self.steps.records), "total_steps": self.steps.total}
-        _atomic_write(self.directory / "run.json",
+        atomic_write(self.directory / "run.json",
                       lambda tmp: tmp.write_text(json.dumps(info, indent=2) + "\n"))
