@@ -10,6 +10,7 @@ from dspark.runtime.cost_models import (
     AdditiveCostTable,
     CostModelError,
     SpsTable,
+    TierCostTable,
     cost_model_from_dict,
     load_cost_model,
     save_cost_model,
@@ -164,7 +165,8 @@ def test_type_key_is_accepted_when_it_agrees() -> None:
     ({"type": "additive", **CLIFF.to_json()},
      r"cost.json: type is 'additive' but the keys \['sample_batch_tokens', .*\] are those of an 'sps-1d' "
      "table; fix the type or the keys"),
-    ({"type": "linear", **CLIFF.to_json()}, "cost.json: type must be 'sps-1d' or 'additive', got 'linear'"),
+    ({"type": "linear", **CLIFF.to_json()},
+     "cost.json: type must be 'sps-1d', 'additive' or 'tier', got 'linear'"),
     ({**CLIFF.to_json(), "bias_seconds": 0.1}, r"cost.json: mixes sps-1d keys .* and additive keys \['bias_"),
     ({}, "cost.json: cannot tell the cost-model kind"),
     ({"type": "sps-1d"}, r"cost.json: the sps-1d table is missing \['sample_batch_tokens', "),
@@ -192,3 +194,92 @@ def test_load_errors_name_the_file(tmp_path: Path) -> None:
     bad.write_text(json.dumps({**CLIFF.to_json(), "extra": 1}))
     with pytest.raises(CostModelError, match=f"{bad}: unknown cost-model keys \\['extra'\\]"):
         load_cost_model(bad)
+
+
+# --- tier table ------------------------------------------------------------------------------------------
+
+# Tiers 8 / 16 / 32; B probes 1 and 5. Every step in (8, 16] replays the 16-row graph.
+TIER = TierCostTable(tiers=(8, 16, 32), bs_probes=(1, 5),
+                     step_seconds=((0.001, 0.002, 0.004), (0.003, 0.006, 0.012)))
+
+
+def test_tier_lookup_is_flat_within_a_tier_and_jumps_at_the_boundary() -> None:
+    assert TIER.step_time(1, 9) == TIER.step_time(1, 12) == TIER.step_time(1, 16) == 0.002
+    assert TIER.step_time(1, 8) == 0.001 and TIER.step_time(1, 0) == 0.001
+    assert TIER.step_time(1, 17) == 0.004  # one row past the tier: the next tier's time, not a blend
+    assert TIER.tier_of(16) == 16 and TIER.tier_of(17) == 32 and TIER.tier_of(1) == 8
+    got = TIER.step_time_many(5, np.array([1, 8, 9, 16, 17, 32]))
+    assert got.tolist() == [0.003, 0.003, 0.006, 0.006, 0.012, 0.012]
+    assert TIER.max_rows == 32 and TIER.kind == "tier"
+
+
+def test_tier_interpolates_along_b_within_one_column_and_clamps() -> None:
+    # B=2 is a quarter of the way from probe 1 to probe 5, in each tier's own column.
+    assert TIER.step_time(2, 12) == pytest.approx(0.002 + 0.25 * 0.004)
+    assert TIER.step_time(3, 20) == pytest.approx(0.004 + 0.5 * 0.008)
+    assert TIER.step_time(3, 16) < TIER.step_time(3, 17)  # interpolation never blends the tiers
+    assert TIER.step_time(0, 4) == 0.001 and TIER.step_time(64, 4) == 0.003  # clamped at the probes
+    assert TIER.step_time(5, 30) == 0.012  # exactly at a probe: that probe's value, no rounding
+
+
+def test_tier_rows_past_the_last_tier_are_infeasible() -> None:
+    with pytest.raises(CostModelError, match=r"num_rows 33 is outside \[0, last tier=32\]; .* capture"):
+        TIER.step_time(1, 33)
+    with pytest.raises(CostModelError, match="num_rows 40 is outside"):
+        TIER.step_time_many(1, np.array([4, 40]))
+    with pytest.raises(CostModelError, match="num_rows must be an integer >= 0, got -1"):
+        TIER.step_time(1, -1)
+
+
+def test_tier_json_round_trip_with_and_without_a_draft_term(tmp_path: Path) -> None:
+    with_draft = TierCostTable([16, 64], [1, 8], [[0.001, 0.002], [0.003, 0.004]],  # type: ignore[arg-type]
+                               draft_bs_probes=(1, 8), draft_seconds=(0.0005, 0.0009))
+    assert with_draft.step_seconds == ((0.001, 0.002), (0.003, 0.004))  # lists became tuples
+    assert with_draft.draft_time(8) == 0.0009 and TIER.draft_time(3) == 0.0
+    for table in (TIER, with_draft):
+        path = save_cost_model(table, tmp_path / f"{len(table.tiers)}.json")
+        data = json.loads(path.read_text())
+        assert data["step_seconds"][0] == list(table.step_seconds[0]) and "type" not in data
+        assert load_cost_model(path) == table
+    assert cost_model_from_dict({"type": "tier", **TIER.to_json()}, "spec") == TIER
+    assert hash(TIER) == hash(cost_model_from_dict(TIER.to_json(), "x"))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: TierCostTable((8, 8), (1,), ((1.0, 1.0),)), r"tiers must be strictly increasing: item 1 \(8\)"),
+    (lambda: TierCostTable((), (1,), ((),)), "tiers is empty"),
+    (lambda: TierCostTable((8,), (2, 1), ((1.0,), (1.0,))), "bs_probes must be strictly increasing"),
+    (lambda: TierCostTable((8, 16), (1, 2), ((1.0, 1.0),)),
+     "step_seconds has 1 rows but bs_probes has 2 probes; give one row"),
+    (lambda: TierCostTable((8, 16), (1, 2), ((1.0, 1.0), (1.0,))),
+     r"step_seconds row 1 \(B=2\) has 1 values but tiers has 2; give one value per tier"),
+    (lambda: TierCostTable((8, 16), (1,), ((1.0, 0.0),)),
+     r"step_seconds row 0 \(B=1\) item 1 \(tier 16\) is 0.0; step seconds must be > 0"),
+    (lambda: TierCostTable((8,), (1,), ((float("inf"),),)), "step_seconds row 0 item 0 is inf"),
+    (lambda: TierCostTable((8,), (1,), (1.0,)), "step_seconds row 0 must be a list of numbers"),
+    (lambda: TierCostTable((8,), (1,), "x"), "step_seconds must be a list of rows"),
+    (lambda: TierCostTable((8,), (1,), ((1.0,),), draft_bs_probes=(1,)),
+     "draft_bs_probes is given but draft_seconds is empty"),
+])
+def test_tier_validation_errors_name_the_field_and_the_fix(make, message: str) -> None:
+    with pytest.raises(CostModelError, match=message):
+        make()
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"type": "additive", **TIER.to_json()},
+     r"type is 'additive' but the keys \['tiers', 'step_seconds'\] are those of a 'tier' table"),
+    ({**TIER.to_json(), "m_probes": [1]}, r"mixes additive keys \['m_probes'\] and tier keys \['tiers', "),
+    ({"bs_probes": [1], "step_seconds": [[1.0]]}, r"the tier table is missing \['tiers'\]"),
+    ({"bs_probes": [1]}, "cannot tell the cost-model kind; give one of .* the tier keys"),
+    ({"type": "tier", "bs_probes": [1]}, r"the tier table is missing \['tiers', 'step_seconds'\]"),
+    ({**TIER.to_json(), "tier_seconds": 1},
+     r"unknown cost-model keys \['tier_seconds'\]; .* tier tables use"),
+])
+def test_tier_dict_errors(data, message: str) -> None:
+    with pytest.raises(CostModelError, match=message):
+        cost_model_from_dict(data, "cost.json")
+
+
+def test_shared_bs_probes_key_still_detects_an_additive_table() -> None:
+    assert cost_model_from_dict(ADDITIVE.to_json(), "x") == ADDITIVE

@@ -6,7 +6,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dspark.runtime.cost_models import AdditiveCostTable, CostModel, SpsTable
+from dspark.runtime.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
 from dspark.runtime.planner import (
     TIE_RTOL,
     BudgetDecision,
@@ -408,3 +408,78 @@ def test_recorded_survival_is_a_copy() -> None:
 def test_lagged_survival_validation(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call(LaggedSurvival(1, 2))
+
+
+# --- tier table --------------------------------------------------------------------------------------------
+
+# Two requests (base M = 2); ranked candidates 0.9, 0.85, 0.6, 0.2, 0.1, 0.05, 0.04, 0.01.
+TIER_SURVIVAL = torch.tensor([[0.9, 0.6, 0.1, 0.05], [0.85, 0.2, 0.04, 0.01]], dtype=torch.float64)
+# Rows 1..4 replay the 4-row graph (1 ms), rows 5..8 the 8-row graph (1.6 ms).
+TIERS_4_8 = TierCostTable(tiers=(4, 8), bs_probes=(1,), step_seconds=((0.001, 0.0016),))
+
+
+def test_tier_table_fills_a_tier_instead_of_spilling_one_row_into_the_next() -> None:
+    cfg = ScheduleConfig(gamma=4)
+    decision = choose_budget(TIER_SURVIVAL, TIERS_4_8, cfg)
+    # M=4: tau 3.75 in 1 ms. M=3 costs the same with less tau; M=5 adds 0.2 but pays the 8-row graph.
+    assert (decision.budget, decision.num_rows) == (2, 4)
+    assert decision.predicted_step_seconds == 0.001
+    assert decision.objective == pytest.approx(3750.0)
+    assert 4.35 / 0.0016 < 3750.0 and 4.70 / 0.0016 < 3750.0
+    # The same two points as an additive table blend the cliff (M=5 looks like 1.15 ms) and spill.
+    smooth = AdditiveCostTable(0.0, (1,), (0.0,), (4, 8), (0.001, 0.0016))
+    assert choose_budget(TIER_SURVIVAL, smooth, cfg).num_rows == 5
+
+
+def test_tier_table_limits_rows_to_the_last_tier() -> None:
+    cfg = ScheduleConfig(gamma=4)
+    everything = torch.ones(2, 4, dtype=torch.float64)  # would verify all 10 rows if it could
+    decision = choose_budget(everything, TIERS_4_8, cfg)
+    assert decision.num_rows == 8 and decision.predicted_step_seconds == 0.0016
+    with pytest.raises(ValueError, match=r"the floor alone needs B \* f = 3 \* 3 = 9 rows but at most 8"):
+        choose_budget(torch.ones(3, 4, dtype=torch.float64), TIERS_4_8,
+                      ScheduleConfig(gamma=4, min_verify_len=3))
+
+
+def test_tier_table_adds_its_draft_term() -> None:
+    with_draft = TierCostTable((4, 8), (1,), ((0.001, 0.0016),), draft_bs_probes=(1,), draft_seconds=(0.004,))
+    decision = choose_budget(TIER_SURVIVAL, with_draft, ScheduleConfig(gamma=4))
+    # 4.70 / 5.6 ms beats 3.75 / 5 ms once the draft's 4 ms is paid either way.
+    assert (decision.num_rows, decision.predicted_step_seconds) == (8, pytest.approx(0.0056))
+
+
+@st.composite
+def tier_models(draw: st.DrawFn) -> TierCostTable:
+    tiers, bs = probes(draw, 30), probes(draw, 6)
+    seconds = [tuple(draw(st.lists(st.floats(1e-4, 0.01), min_size=len(tiers), max_size=len(tiers))))
+               for _ in bs]
+    return TierCostTable(tiers, bs, tuple(seconds), **draft_term(draw))
+
+
+def scalar_tier_seconds(model: TierCostTable, num_reqs: int, num_rows: int) -> float:
+    tier = min(j for j, t in enumerate(model.tiers) if t >= num_rows)
+    column = tuple(row[tier] for row in model.step_seconds)
+    draft = interp(num_reqs, model.draft_bs_probes, model.draft_seconds) if model.draft_seconds else 0.0
+    return interp(num_reqs, model.bs_probes, column) + draft
+
+
+@given(schedules(), tier_models(), st.one_of(st.none(), st.integers(1, 35)))
+@settings(max_examples=200, deadline=None)
+def test_choose_budget_with_a_tier_table_equals_an_exhaustive_scan(schedule, model: TierCostTable,
+                                                                   max_rows: int | None) -> None:
+    survival, cfg = schedule
+    num_reqs = survival.shape[0]
+    values = sorted((v for v, _, _ in candidates(survival, cfg)), reverse=True)
+    floor_sum = math.fsum(survival[:, : cfg.floor - 1].flatten().tolist())
+    limit = min(x for x in (max_rows, model.tiers[-1]) if x is not None)
+    feasible = [b for b in range(len(values) + 1) if num_reqs * cfg.floor + b <= limit]
+    if not feasible:
+        with pytest.raises(ValueError, match="the floor alone needs"):
+            choose_budget(survival, model, cfg, max_rows)
+        return
+    decision = choose_budget(survival, model, cfg, max_rows)
+    objective = {b: (num_reqs + floor_sum + math.fsum(values[:b]))
+                 / scalar_tier_seconds(model, num_reqs, num_reqs * cfg.floor + b) for b in feasible}
+    best = max(objective.values())
+    assert decision.budget in feasible and objective[decision.budget] >= best * (1 - 1e-9)
+    assert all(objective[b] < best * (1 - 0.5 * TIE_RTOL) for b in feasible if b < decision.budget)

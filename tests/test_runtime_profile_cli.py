@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dspark.runtime.cli import main
-from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, load_cost_model
+from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, TierCostTable, load_cost_model
 from dspark.runtime.package import load_package
 from dspark.runtime.step_timer import ProfileError, spread_rows
 
@@ -33,10 +33,17 @@ def test_profile_measures_a_compact_package_and_writes_both_tables(tmp_path, cap
     assert all(seconds > 0 for seconds in additive.draft_seconds)
     compiled = compile_variant(tmp_path, "tiny_cpu_static.yaml",
                                {"verify": {"mode": "compact"},
-                                "cost_model": {"type": "additive", "file": str(out / "additive.json")}},
+                                "cost_model": {"type": "additive", "file": str(out / "additive.json")},
+                                "graph": {"enabled": True, "token_tiers": [8, 16, 24, 32]},
+                                "serving": {"max_running_requests": 4}},
                                "uses_profiled_table")
     table = load_package(compiled).plan.table
     assert table == additive and table.draft_time(2) == additive.draft_seconds[1]
+    # every table says what it was measured on; the tier table prices each step at its tier
+    tier = load_cost_model(out / "tier.json")
+    assert isinstance(tier, TierCostTable) and tier.tiers == (8, 16, 24, 32)
+    for name in ("sps_1d.json", "additive.json", "tier.json"):
+        assert json.loads((out / name).read_text())["fingerprint"]["tiers"] == [8, 16, 24, 32]
     profile = json.loads((out / "profile.json").read_text())
     assert profile["meta"]["tiers"] == "8,16,24,32" and profile["meta"]["backend"] == "cpu"
     # the tier boundaries are measured densely (tier - 2 ... tier + 2) where the grid reaches

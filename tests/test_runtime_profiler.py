@@ -334,3 +334,12 @@ def test_write_tables_round_trips_through_load_cost_model(tmp_path: Path) -> Non
     # Re-writing replaces the tables in place and leaves no staging files behind.
     write_tables(out, sps, fit.table)
     assert sorted(p.name for p in out.iterdir()) == ["additive.json", "profile.json", "sps_1d.json"]
+
+
+def test_additive_fit_never_prices_the_cheapest_corner_at_zero() -> None:
+    # The corner (B=1, smallest bin) is not measured and the three samples ask for a negative
+    # bias (b = s1 + s2 - s3 < 0); the fit keeps it at half the fastest step instead of zero.
+    samples = [(1, 64, 0.010), (2, 2, 0.010), (2, 64, 0.030)]
+    fit = fit_additive(samples, m_bin=64)
+    assert fit.table.bias_seconds >= 0.005
+    assert fit.table.step_time(1, 2) > 0

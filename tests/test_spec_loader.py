@@ -265,3 +265,96 @@ def test_schema_lists_every_section(capsys):
     assert set(schema["properties"]) == {"name", "model", "draft", "parallelism", "backend",
                                          "verify", "graph", "cost_model", "calibration", "serving"}
     assert schema["additionalProperties"] is False
+
+
+TIER_TABLE = {"tiers": [8, 16, 32], "bs_probes": [1, 4],
+              "step_seconds": [[0.001, 0.002, 0.003], [0.002, 0.003, 0.005]]}
+
+
+def test_tier_cost_model_inline_and_from_a_file(write_spec, tmp_path):
+    resolved = load_spec(write_spec({"cost_model": {"type": "tier", **TIER_TABLE}}))
+    assert resolved.cost_model.type == "tier"
+    assert resolved.cost_model.step_seconds == ((0.001, 0.002, 0.003), (0.002, 0.003, 0.005))
+    (tmp_path / "tier.json").write_text(json.dumps({**TIER_TABLE, "draft_bs_probes": [1],
+                                                    "draft_seconds": [0.0005]}))
+    from_file = load_spec(write_spec({"cost_model": {"type": "tier", "file": "tier.json"}})).cost_model
+    assert from_file.tiers == (8, 16, 32) and from_file.draft_seconds == (0.0005,)
+    # The runtime reads the resolved table the way the compiler embeds it.
+    from dspark.runtime.cost_models import TierCostTable, cost_model_from_dict
+
+    table = cost_model_from_dict(from_file.model_dump(mode="json", exclude_defaults=True), "spec")
+    assert isinstance(table, TierCostTable) and table.step_time(4, 9) == 0.003
+
+
+def test_bad_tier_cost_models_name_the_field(write_spec, tmp_path):
+    ragged = {**TIER_TABLE, "step_seconds": [[0.001, 0.002, 0.003], [0.002, 0.003]]}
+    (issue,) = errors_of(write_spec({"cost_model": {"type": "tier", **ragged}})).issues
+    assert issue.path == ("cost_model", "step_seconds")
+    assert "row 1 has 2 entries but tiers has 3" in issue.message and "one step time per tier" in issue.hint
+    (issue,) = errors_of(write_spec({"cost_model": {"type": "tier", **TIER_TABLE,
+                                                    "tiers": [8, 32, 16]}})).issues
+    assert issue.path == ("cost_model", "tiers") and "strictly increasing" in issue.message
+    zero = {**TIER_TABLE, "step_seconds": [[0.001, 0.0, 0.003], [0.002, 0.003, 0.005]]}
+    (issue,) = errors_of(write_spec({"cost_model": {"type": "tier", **zero}})).issues
+    assert issue.path == ("cost_model", "step_seconds") and "row 0" in issue.message
+    (tmp_path / "short.json").write_text(json.dumps({**TIER_TABLE, "bs_probes": [1]}))
+    (issue,) = errors_of(write_spec({"cost_model": {"type": "tier", "file": "short.json"}})).issues
+    assert issue.path == ("cost_model", "file") and "short.json" in issue.message
+    assert "step_seconds" in issue.message and "has 2 entries but bs_probes has 1" in issue.message
+    (tmp_path / "other.json").write_text(json.dumps({**TIER_TABLE, "type": "additive"}))
+    (issue,) = errors_of(write_spec({"cost_model": {"type": "tier", "file": "other.json"}})).issues
+    assert "holds a 'additive' table" in issue.message and "cost_model.type: additive" in issue.hint
+    (issue,) = errors_of(write_spec({"cost_model": {"type": "tiered"}})).issues
+    assert "'tier'" in issue.message and "type: tier" in issue.hint
+
+
+def _calibrate_output(temperatures: list[float], **extra) -> dict:
+    """A calibration file as `dspark calibrate` writes it: fit statistics beside the temperatures."""
+    n = len(temperatures)
+    return {"temperatures": temperatures, "dataset": "held-out prompts", "num_samples": 256,
+            "ece_before": [0.1] * n, "ece_after": [0.03] * n, "brier_before": [0.2] * n,
+            "brier_after": [0.1] * n, "auc_before": [None] + [0.7] * (n - 1),
+            "auc_after": [None] + [0.7] * (n - 1), "num_bins": 15, "grid": [0.5, 1.0, 2.0], **extra}
+
+
+def test_a_calibrate_output_file_is_accepted(write_spec, tmp_path):
+    (tmp_path / "sts.json").write_text(json.dumps(_calibrate_output([1.0, 1.5, 2], policy="greedy")))
+    resolved = load_spec(write_spec({"calibration": {"file": "sts.json"}}))
+    assert resolved.temperatures == (1.0, 1.5, 2.0)
+    assert resolved.calibration_policy == "greedy" and resolved.calibration_fingerprint is None
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"grdi": [1.0]}, "grdi"),  # unknown keys are still rejected, by name
+    ({"ece_after": [0.1]}, "ece_after has 1 entries but there are 3 temperatures"),
+    ({"num_samples": "many"}, "num_samples"),
+    ({"temperatures": [1.0, 0.0, 1.0]}, "must all be > 0"),
+])
+def test_a_damaged_calibration_file_is_rejected(write_spec, tmp_path, change, fragment):
+    (tmp_path / "sts.json").write_text(json.dumps({**_calibrate_output([1.0, 1.5, 2]), **change}))
+    (issue,) = errors_of(write_spec({"calibration": {"file": "sts.json"}})).issues
+    assert issue.path == ("calibration", "file") and "sts.json" in issue.message
+    assert fragment in issue.message
+
+
+def test_calibration_policy_must_match_the_serving_policy(write_spec):
+    sampled = "sample:temperature=0.7,top_p=1.0,top_k=0"
+    calibration = {"temperatures": [1.0, 1.0, 1.0], "policy": sampled}
+    (issue,) = errors_of(write_spec({"calibration": calibration})).issues
+    assert issue.path == ("calibration", "policy")
+    assert f"fitted for {sampled!r}" in issue.message and "'greedy'" in issue.message
+    resolved = load_spec(write_spec({"calibration": calibration,
+                                     "serving": {"generation": {"temperature": 0.7}}}))
+    assert resolved.calibration_policy == sampled
+
+
+def test_calibration_policy_must_match_the_file(write_spec, tmp_path):
+    (tmp_path / "sts.json").write_text(json.dumps(
+        _calibrate_output([1.0, 1.0, 1.0], policy="sample:temperature=0.7,top_p=1.0,top_k=0")))
+    (issue,) = errors_of(write_spec({"calibration": {"file": "sts.json", "policy": "greedy"}})).issues
+    assert issue.path == ("calibration", "policy")
+    assert "'greedy'" in issue.message and "'sample:temperature=0.7,top_p=1.0,top_k=0'" in issue.message
+    # Without calibration.policy the file's own policy still has to fit the deployment.
+    (issue,) = errors_of(write_spec({"calibration": {"file": "sts.json"}})).issues
+    assert issue.path == ("calibration", "file") and "policy: fitted for" in issue.message
+    assert "--allow-stale-tables" in issue.hint

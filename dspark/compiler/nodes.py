@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dspark.fingerprint import Fingerprint
 from dspark.spec import ResolvedSpec
 
 SPEC_SECTIONS = ("name", "model", "draft", "parallelism", "backend", "verify", "graph",
@@ -42,10 +43,18 @@ def section_value(resolved: ResolvedSpec, section: str) -> Any:
     dumped = value.model_dump(mode="json") if hasattr(value, "model_dump") else value
     # Tables read from files are part of the section: editing the file must change the hash.
     if section == "cost_model" and resolved.cost_model is not None:
-        return {"spec": dumped, "table": resolved.cost_model.model_dump(mode="json")}
+        value = {"spec": dumped, "table": resolved.cost_model.model_dump(mode="json")}
+        return _with_fingerprint(value, resolved.cost_model_fingerprint)
     if section == "calibration" and resolved.temperatures is not None:
-        return {"spec": dumped, "temperatures": list(resolved.temperatures)}
+        value = {"spec": dumped, "temperatures": list(resolved.temperatures)}
+        return _with_fingerprint(value, resolved.calibration_fingerprint)
     return dumped
+
+
+def _with_fingerprint(value: dict[str, Any], fingerprint: Fingerprint | None) -> dict[str, Any]:
+    # The model dumps leave the file's fingerprint out (it never reaches generated code), but it
+    # decides whether a build is stale, so it still belongs in the section's hash.
+    return {**value, "fingerprint": fingerprint.to_json()} if fingerprint is not None else value
 
 
 def section_fields(resolved: ResolvedSpec, section: str) -> tuple[str, ...]:

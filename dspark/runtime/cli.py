@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-COMMANDS = ("run", "profile", "train-tiny")
+COMMANDS = ("run", "profile", "calibrate", "cost-eval", "report", "train-tiny")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leave the draft's step time out of the tables (by default it is measured "
                            "per batch size and the planner adds it to the verify time)")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from dspark.runtime.calibrate_cli import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+    from dspark.runtime.report import add_report_parser
+
+    add_report_parser(sub)
+    from dspark.runtime.cost_eval import add_cost_eval_parser
+
+    add_cost_eval_parser(sub)
     train = sub.add_parser("train-tiny", help="train the embedded tiny target + draft pair")
     train.add_argument("-o", "--out", type=Path, required=True, help="output directory")
     train.add_argument("--target-steps", type=int, default=None, help="default 1300 (~10 min)")
@@ -80,6 +89,8 @@ def _median_seconds(measure: Callable[[], float], warmup: int, repeats: int) -> 
 
 
 def profile_package(args: argparse.Namespace) -> int:
+    from dspark.fingerprint import fingerprint_of_deployment
+    from dspark.runtime.cost_fit import fit_tier_table
     from dspark.runtime.engine import RequestError, Runtime
     from dspark.runtime.package import PackageError, load_package
     from dspark.runtime.profiler import (
@@ -121,7 +132,20 @@ def profile_package(args: argparse.Namespace) -> int:
         additive = dataclasses.replace(additive, draft_bs_probes=probes, draft_seconds=draft)
         print("\ndraft step (added to the verify time by the planner)\n" + "  ".join(
             f"B={b}:{s * 1e3:.4f}" for b, s in zip(probes, draft, strict=True)) + "  (ms)")
-    for name, path in write_tables(args.out, sps, additive, result).items():
+    tier = None
+    if tiers:  # graph replay: a step costs its tier, which the tier table keeps exact
+        try:
+            tier_fit = fit_tier_table(result, tiers)
+        except ValueError as err:  # e.g. batch sizes too small to reach the largest tier
+            print(f"\ntier table not written: {err}")
+        else:
+            tier = tier_fit.table
+            print(f"\ntier table: RMS {tier_fit.rms_seconds * 1e3:.4f} ms   R² {tier_fit.r_squared:.5f}"
+                  + "".join(f"\n  note: {note}" for note in tier_fit.notes))
+            if not args.no_draft_time:
+                tier = dataclasses.replace(tier, draft_bs_probes=probes, draft_seconds=draft)
+    fingerprint = fingerprint_of_deployment(dep, tiers).to_json()
+    for name, path in write_tables(args.out, sps, additive, result, tier, fingerprint).items():
         print(f"wrote {name}: {path}")
     return 0
 
@@ -156,10 +180,15 @@ def policy_of(deployment: Any) -> str:
 
 
 def run_info(runtime: Any, target_only: bool, stats: Any) -> dict[str, Any]:
+    from dspark.fingerprint import fingerprint_of_deployment
+
     dep = runtime.deployment
+    # The labels describe the policy the run decoded with, whatever the spec's defaults say.
+    fingerprint = dataclasses.replace(fingerprint_of_deployment(dep, runtime.tiers), policy=policy_of(dep))
     return {"deployment": dep.name, "verify_mode": dep.verify_mode, "backend": dep.backend,
             "device": dep.device, "gamma": runtime.plan.gamma, "lag_steps": runtime.plan.lag_steps,
             "policy": policy_of(dep), "tiers": list(runtime.tiers), "target_only": target_only,
+            "fingerprint": fingerprint.to_json(),
             "stats": stats.to_json() if stats is not None else None}
 
 
@@ -218,6 +247,18 @@ def main(argv: list[str] | None = None) -> int:
         return run_package(args.package, args)
     if args.command == "profile":
         return profile_package(args)
+    if args.command == "cost-eval":
+        from dspark.runtime.cost_eval import run_cost_eval
+
+        return run_cost_eval(args)
+    if args.command == "report":
+        from dspark.runtime.report import run_report
+
+        return run_report(args)
+    if args.command == "calibrate":
+        from dspark.runtime.calibrate_cli import run_calibrate
+
+        return run_calibrate(args)
     from dspark.runtime.train_tiny import TrainSettings, train_tiny
 
     budgets = {k: v for k, v in (("target_steps", args.target_steps),

@@ -1,24 +1,31 @@
 """Fit step-cost tables from measured verify step times (pure numpy, no model needed).
 
-Two tables come out of one profile (DESIGN §6):
+Three tables come out of one profile (DESIGN §6):
 
 * the 1D SPS table, `steps/s` at `M = B·N` for each profiled batch size, looked up by floor, which
   reproduces the measured static sweep exactly (a tier cliff included);
 * the additive table `T(B, M) = bias + alpha(B) + theta(M)`, fitted by non-negative least squares on
   binned `M` and evaluated by the runtime with `theta` linearly interpolated at the *unbinned* `M`.
   The fit's residuals are therefore computed with the table's own `step_time`, which is what the
-  planner will see, not with the binned design matrix.
+  planner will see, not with the binned design matrix;
+* the tier table, `T(B, tier)` per profiled batch size and graph tier, the median of the samples whose
+  `M` falls in `(previous tier, tier]`: the piecewise law of graph replay, cliffs kept exactly.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dspark.runtime.cost_models import AdditiveCostTable, SpsTable
+from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, TierCostTable
+
+if TYPE_CHECKING:  # the profiler imports this module; a runtime import would be circular
+    from dspark.runtime.profiler import ProfileResult
 
 Sample = tuple[int, int, float]
 """One measurement: `(num_reqs B, num_rows M, seconds)`."""
@@ -171,6 +178,9 @@ def fit_additive(samples: Iterable[Sample], m_bin: int = DEFAULT_M_BIN) -> Addit
     is the step time at the cheapest measured corner. Every coefficient is constrained to be >= 0,
     which the table requires and which encodes the physical assumption that more requests or more rows
     never make a step cheaper than that corner; measurement noise that says otherwise is clamped.
+    The bias is also kept at or above half the fastest measured step: with noisy timings the
+    least-squares optimum can otherwise move all of the cost into alpha and theta and leave a table
+    that prices the cheapest corner at zero seconds (which the table rightly rejects).
     """
     checked = _check_samples(samples)
     batch_sizes = sorted({b for b, _, _ in checked})
@@ -189,7 +199,9 @@ def fit_additive(samples: Iterable[Sample], m_bin: int = DEFAULT_M_BIN) -> Addit
 
     # Solve in units of the largest measurement so the tolerance does not depend on seconds vs ms.
     scale = float(measured.max())
-    coef = nnls(design, measured / scale) * scale
+    bias_floor = 0.5 * float(measured.min())
+    coef = nnls(design, (measured - bias_floor) / scale) * scale
+    coef[0] += bias_floor
     table = AdditiveCostTable(
         bias_seconds=float(coef[0]),
         bs_probes=tuple(batch_sizes),
@@ -199,22 +211,112 @@ def fit_additive(samples: Iterable[Sample], m_bin: int = DEFAULT_M_BIN) -> Addit
     )
 
     residuals = tuple(FitResidual(b, m, s, float(table.step_time(b, m))) for b, m, s in checked)
+    rms, r_squared, max_relative = fit_quality(residuals)
+    return AdditiveFit(table=table, m_bin=m_bin, residuals=residuals, rms_seconds=rms,
+                       r_squared=r_squared, max_relative_error=max_relative)
+
+
+def fit_quality(residuals: Sequence[FitResidual]) -> tuple[float, float, float]:
+    """RMS seconds, R² and max |relative error| of a table over the samples it was fitted on."""
+    if not residuals:
+        raise ValueError("no residuals to summarise; the table predicted none of the samples")
+    measured = np.array([r.measured_seconds for r in residuals])
     res = np.array([r.residual_seconds for r in residuals])
     ss_res = float(res @ res)
     ss_tot = float(((measured - measured.mean()) ** 2).sum())
     # Constant measurements leave R² undefined; a fit that reproduces them exactly is called perfect.
     r_squared = 1.0 - ss_res / ss_tot if ss_tot > 0.0 else (1.0 if ss_res == 0.0 else 0.0)
-    return AdditiveFit(
-        table=table,
-        m_bin=m_bin,
-        residuals=residuals,
-        rms_seconds=float(np.sqrt(ss_res / len(res))),
-        r_squared=r_squared,
-        max_relative_error=float(np.max(np.abs(res / measured))),
-    )
+    return float(np.sqrt(ss_res / len(res))), r_squared, float(np.max(np.abs(res / measured)))
 
 
 def largest_residuals(fit: AdditiveFit, count: int) -> list[FitResidual]:
     """The `count` samples the additive table reproduces worst, largest absolute residual first."""
     return sorted(fit.residuals, key=lambda r: abs(r.residual_seconds), reverse=True)[:count]
 
+
+@dataclass(frozen=True)
+class TierFit:
+    """The fitted tier table and how well it reproduces the samples it was fitted on.
+
+    `filled` lists the cells no sample measured, as `(B, tier, B copied from)`; `notes` says the same
+    in words, plus any samples above the last tier (outside the table, so not in `residuals`).
+    """
+
+    table: TierCostTable
+    residuals: tuple[FitResidual, ...]
+    rms_seconds: float
+    r_squared: float
+    max_relative_error: float
+    filled: tuple[tuple[int, int, int], ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def _check_tiers(tiers: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(tiers)
+    if not out:
+        raise ValueError("tiers is empty; give the graph tiers (token counts) the steps are padded to")
+    for i, tier in enumerate(out):
+        if isinstance(tier, bool) or not isinstance(tier, (int, np.integer)) or tier < 1:
+            raise ValueError(f"tiers item {i} is {tier!r}; tiers are token counts >= 1")
+        if i and tier <= out[i - 1]:
+            raise ValueError(f"tiers must be strictly increasing: item {i} ({tier}) follows {out[i - 1]}; "
+                             "sort them and remove duplicates")
+    return tuple(int(t) for t in out)
+
+
+def fit_tier_table(result: ProfileResult, tiers: Iterable[int]) -> TierFit:
+    """The tier table of one profile: per profiled B and tier, the median of the sample medians
+    (static and grid) whose M lies in `(previous tier, tier]`.
+
+    A cell no sample measured is copied from the nearest measured B of the same tier (the smaller B
+    on a tie), never from a neighbouring tier: that would put back the smoothing the table avoids.
+    A tier with no sample at any B cannot be filled and is an error naming it.
+    """
+    tier_list = _check_tiers(tiers)
+    last = tier_list[-1]
+    checked = _check_samples(result.fit_samples())
+    inside = [sample for sample in checked if sample[1] <= last]
+    above = sorted({(b, m) for b, m, _ in checked if m > last})
+    if not inside:
+        raise ValueError(f"every sample has M above the last tier {last}; the tiers do not match this "
+                         "profile (check result.meta['tiers'])")
+
+    cells: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for num_reqs, num_rows, seconds in inside:
+        cells[(num_reqs, bisect_left(tier_list, num_rows))].append(seconds)
+    batch_sizes = sorted({b for b, _, _ in inside})
+    measured_in = {j: [b for b in batch_sizes if (b, j) in cells] for j in range(len(tier_list))}
+    empty = [j for j, found in measured_in.items() if not found]
+    if empty:
+        bounds = ", ".join(f"{tier_list[j]} (M in ({tier_list[j - 1] if j else 0}, {tier_list[j]}])"
+                           for j in empty)
+        raise ValueError(f"tiers {bounds} have no profiled sample at any batch size, so their step time is "
+                         "unknown; profile rows in them (ProfilePlan.extra_rows=rows_around(tiers)) or drop "
+                         "them from the tiers")
+
+    grid = np.zeros((len(batch_sizes), len(tier_list)))
+    filled: list[tuple[int, int, int]] = []
+    for i, num_reqs in enumerate(batch_sizes):
+        for j in range(len(tier_list)):
+            source = num_reqs
+            if (num_reqs, j) not in cells:
+                source = min(measured_in[j], key=lambda b: (abs(b - num_reqs), b))
+                filled.append((num_reqs, tier_list[j], source))
+            grid[i, j] = float(np.median(cells[(source, j)]))
+    table = TierCostTable(tiers=tier_list, bs_probes=tuple(batch_sizes),
+                          step_seconds=tuple(tuple(float(x) for x in row) for row in grid))
+
+    notes = []
+    by_tier: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for num_reqs, tier, source in filled:
+        by_tier[(tier, source)].append(num_reqs)
+    for (tier, source), targets in sorted(by_tier.items()):
+        notes.append(f"tier {tier}: no sample at B={', '.join(map(str, targets))}; copied from B={source}")
+    if above:
+        example = f"B={above[0][0]} M={above[0][1]}"
+        notes.append(f"{len(above)} samples above the last tier {last} (e.g. {example}) are outside the "
+                     "table and not in the residuals")
+    residuals = tuple(FitResidual(b, m, s, float(table.step_time(b, m))) for b, m, s in inside)
+    rms, r_squared, max_relative = fit_quality(residuals)
+    return TierFit(table=table, residuals=residuals, rms_seconds=rms, r_squared=r_squared,
+                   max_relative_error=max_relative, filled=tuple(filled), notes=tuple(notes))

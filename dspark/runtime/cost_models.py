@@ -1,14 +1,16 @@
 """Step-cost models the planner divides expected progress by (DESIGN.md §6).
 
-Two kinds, with the JSON field names SGLang writes and reads:
+Three kinds; the first two keep the JSON field names SGLang writes and reads:
 
 - `SpsTable` ("sps-1d"): steps per second over the step's verify rows M, looked up by floor, so a graph
   tier cliff is represented exactly.
 - `AdditiveCostTable` ("additive"): step seconds `T(B, M) = bias + alpha(B) + theta(M)`, alpha and theta
   linearly interpolated; it smooths tier cliffs.
+- `TierCostTable` ("tier"): step seconds measured per (B, graph tier); a step of M rows costs what the
+  smallest tier >= M costs (graph replay pads it there), interpolated along B only, never across a tier.
 
-Either may carry a draft-cost term (seconds the draft model takes for B requests), which the planner adds
-to the step time. No torch here: the compiler and the reports read these tables without a device stack.
+Any of them may carry a draft-cost term (seconds the draft model takes for B requests), which the planner
+adds to the step time. No torch here: the compiler and the reports read these tables without a device stack.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+
+from dspark.atomic import atomic_write_text
 
 
 class CostModelError(ValueError):
@@ -273,55 +276,187 @@ class AdditiveCostTable:
                 **_draft_json(self.draft_bs_probes, self.draft_seconds)}
 
 
-CostModel = SpsTable | AdditiveCostTable
+def _as_float_rows(name: str, rows: Any) -> tuple[tuple[float, ...], ...]:
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, (Sequence, np.ndarray)):
+        raise CostModelError(f"{name} must be a list of rows (one list of seconds over the tiers per "
+                             f"bs_probes entry), got {rows!r}")
+    return tuple(_as_floats(f"{name} row {i}", row) for i, row in enumerate(rows))
+
+
+@dataclass(frozen=True)
+class TierCostTable:
+    """Step seconds measured per (B, graph tier): a step of M rows costs what its tier costs.
+
+    With graph replay a step is padded up to the smallest captured tier >= M, so every M in
+    `(previous tier, tier]` costs the same; the table keeps that step exactly instead of smoothing it.
+    `step_seconds[i][j]` is the time at `bs_probes[i]` requests in `tiers[j]`. Along B the time is
+    linearly interpolated within one tier's column and clamped at the end probes; nothing is ever
+    interpolated across a tier boundary. M above the last tier has no graph and is infeasible.
+    """
+
+    tiers: tuple[int, ...]
+    bs_probes: tuple[int, ...]
+    step_seconds: tuple[tuple[float, ...], ...]
+    draft_bs_probes: tuple[int, ...] = ()
+    draft_seconds: tuple[float, ...] = ()
+
+    kind: ClassVar[str] = "tier"
+
+    _tiers: np.ndarray = field(init=False, repr=False, compare=False)
+    _bs: np.ndarray = field(init=False, repr=False, compare=False)
+    _seconds: np.ndarray = field(init=False, repr=False, compare=False)  # [len(bs_probes), len(tiers)]
+    _draft_probes: np.ndarray = field(init=False, repr=False, compare=False)
+    _draft_seconds: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tiers = _as_ints("tiers", self.tiers)
+        bs = _as_ints("bs_probes", self.bs_probes)
+        seconds = _as_float_rows("step_seconds", self.step_seconds)
+        draft_probes = _as_ints("draft_bs_probes", self.draft_bs_probes)
+        draft_seconds = _as_floats("draft_seconds", self.draft_seconds)
+        _check_probes("tiers", tiers)
+        _check_probes("bs_probes", bs)
+        if len(seconds) != len(bs):
+            raise CostModelError(f"step_seconds has {len(seconds)} rows but bs_probes has {len(bs)} probes; "
+                                 "give one row (a list over the tiers) per bs_probes entry")
+        for i, row in enumerate(seconds):
+            if len(row) != len(tiers):
+                raise CostModelError(f"step_seconds row {i} (B={bs[i]}) has {len(row)} values but tiers has "
+                                     f"{len(tiers)}; give one value per tier")
+            for j, value in enumerate(row):
+                if value <= 0:
+                    raise CostModelError(f"step_seconds row {i} (B={bs[i]}) item {j} (tier {tiers[j]}) is "
+                                         f"{value}; step seconds must be > 0 (re-measure that cell or "
+                                         "re-fit the table)")
+        _check_draft(draft_probes, draft_seconds)
+        for name, value in (("tiers", tiers), ("bs_probes", bs), ("step_seconds", seconds),
+                            ("draft_bs_probes", draft_probes), ("draft_seconds", draft_seconds),
+                            ("_tiers", np.array(tiers, np.int64)), ("_bs", np.array(bs, np.float64)),
+                            ("_seconds", np.array(seconds, np.float64).reshape(len(bs), len(tiers))),
+                            ("_draft_probes", np.array(draft_probes, np.float64)),
+                            ("_draft_seconds", np.array(draft_seconds, np.float64))):
+            object.__setattr__(self, name, value)
+
+    @property
+    def max_rows(self) -> int:
+        """The largest feasible M: the last tier; a bigger step has no captured graph to replay in."""
+        return self.tiers[-1]
+
+    def tier_of(self, num_rows: int) -> int:
+        """The tier a step of `num_rows` rows replays in: the smallest tier >= M."""
+        _check_rows("num_rows", num_rows)
+        return self.tiers[int(self._tier_index(np.array([num_rows]))[0])]
+
+    def _tier_index(self, rows: np.ndarray) -> np.ndarray:
+        if rows.size and (rows.min() < 0 or rows.max() > self.tiers[-1]):
+            bad = int(rows.max()) if rows.max() > self.tiers[-1] else int(rows.min())
+            raise CostModelError(f"num_rows {bad} is outside [0, last tier={self.tiers[-1]}]; a step above "
+                                 "the last tier has no graph to replay in, so keep M within the tiers or "
+                                 "capture and profile a larger tier")
+        return np.searchsorted(self._tiers, rows, side="left")
+
+    def _seconds_at(self, num_reqs: int) -> np.ndarray:
+        """Seconds per tier at B = `num_reqs`: each tier's column interpolated along B, clamped."""
+        _check_rows("num_reqs", num_reqs)
+        hi = int(np.searchsorted(self._bs, num_reqs, side="left"))
+        if hi == len(self.bs_probes):
+            return self._seconds[-1]
+        if hi == 0 or self.bs_probes[hi] == num_reqs:
+            return self._seconds[hi]
+        lo = hi - 1
+        weight = (num_reqs - self._bs[lo]) / (self._bs[hi] - self._bs[lo])
+        return (1.0 - weight) * self._seconds[lo] + weight * self._seconds[hi]
+
+    def step_time(self, num_reqs: int, num_rows: int) -> float:
+        """Predicted seconds of one verify step with B = `num_reqs` requests and M = `num_rows` rows."""
+        _check_rows("num_rows", num_rows)
+        return float(self.step_time_many(num_reqs, np.array([num_rows]))[0])
+
+    def step_time_many(self, num_reqs: int, num_rows: np.ndarray) -> np.ndarray:
+        """`step_time` for one B over an array of M values."""
+        per_tier = self._seconds_at(num_reqs)
+        return per_tier[self._tier_index(np.asarray(num_rows))]
+
+    def draft_time(self, num_reqs: int) -> float:
+        """Seconds the draft model takes for `num_reqs` requests (0.0 without a draft term)."""
+        return _draft_time(self._draft_probes, self._draft_seconds, num_reqs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tiers": list(self.tiers), "bs_probes": list(self.bs_probes),
+                "step_seconds": [list(row) for row in self.step_seconds],
+                **_draft_json(self.draft_bs_probes, self.draft_seconds)}
+
+
+CostModel = SpsTable | AdditiveCostTable | TierCostTable
 
 _KEYS: dict[str, tuple[str, ...]] = {
     SpsTable.kind: ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"),
     AdditiveCostTable.kind: ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds"),
+    TierCostTable.kind: ("tiers", "bs_probes", "step_seconds"),
+}
+_CLASSES: dict[str, type[SpsTable] | type[AdditiveCostTable] | type[TierCostTable]] = {
+    SpsTable.kind: SpsTable, AdditiveCostTable.kind: AdditiveCostTable, TierCostTable.kind: TierCostTable,
 }
 _DRAFT_KEYS = ("draft_bs_probes", "draft_seconds")
+# A key two kinds share (bs_probes) says nothing about which kind a table is; only these do.
+_DISTINCT_KEYS: dict[str, tuple[str, ...]] = {
+    kind: tuple(key for key in keys if not any(key in other for k, other in _KEYS.items() if k != kind))
+    for kind, keys in _KEYS.items()
+}
+
+
+def _kinds_text() -> str:
+    names = [repr(kind) for kind in _KEYS]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _article(kind: str) -> str:
+    # Read aloud: "an ess-pee-ess", "an additive", "a tier".
+    return "a" if kind == TierCostTable.kind else "an"
 
 
 def _kind_of(data: Mapping[str, Any], where: str) -> str:
     declared = data.get("type")
     if declared is not None and declared not in _KEYS:
-        raise CostModelError(f"{where}: type must be 'sps-1d' or 'additive', got {declared!r}")
-    present = {kind: [key for key in keys if key in data] for kind, keys in _KEYS.items()}
+        raise CostModelError(f"{where}: type must be {_kinds_text()}, got {declared!r}")
+    present = {kind: [key for key in keys if key in data] for kind, keys in _DISTINCT_KEYS.items()}
     found = [kind for kind, keys in present.items() if keys]
-    if len(found) == 2:
-        raise CostModelError(f"{where}: mixes sps-1d keys {present['sps-1d']} and additive keys "
-                             f"{present['additive']}; a table is one kind, keep one set of keys")
+    if len(found) > 1:
+        mixed = " and ".join(f"{kind} keys {present[kind]}" for kind in found)
+        raise CostModelError(f"{where}: mixes {mixed}; a table is one kind, keep one set of keys")
     if not found:
         if declared is not None:
             return str(declared)
-        raise CostModelError(f"{where}: cannot tell the cost-model kind; give the sps-1d keys "
-                             f"{list(_KEYS['sps-1d'])} or the additive keys {list(_KEYS['additive'])}")
+        options = ", ".join(f"the {kind} keys {list(keys)}" for kind, keys in _KEYS.items())
+        raise CostModelError(f"{where}: cannot tell the cost-model kind; give one of {options}")
     if declared is not None and declared != found[0]:
         raise CostModelError(f"{where}: type is {declared!r} but the keys {present[found[0]]} are those "
-                             f"of an {found[0]!r} table; fix the type or the keys")
+                             f"of {_article(found[0])} {found[0]!r} table; fix the type or the keys")
     return found[0]
 
 
 def cost_model_from_dict(data: Mapping[str, Any], where: str) -> CostModel:
     """Build a table from its JSON object; `where` (a file path or a spec location) prefixes errors.
 
-    The kind is detected from the keys; an optional "type" must agree with them.
+    The kind is detected from the keys only one kind uses; an optional "type" must agree with them.
     """
     if not isinstance(data, Mapping):
         raise CostModelError(f"{where}: a cost model must be a JSON object, got {type(data).__name__}")
-    known = {"type", *_DRAFT_KEYS, *_KEYS[SpsTable.kind], *_KEYS[AdditiveCostTable.kind]}
+    # "fingerprint" records what the table was measured on (dspark.fingerprint); the compiler checks
+    # it, the table itself does not depend on it, so it is accepted and left out of the fields.
+    known = {"type", "fingerprint", *_DRAFT_KEYS, *(key for keys in _KEYS.values() for key in keys)}
     unknown = sorted(str(key) for key in data if key not in known)
     if unknown:
-        raise CostModelError(f"{where}: unknown cost-model keys {unknown}; sps-1d tables use "
-                             f"{list(_KEYS['sps-1d'])}, additive tables use {list(_KEYS['additive'])}, "
-                             f"and both may add {list(_DRAFT_KEYS)}")
+        uses = ", ".join(f"{kind} tables use {list(keys)}" for kind, keys in _KEYS.items())
+        raise CostModelError(f"{where}: unknown cost-model keys {unknown}; {uses}, and all may add "
+                             f"{list(_DRAFT_KEYS)}")
     kind = _kind_of(data, where)
     missing = [key for key in _KEYS[kind] if key not in data]
     if missing:
         raise CostModelError(f"{where}: the {kind} table is missing {missing}")
     fields = {key: data[key] for key in (*_KEYS[kind], *_DRAFT_KEYS) if key in data}
     try:
-        return SpsTable(**fields) if kind == SpsTable.kind else AdditiveCostTable(**fields)
+        return _CLASSES[kind](**fields)
     except CostModelError as error:
         raise CostModelError(f"{where}: {error}") from None
 
@@ -342,18 +477,14 @@ def load_cost_model(path: str | os.PathLike[str]) -> CostModel:
     return cost_model_from_dict(data, str(path))
 
 
-def save_cost_model(table: CostModel, path: str | os.PathLike[str]) -> Path:
-    """Write `table` as JSON; atomic, so a reader never sees a half-written table. Returns the path."""
-    path = Path(path)
-    text = json.dumps(table.to_json(), indent=2) + "\n"
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
-    return path
+def save_cost_model(table: CostModel, path: str | os.PathLike[str],
+                    fingerprint: Mapping[str, Any] | None = None) -> Path:
+    """Write `table` as JSON; atomic, so a reader never sees a half-written table. Returns the path.
+
+    `fingerprint` (what the table was measured on) is stored beside the table's fields; the
+    compiler compares it with the spec that names the file.
+    """
+    data = table.to_json()
+    if fingerprint is not None:
+        data["fingerprint"] = dict(fingerprint)
+    return atomic_write_text(path, json.dumps(data, indent=2) + "\n")

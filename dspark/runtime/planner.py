@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.runtime.cost_models import AdditiveCostTable, CostModel, SpsTable
+from dspark.runtime.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
 
 # Objectives within this relative distance of the best count as tied (and the smaller budget wins), so the
 # float summation order (numpy here, a scalar loop in a check, another device) cannot flip a decision
@@ -182,12 +182,13 @@ def choose_budget(survival: torch.Tensor, cost_model: CostModel | None, cfg: Sch
     """The budget b (extra rows beyond the floor) maximising expected progress per second.
 
     The objective is `tau(b) * SPS(M)` for an `SpsTable` and `tau(b) / T(B, M)` for an
-    `AdditiveCostTable`; with a draft term it is `tau(b) / (step seconds + draft_time(B))`. Only budgets
-    with M within `cost_model.max_rows` and `max_rows` are feasible; the first maximum wins ties. Without
-    a cost model every candidate is verified, as far as `max_rows` allows.
+    `AdditiveCostTable` or a `TierCostTable`; with a draft term it is `tau(b) / (step seconds +
+    draft_time(B))`. Only budgets with M within `cost_model.max_rows` (a tier table's last tier) and
+    `max_rows` are feasible; the first maximum wins ties. Without a cost model every candidate is
+    verified, as far as `max_rows` allows.
     """
-    if cost_model is not None and not isinstance(cost_model, (SpsTable, AdditiveCostTable)):
-        raise TypeError(f"cost_model must be an SpsTable, an AdditiveCostTable or None, got "
+    if cost_model is not None and not isinstance(cost_model, (SpsTable, AdditiveCostTable, TierCostTable)):
+        raise TypeError(f"cost_model must be an SpsTable, an AdditiveCostTable, a TierCostTable or None, got "
                         f"{type(cost_model).__name__}")
     cands = _rank_candidates(survival, cfg)
     num_reqs = cands.num_reqs

@@ -31,7 +31,7 @@ from dspark.runtime.cost_fit import (
     largest_residuals,
     nnls,
 )
-from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, save_cost_model
+from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, TierCostTable, save_cost_model
 
 __all__ = [
     "AdditiveFit", "FitResidual", "ProfilePlan", "ProfileResult", "ProfileSample", "Sample", "StepTimer",
@@ -47,6 +47,7 @@ PROFILE_FORMAT = "dspark-profile"
 PROFILE_VERSION = 1
 SPS_FILE = "sps_1d.json"
 ADDITIVE_FILE = "additive.json"
+TIER_FILE = "tier.json"
 PROFILE_FILE = "profile.json"
 
 
@@ -315,8 +316,10 @@ def _series(name: str, probes: tuple[int, ...], seconds: tuple[float, ...]) -> s
 
 
 def write_tables(out_dir: str | os.PathLike[str], sps: SpsTable, fit: AdditiveFit | AdditiveCostTable,
-                 result: ProfileResult | None = None) -> dict[str, Path]:
-    """Write `sps_1d.json`, `additive.json` and (given the result) `profile.json` into `out_dir`.
+                 result: ProfileResult | None = None, tier: TierCostTable | None = None,
+                 fingerprint: Mapping[str, Any] | None = None) -> dict[str, Path]:
+    """Write `sps_1d.json`, `additive.json`, (given one) `tier.json` and (given the result)
+    `profile.json` into `out_dir`; every table carries `fingerprint` when one is given.
 
     Every file is first written in full under a temporary name in `out_dir` and then renamed over its
     target, so an interrupted run never leaves a truncated table for a deployment to load.
@@ -326,8 +329,10 @@ def write_tables(out_dir: str | os.PathLike[str], sps: SpsTable, fit: AdditiveFi
     additive = fit.table if isinstance(fit, AdditiveFit) else fit
     staged: dict[str, Path] = {}
     try:
-        staged[SPS_FILE] = staged_file(out, lambda p: save_cost_model(sps, p))
-        staged[ADDITIVE_FILE] = staged_file(out, lambda p: save_cost_model(additive, p))
+        staged[SPS_FILE] = staged_file(out, lambda p: save_cost_model(sps, p, fingerprint))
+        staged[ADDITIVE_FILE] = staged_file(out, lambda p: save_cost_model(additive, p, fingerprint))
+        if tier is not None:
+            staged[TIER_FILE] = staged_file(out, lambda p: save_cost_model(tier, p, fingerprint))
         if result is not None:
             staged[PROFILE_FILE] = staged_file(out, result.save)
     except BaseException:

@@ -73,8 +73,8 @@ def _hint(detail: Any, target: FieldTarget) -> str:
         hint = f"did you mean {close[0]!r}? " if close else ""
         return hint + f"use one of: {', '.join(options)}"
     if kind == "cost_model_type":
-        return ("write `type: sps-1d` or `type: additive`, then either `file: PATH` or the "
-                "table's fields inline")
+        return ("write `type: sps-1d`, `type: additive` or `type: tier`, then either `file: PATH` or "
+                "the table's fields inline")
     if kind in _TYPE_NAMES:
         value = detail.get("input")
         hint = f"expected {_TYPE_NAMES[kind]}, got {type(value).__name__} {value!r}"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark.spec.calibration_file import CalibrationFileContents
 from dspark.spec.checkpoints import (
     CheckpointRef,
     geometry_differences,
@@ -15,15 +16,14 @@ from dspark.spec.checkpoints import (
 from dspark.spec.errors import SpecIssue, SpecValueError
 from dspark.spec.external import read_json, resolve_path, validate_file_data
 from dspark.spec.models import (
-    AdditiveCostModel,
     CalibrationFile,
     CalibrationInline,
     CostModelFile,
     CostTable,
     DeploymentSpec,
     GeometrySpec,
-    Sps1dCostModel,
 )
+from dspark.spec.tables import COST_TABLE_MODELS
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class SpecFacts:
     draft_config: dict[str, Any] | None
     cost_model: CostTable | None
     temperatures: tuple[float, ...] | None
+    calibration_file: CalibrationFileContents | None = None  # all of a calibration file, when used
 
 
 def gather_facts(spec: DeploymentSpec, spec_dir: Path) -> tuple[SpecFacts, list[SpecIssue]]:
@@ -58,8 +59,11 @@ def gather_facts(spec: DeploymentSpec, spec_dir: Path) -> tuple[SpecFacts, list[
     if draft_ref is not None:
         draft_config = attempt(("draft", "checkpoint"), lambda: draft_ref.config("draft"))
     cost_model = attempt(("cost_model", "file"), lambda: _cost_model(spec, spec_dir))
-    temperatures = attempt(("calibration", "file"), lambda: _temperatures(spec, spec_dir))
-    facts = SpecFacts(spec, geometry, model_ref, draft_ref, draft_config, cost_model, temperatures)
+    calibration = attempt(("calibration", "file"), lambda: _calibration(spec, spec_dir))
+    temperatures = calibration.temperatures if calibration is not None else None
+    calibration_file = calibration if isinstance(calibration, CalibrationFileContents) else None
+    facts = SpecFacts(spec, geometry, model_ref, draft_ref, draft_config, cost_model, temperatures,
+                      calibration_file)
     return facts, issues
 
 
@@ -104,7 +108,7 @@ def _cost_model(spec: DeploymentSpec, spec_dir: Path) -> CostTable | None:
     if not isinstance(cost, CostModelFile):
         return cost
     path = resolve_path(cost.file, spec_dir)
-    model: type[CostTable] = Sps1dCostModel if cost.type == "sps-1d" else AdditiveCostModel
+    model = COST_TABLE_MODELS[cost.type]
     data = read_json(path, f"{cost.type} cost model file")
     if isinstance(data, dict) and data.get("type", cost.type) != cost.type:
         raise SpecValueError(f"cost model file {str(path)!r} holds a {data['type']!r} table",
@@ -113,13 +117,11 @@ def _cost_model(spec: DeploymentSpec, spec_dir: Path) -> CostTable | None:
                               extra={"type": cost.type})
 
 
-def _temperatures(spec: DeploymentSpec, spec_dir: Path) -> tuple[float, ...] | None:
+def _calibration(spec: DeploymentSpec, spec_dir: Path) -> CalibrationInline | None:
+    """The inline calibration, or the file's contents (a `CalibrationFileContents`)."""
     calibration = spec.calibration
-    if calibration is None:
-        return None
     if isinstance(calibration, CalibrationFile):
         path = resolve_path(calibration.file, spec_dir)
         data = read_json(path, "calibration file")
-        calibration = validate_file_data(CalibrationInline, data, path, "calibration file")
-    assert isinstance(calibration, CalibrationInline)
-    return calibration.temperatures
+        return validate_file_data(CalibrationFileContents, data, path, "calibration file")
+    return calibration

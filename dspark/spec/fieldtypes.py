@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationInfo
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
 from dspark.spec.errors import SpecValueError
 
@@ -16,6 +16,7 @@ def _list_to_tuple(value: Any) -> Any:
 
 IntTuple = Annotated[tuple[int, ...], BeforeValidator(_list_to_tuple)]
 FloatTuple = Annotated[tuple[float, ...], BeforeValidator(_list_to_tuple)]
+NullableFloatTuple = Annotated[tuple[float | None, ...], BeforeValidator(_list_to_tuple)]
 
 
 def strictly_increasing(values: tuple[int, ...], what: str) -> tuple[int, ...]:
@@ -42,3 +43,12 @@ class Section(BaseModel):
     """Strict (no "7" -> 7 coercion), frozen, and closed to unknown keys."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# A table file's record of the deployment it was measured on (`dspark.fingerprint`). Never dumped: it
+# describes the measurement, not the table, so it stays out of generated code and the planner's input.
+TableFingerprint = Annotated[dict[str, Any] | None, Field(
+    exclude=True,
+    description="Optional: the deployment the table was measured on (a fingerprint object as the "
+                "profiler writes it); compiling refuses a table measured on a different deployment "
+                "unless --allow-stale-tables is given.")]

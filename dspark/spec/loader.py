@@ -14,13 +14,18 @@ from dspark.spec.facts import gather_facts
 from dspark.spec.models import DeploymentSpec
 from dspark.spec.resolved import ResolvedSpec
 from dspark.spec.rules import num_draft_tokens, resolved_max_verify_len, run_rules, tier_grid
+from dspark.spec.staleness import calibration_policy, check_tables
 from dspark.spec.yaml_source import YamlDocument, locate, parse_yaml
 
 _REPO_MARKERS = (".git", "pyproject.toml")
 
 
-def load_spec(path: str | os.PathLike[str]) -> ResolvedSpec:
-    """Load, validate and resolve a spec file; raises `SpecError` listing every problem."""
+def load_spec(path: str | os.PathLike[str], *, allow_stale_tables: bool = False) -> ResolvedSpec:
+    """Load, validate and resolve a spec file; raises `SpecError` listing every problem.
+
+    A cost table or calibration whose fingerprint says it was measured on a different deployment is
+    an error unless `allow_stale_tables`; then it is kept and `ResolvedSpec.stale_tables` says so.
+    """
     given = Path(path)
     display = display_path(given)
     try:
@@ -45,6 +50,10 @@ def load_spec(path: str | os.PathLike[str]) -> ResolvedSpec:
     source = given.resolve()
     facts, issues = gather_facts(spec, source.parent)
     issues += run_rules(facts)
+    tables = check_tables(facts)
+    issues += tables.invalid
+    if not allow_stale_tables:
+        issues += [stale.issue for stale in tables.stale]
     if issues:
         raise SpecError(_in_source_order(
             [issue.at(locate(document, issue.path)) for issue in issues]))
@@ -63,6 +72,10 @@ def load_spec(path: str | os.PathLike[str]) -> ResolvedSpec:
         cost_model=facts.cost_model,
         temperatures=facts.temperatures,
         locations=_field_locations(document),
+        cost_model_fingerprint=tables.cost_model_fingerprint,
+        calibration_fingerprint=tables.calibration_fingerprint,
+        calibration_policy=calibration_policy(facts, tables.calibration_fingerprint),
+        stale_tables=tuple(stale.warning for stale in tables.stale),
     )
 
 

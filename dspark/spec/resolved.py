@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.fingerprint import Fingerprint
 from dspark.spec.checkpoints import CheckpointRef
 from dspark.spec.errors import FieldPath, Location, format_path
 from dspark.spec.models import CostTable, DeploymentSpec, GeometrySpec
@@ -28,6 +29,10 @@ class ResolvedSpec:
     cost_model: CostTable | None  # inline or loaded from its file
     temperatures: tuple[float, ...] | None  # inline or loaded from the calibration file
     locations: Mapping[str, Location]  # dotted field path -> where its value is written
+    cost_model_fingerprint: Fingerprint | None = None  # what the cost table was measured on
+    calibration_fingerprint: Fingerprint | None = None  # what the calibration was fitted on
+    calibration_policy: str | None = None  # the policy the calibration was fitted for, if stated
+    stale_tables: tuple[str, ...] = ()  # header warnings for tables kept with --allow-stale-tables
 
     @property
     def name(self) -> str:

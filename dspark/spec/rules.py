@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
+from dspark.fingerprint import sampling_policy
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
 from dspark.spec.models import DeploymentSpec
@@ -201,6 +202,27 @@ def check_context_len(facts: SpecFacts) -> Iterator[SpecIssue]:
                         f"use at most {limit} (a multiple of page_size)")
 
 
+def check_calibration_policy(facts: SpecFacts) -> Iterator[SpecIssue]:
+    calibration = facts.spec.calibration
+    if calibration is None or calibration.policy is None:
+        return
+    generation = facts.spec.serving.generation
+    serving = sampling_policy(generation.temperature, generation.top_p, generation.top_k)
+    if calibration.policy != serving:
+        yield SpecIssue(("calibration", "policy"),
+                        f"the calibration was fitted for {calibration.policy!r} but "
+                        f"serving.generation gives the policy {serving!r}",
+                        "greedy labels do not carry over to sampling: re-calibrate under the serving "
+                        "policy, or set serving.generation to the policy the calibration was fitted for")
+    contents = facts.calibration_file
+    if contents is not None and contents.policy is not None and contents.policy != calibration.policy:
+        yield SpecIssue(("calibration", "policy"),
+                        f"calibration.policy is {calibration.policy!r} but the calibration file says "
+                        f"it was fitted for {contents.policy!r}",
+                        "point calibration.file at a calibration fitted for this policy, or correct "
+                        "calibration.policy")
+
+
 RULES: tuple[Rule, ...] = (
     check_num_draft_tokens,
     check_verify_lens,
@@ -213,6 +235,7 @@ RULES: tuple[Rule, ...] = (
     check_draft_checkpoint,
     check_compact_cost_model,
     check_context_len,
+    check_calibration_policy,
 )
 
 
