@@ -23,7 +23,7 @@ def _check(markov: int) -> None:
 
     ctx = draft.context_kv(hidden[0, :anchor], torch.arange(anchor))
     ctx = [(k[None], v[None]) for k, v in ctx]
-    drafts, conf = draft.propose(tokens[0, anchor:anchor + 1], torch.tensor([anchor]), ctx,
+    drafts, conf, _ = draft.propose(tokens[0, anchor:anchor + 1], torch.tensor([anchor]), ctx,
                                  torch.tensor([anchor]))
     # Teacher-force the training path with the drafted tokens: it must reproduce them.
     forced = tokens.clone()

@@ -90,3 +90,19 @@ def test_spec_record_steps_turns_recording_on_with_a_default_directory(tmp_path,
     capsys.readouterr()
     (run_dir,) = (tmp_path / "runs").glob("rec_spec-*")
     assert len(_steps(run_dir / "steps.jsonl")) == 5  # the spec's ring size
+
+
+def test_sampling_runs_record_the_rejection_sampling_event_under_their_policy(tmp_path, capsys) -> None:
+    pkg = compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                          {"verify": {"mode": "cap-accept"}, "cost_model": COSTLY_ROWS,
+                           "serving": {"max_running_requests": 4}}, "rec_sampled")
+    out = tmp_path / "rec"
+    assert main(["run", str(pkg), "--prompt", "def f(x):", "--prompt", "import os", "--max-new-tokens", "40",
+                 "--temperature", "0.8", "--top-k", "20", "--record", str(out)]) == 0
+    capsys.readouterr()
+    meta = json.loads((out / "sts" / "meta.json").read_text())
+    assert meta["policy"] == "sample:temperature=0.8,top_p=1.0,top_k=20"
+    assert meta["fingerprint"]["policy"] == meta["policy"]
+    _, mask = _shards(out / "sts")
+    raw = torch.tensor([r["raw_correct_len"] for s in _steps(out / "steps.jsonl") for r in s["requests"]])
+    assert torch.equal(mask.sum(1), raw)  # labels are the verifier's own acceptance events

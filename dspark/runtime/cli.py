@@ -31,6 +31,13 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-steps", type=int, default=None, metavar="N",
                    help="decode steps kept in the ring (default: the spec's serving.record_steps, "
                         "or 100000 with --record)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the spec's serving.generation; 0 = greedy); "
+                        "sampled drafts are verified by rejection sampling, which keeps the target's "
+                        "distribution")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass (default: the spec's)")
+    p.add_argument("--top-k", type=int, default=None, help="top-k, 0 = off (default: the spec's)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--budget-fraction", type=float, default=None, metavar="F",
                    help="experiments: verify this share (0..1) of the candidate drafts every step "
                         "instead of the cost model's budget (cap-accept and compact only)")
@@ -162,21 +169,27 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def open_recorder(pkg: Any, args: argparse.Namespace) -> Any:
+def sampling_of(pkg: Any, args: argparse.Namespace) -> Any:
+    """The spec's serving.generation policy, with any of it overridden on the command line."""
+    from dspark.runtime.sampling import SamplingParams
+
+    s = pkg.deployment.serving
+    return SamplingParams(s.temperature if args.temperature is None else args.temperature,
+                          s.top_p if args.top_p is None else args.top_p,
+                          s.top_k if args.top_k is None else args.top_k)
+
+
+def open_recorder(runtime: Any, args: argparse.Namespace) -> Any:
     """The run's recorder, or None when neither the spec nor `--record` asks for one."""
     from dspark.runtime.recording import RunRecorder
 
+    pkg = runtime.package
     spec_steps = pkg.deployment.serving.record_steps
     if args.record is None and not spec_steps:
         return None
     directory = args.record or Path("runs") / f"{pkg.deployment.name}-{time.strftime('%Y%m%dT%H%M%S')}"
     steps = args.record_steps or spec_steps or 100_000
-    return RunRecorder(directory, pkg.plan.gamma, policy_of(pkg.deployment), steps)
-
-
-def policy_of(deployment: Any) -> str:
-    """The sampling policy a run's labels describe; the decode loop is greedy today."""
-    return "greedy"
+    return RunRecorder(directory, pkg.plan.gamma, runtime.sampling.policy, steps)
 
 
 def run_info(runtime: Any, target_only: bool, stats: Any) -> dict[str, Any]:
@@ -184,10 +197,11 @@ def run_info(runtime: Any, target_only: bool, stats: Any) -> dict[str, Any]:
 
     dep = runtime.deployment
     # The labels describe the policy the run decoded with, whatever the spec's defaults say.
-    fingerprint = dataclasses.replace(fingerprint_of_deployment(dep, runtime.tiers), policy=policy_of(dep))
+    policy = runtime.sampling.policy
+    fingerprint = dataclasses.replace(fingerprint_of_deployment(dep, runtime.tiers), policy=policy)
     return {"deployment": dep.name, "verify_mode": dep.verify_mode, "backend": dep.backend,
             "device": dep.device, "gamma": runtime.plan.gamma, "lag_steps": runtime.plan.lag_steps,
-            "policy": policy_of(dep), "tiers": list(runtime.tiers), "target_only": target_only,
+            "policy": policy, "tiers": list(runtime.tiers), "target_only": target_only,
             "fingerprint": fingerprint.to_json(),
             "stats": stats.to_json() if stats is not None else None}
 
@@ -198,8 +212,9 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
 
     try:
         pkg = load_package(package_dir)
-        recorder = open_recorder(pkg, args)
-        runtime = Runtime(pkg, forced_budget_fraction=args.budget_fraction, recorder=recorder)
+        runtime = Runtime(pkg, forced_budget_fraction=args.budget_fraction,
+                          sampling=sampling_of(pkg, args), seed=args.seed)
+        recorder = runtime.recorder = open_recorder(runtime, args)
         prompts = read_prompts(args)
         max_new = args.max_new_tokens or pkg.deployment.serving.max_new_tokens
         try:

@@ -24,6 +24,7 @@ from dspark.runtime.package import GeneratedPackage
 from dspark.runtime.plan import StepPlan
 from dspark.runtime.planner import LaggedSurvival
 from dspark.runtime.recording import RunRecorder
+from dspark.runtime.sampling import SamplingParams, rejection_accept, sample, warp
 
 
 class RequestError(ValueError):
@@ -129,7 +130,8 @@ def backend_device(backend: str) -> torch.device:
 
 class Runtime:
     def __init__(self, package: GeneratedPackage, forced_budget_fraction: float | None = None,
-                 recorder: RunRecorder | None = None) -> None:
+                 recorder: RunRecorder | None = None, sampling: SamplingParams | None = None,
+                 seed: int = 0) -> None:
         dep = package.deployment
         self.package = package
         self.deployment = dep
@@ -160,6 +162,9 @@ class Runtime:
         self.tiers: tuple[int, ...] = tuple(package.graph_runner.TOKEN_TIERS)
         self.compact = dep.verify_mode == "compact"
         self.recorder = recorder  # calibration shards and step records (`dspark run --record`)
+        s = dep.serving
+        self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # The lagged-confidence history is per runtime: a plan is shared, immutable config.
         self.history = (LaggedSurvival(self.plan.lag_steps, self.plan.gamma)
                         if self.plan.lag_steps else None)
@@ -276,7 +281,7 @@ class Runtime:
         ids = self._tensor([t for r in reqs for t in r.prompt])
         hidden = self.target.forward_paged(ids, meta.positions, self.attn, meta)
         last = torch.cumsum(lens.long(), 0) - 1
-        first = self.target.compute_logits(hidden[last]).argmax(-1).tolist()
+        first = self.pick_token(self.target.compute_logits(hidden[last])).tolist()
         if not target_only:
             row_req = torch.repeat_interleave(torch.arange(len(reqs), device=self.device), lens.long())
             self._append_draft_context(hidden, meta.positions, row_req, page_table)
@@ -291,7 +296,7 @@ class Runtime:
         meta = self.metadata.build_extend_metadata(prefix, torch.ones_like(prefix), page_table)
         ids = self._tensor([r.root for r in running])
         hidden = self.target.forward_paged(ids, meta.positions, self.attn, meta)
-        nxt = self.target.compute_logits(hidden).argmax(-1).tolist()
+        nxt = self.pick_token(self.target.compute_logits(hidden)).tolist()
         for r, tok in zip(running, nxt, strict=True):
             r.seq_len += 1
             r.root = tok
@@ -300,6 +305,12 @@ class Runtime:
         stats.request_steps += len(running)
         stats.committed_tokens += len(running)
         stats.verify_rows += len(running)
+
+    def pick_token(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token from `logits [..., V]` under the run's policy (argmax when greedy)."""
+        if self.sampling.greedy:
+            return logits.argmax(-1)
+        return sample(warp(logits, self.sampling), self.generator)
 
     def draft_context(self, page_table: torch.Tensor,
                       prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -317,9 +328,9 @@ class Runtime:
         prefix = self._tensor([r.seq_len for r in running], torch.int32)
         roots = self._tensor([r.root for r in running])
 
-        drafts, conf_logits = self.draft.propose(roots, prefix.long(),
-                                                 self.draft_context(page_table, prefix),
-                                                 prefix.long())
+        drafts, conf_logits, draft_logits = self.draft.propose(
+            roots, prefix.long(), self.draft_context(page_table, prefix), prefix.long(),
+            None if self.sampling.greedy else self.pick_token)
         step = self.plan.plan_step(conf_logits, [r.handle.slot for r in running],
                                    [r.handle.generation for r in running], self.history)
         verify_lens = step.verify_lens.to(self.device)
@@ -332,10 +343,19 @@ class Runtime:
         if self.compact:
             ids = pack_rows(ids, rows.src_index)
         hidden = self.verify_runner.run(ids, prefix, page_table, layout)
-        pred = self.target.compute_logits(hidden).argmax(-1)
-        if self.compact:  # back to the fixed stride accept reads; unplanned rows are never read
-            pred = scatter_rows(pred, rows.src_index, num_reqs * n, fill=-1)
-        acc = greedy_accept(drafts, pred.view(num_reqs, n), verify_lens)
+        logits = self.target.compute_logits(hidden)
+        if self.sampling.greedy:
+            pred = logits.argmax(-1)
+            if self.compact:  # back to the fixed stride accept reads; unplanned rows are never read
+                pred = scatter_rows(pred, rows.src_index, num_reqs * n, fill=-1)
+            acc = greedy_accept(drafts, pred.view(num_reqs, n), verify_lens)
+        else:
+            p_probs = warp(logits, self.sampling)
+            if self.compact:
+                p_probs = scatter_rows(p_probs, rows.src_index, num_reqs * n)
+            verdict = rejection_accept(drafts, warp(draft_logits, self.sampling),
+                                       p_probs.view(num_reqs, n, -1), verify_lens, self.generator)
+            acc = verdict.result
 
         # The root and the accepted drafts become draft context; the other rows are discarded.
         offset = rows.positions - prefix.long()[rows.row_req]
@@ -355,7 +375,8 @@ class Runtime:
         seconds = time.perf_counter() - start  # the step's wall time, before any recording work
         if self.recorder is not None and conf_logits is not None:
             # The uncapped greedy match: its labels are exact wherever every row ran.
-            raw = greedy_accept(drafts, pred.view(num_reqs, n), torch.full_like(verify_lens, n)).correct_len
+            raw = (greedy_accept(drafts, pred.view(num_reqs, n), torch.full_like(verify_lens, n)).correct_len
+                   if self.sampling.greedy else verdict.raw_correct_len)
             self.recorder.sts.add(conf_logits, raw, run_lens == n)
             self.recorder.steps.append(self._step_record(
                 handles, step, layout, lens, correct, raw.tolist(), conf_logits, seconds))

@@ -85,7 +85,8 @@ class VerifyStepTimer:
         prefix = torch.full((num_reqs,), self.context_len, dtype=torch.long, device=rt.device)
         _synchronize(rt.device)
         start = time.perf_counter()
-        rt.draft.propose(roots, prefix, rt.draft_context(self.page_table[:num_reqs], prefix), prefix)
+        rt.draft.propose(roots, prefix, rt.draft_context(self.page_table[:num_reqs], prefix), prefix,
+                         None if rt.sampling.greedy else rt.pick_token)
         _synchronize(rt.device)
         return time.perf_counter() - start
 

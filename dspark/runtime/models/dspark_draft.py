@@ -12,6 +12,7 @@ layer to one logit per position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -57,6 +58,10 @@ class DraftConfig:
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(**{f: getattr(self, f) for f in LLAMA_FIELDS})
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
 
 
 class DraftLayer(nn.Module):
@@ -161,26 +166,31 @@ class DSparkDraft(nn.Module):
             conf = self.confidence_head(torch.cat((hidden, m), dim=-1)).squeeze(-1)
         return logits, conf, hidden
 
-    def _run_head(self, g: torch.Tensor, first_prev: torch.Tensor, greedy: bool,
+    def _run_head(self, g: torch.Tensor, first_prev: torch.Tensor,
+                  choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   forced_prev: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head over all gamma positions of `g[..., gamma, d]`.
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The head over all gamma positions of `g[..., gamma, d]`: logits, confidence logits and
+        the drafted tokens.
 
-        The previous token is the drafted one (`greedy`) or `forced_prev[..., k]` (training).
+        The previous token is the drafted one, `choose(logits)` (argmax, or a sample), or
+        `forced_prev[..., k]` (training, which drafts nothing).
         """
         state = torch.zeros_like(g[..., 0, :])
         prev = first_prev
-        logits, confs = [], []
+        logits, confs, tokens = [], [], []
         for k in range(self.cfg.gamma):
             if forced_prev is not None:
                 prev = forced_prev[..., k]
             step_logits, conf, state = self.head(g[..., k, :], prev, state)
-            if greedy:
-                prev = step_logits.argmax(-1)
+            if choose is not None:
+                prev = choose(step_logits)
+                tokens.append(prev)
             logits.append(step_logits)
             confs.append(conf)
         conf_logits = torch.stack(confs, dim=-1) if self.cfg.confidence_head else None
-        return torch.stack(logits, dim=-2), conf_logits
+        drafted = torch.stack(tokens, dim=-1) if tokens else None
+        return torch.stack(logits, dim=-2), conf_logits, drafted
 
     # -- training ------------------------------------------------------------------------
     def forward_train(self, target_hidden: torch.Tensor, tokens: torch.Tensor,
@@ -209,7 +219,8 @@ class DSparkDraft(nn.Module):
 
         g = self.backbone(block_ids, block_pos, ctx_kv, mask).view(b, n_anchor, gamma + 1, -1)[:, :, 1:]
         prev = tokens.gather(1, (anchors[..., None] + offs[:-1]).reshape(b, -1)).view(b, n_anchor, gamma)
-        return self._run_head(g, prev[..., 0], greedy=False, forced_prev=prev)
+        logits, conf, _ = self._run_head(g, prev[..., 0], forced_prev=prev)
+        return logits, conf
 
     # -- serving -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -222,12 +233,14 @@ class DSparkDraft(nn.Module):
 
     @torch.inference_mode()
     def propose(self, root_ids: torch.Tensor, root_pos: torch.Tensor,
-                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_lens: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy drafts `[B, gamma]` and confidence logits `[B, gamma]`.
+                ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_lens: torch.Tensor,
+                choose: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Drafts `[B, gamma]`, confidence logits `[B, gamma]` and draft logits `[B, gamma, V]`.
 
         `ctx_kv` holds each layer's context K/V gathered to `[B, C, Hkv, D]`; request r's
-        first `ctx_lens[r]` entries are valid.
+        first `ctx_lens[r]` entries are valid. `choose(logits)` picks each draft token (a
+        sampler); greedy (argmax) without it.
         """
         gamma = self.cfg.gamma
         n = gamma + 1
@@ -239,5 +252,6 @@ class DSparkDraft(nn.Module):
                           torch.ones(len(root_ids), n, n, dtype=torch.bool, device=root_ids.device)),
                          dim=-1)
         g = self.backbone(block_ids, block_pos, ctx_kv, mask)[:, 1:]
-        logits, conf_logits = self._run_head(g, root_ids, greedy=True)
-        return logits.argmax(-1), conf_logits
+        logits, conf_logits, drafts = self._run_head(g, root_ids, choose or _argmax)
+        assert drafts is not None
+        return drafts, conf_logits, logits

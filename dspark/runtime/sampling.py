@@ -1,0 +1,105 @@
+"""Sampling: the warped distributions of draft and target, and rejection-sampling verification.
+
+Speculative sampling keeps the target's distribution exactly: draft k, drawn from the draft's
+warped distribution q_k, is accepted with probability min(1, p_k(x) / q_k(x)); at the first
+rejection the committed token is drawn from the residual norm(max(0, p_k - q_k)); a request that
+stops without a rejection (every draft accepted, or its verify_len cap reached) draws its last
+token from p at that row. Each committed token is then distributed as the target's warped
+next-token distribution given the prefix, whatever the draft proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.runtime.accept import AcceptResult
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def policy(self) -> str:
+        """The policy name calibrations and fingerprints use (`dspark.fingerprint.sampling_policy`)."""
+        from dspark.fingerprint import sampling_policy
+
+        return sampling_policy(self.temperature, self.top_p, self.top_k)
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities `[..., V]` after temperature, top-k and top-p (float32)."""
+    if params.greedy:
+        raise ValueError("greedy decoding has no sampling distribution; use argmax")
+    scaled = logits.float() / params.temperature
+    if params.top_k and params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `probs [..., V]` (int64 `[...]`)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+@dataclass(frozen=True)
+class SamplingAccept:
+    result: AcceptResult
+    raw_correct_len: torch.Tensor  # int64 [B]: acceptances ignoring the verify_len cap (labels)
+
+
+def rejection_accept(drafts: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,
+                     verify_lens: torch.Tensor, generator: torch.Generator | None) -> SamplingAccept:
+    """Verify sampled `drafts [B, gamma]` (drawn from `q_probs [B, gamma, V]`) against the
+    target's warped `p_probs [B, N, V]`; acceptance is capped by `verify_lens` as in greedy mode."""
+    num_reqs, gamma = drafts.shape
+    device = drafts.device
+    q = q_probs.gather(-1, drafts[..., None]).squeeze(-1)
+    p = p_probs[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
+    u = torch.rand((num_reqs, gamma), generator=generator, device=device)
+    accepted = u * q < p  # u < p / q without dividing by a possibly tiny q
+    raw = accepted.long().cumprod(-1).sum(-1)
+    cap = verify_lens.long() - 1
+    correct = torch.minimum(raw, cap)
+    rows = torch.arange(num_reqs, device=device)
+    p_stop = p_probs[rows, correct]  # [B, V]: p at the row after the accepted prefix
+    # Stopped by a rejection among the verified drafts; a draft at or past the cap was never
+    # verified (not planned), so stopping there draws from p, not from the residual.
+    rejected = raw < cap
+    q_stop = q_probs[rows, correct.clamp(max=gamma - 1)]
+    residual = (p_stop - q_stop).clamp_min(0.0)
+    mass = residual.sum(-1, keepdim=True)
+    # A rejection has residual mass > 0 unless p <= q everywhere, i.e. p == q (then nothing is
+    # ever rejected); guard the division anyway.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_stop)
+    stop_dist = torch.where(rejected[:, None], residual, p_stop)
+    bonus = sample(stop_dist, generator)
+    return SamplingAccept(AcceptResult(correct, correct + 1, bonus), raw)

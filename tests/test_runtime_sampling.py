@@ -1,0 +1,132 @@
+"""Sampling keeps the target's distribution: warping, rejection-sampling verification, end to end.
+
+The end-to-end test compares sampled continuations with the exact distribution of the target
+(top-k 8 keeps the outcomes enumerable) by a chi-square goodness-of-fit test at a fixed seed,
+and shows the same test rejects a verifier that accepts every draft.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from dspark.runtime import engine as engine_module
+from dspark.runtime.accept import AcceptResult
+from dspark.runtime.engine import Runtime
+from dspark.runtime.package import load_package
+from dspark.runtime.sampling import SamplingAccept, SamplingParams, rejection_accept, sample, warp
+
+from .runtime_helpers import compile_variant
+
+
+def test_warp_applies_temperature_top_k_and_top_p() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert torch.allclose(warp(logits, SamplingParams(1.0)), torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert torch.allclose(warp(logits, SamplingParams(1.0, top_k=2)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    # top_p 0.7: 0.5 alone is short of it, 0.5 + 0.25 reaches it; the rest is dropped
+    assert torch.allclose(warp(logits, SamplingParams(1.0, top_p=0.7)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    hot = warp(logits, SamplingParams(2.0))
+    assert hot[0] < 0.5 and torch.isclose(hot.sum(), torch.tensor(1.0))
+    with pytest.raises(ValueError):
+        warp(logits, SamplingParams(0.0))
+    with pytest.raises(ValueError):
+        SamplingParams(1.0, top_p=0.0)
+
+
+@pytest.mark.parametrize("verify_len", [3, 2, 1])
+def test_rejection_accept_commits_tokens_distributed_as_the_target(verify_len: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = 200_000
+    q = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]]).expand(rows, -1, -1)
+    p = torch.tensor([[0.2, 0.5, 0.3], [0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]).expand(rows, -1, -1)
+    drafts = sample(q, gen)
+    verdict = rejection_accept(drafts, q, p, torch.full((rows,), verify_len), gen)
+    acc = verdict.result
+    first = torch.where(acc.correct_len > 0, drafts[:, 0], acc.bonus)
+    freq = torch.bincount(first, minlength=3).float() / rows
+    assert torch.allclose(freq, p[0, 0], atol=0.005), freq  # the committed token follows p, not q
+    assert int(acc.correct_len.max()) <= verify_len - 1
+    assert bool((verdict.raw_correct_len >= acc.correct_len).all())
+
+
+@torch.no_grad()
+def _exact_joint(runtime: Runtime, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3) under the target's warped distribution (top-k keeps the support small)."""
+    target = runtime.target
+
+    def next_probs(seqs: list[list[int]]) -> torch.Tensor:
+        hidden = target.forward_dense(torch.tensor(seqs))
+        return warp(target.dense_logits(hidden)[:, -1], params)
+
+    out: dict[tuple[int, ...], float] = {}
+    p1 = next_probs([prompt])[0]
+    for x1 in p1.nonzero().flatten().tolist():
+        p2 = next_probs([prompt + [x1]])[0]
+        seconds = p2.nonzero().flatten().tolist()
+        p3 = next_probs([prompt + [x1, x2] for x2 in seconds])
+        for x2, row in zip(seconds, p3, strict=True):
+            for x3 in row.nonzero().flatten().tolist():
+                out[(x1, x2, x3)] = float(p1[x1] * p2[x2] * row[x3])
+    return out
+
+
+def _chi_square(counts: Counter, expected: dict[tuple[int, ...], float], n: int) -> tuple[float, int]:
+    """Statistic and degrees of freedom, pooling outcomes expected fewer than 5 times."""
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for outcome, prob in expected.items():
+        if prob * n >= 5:
+            stat += (counts.get(outcome, 0) - prob * n) ** 2 / (prob * n)
+            df += 1
+        else:
+            pooled_obs += counts.get(outcome, 0)
+            pooled_exp += prob * n
+    unexpected = sum(c for o, c in counts.items() if o not in expected)
+    pooled_obs += unexpected
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        df += 1
+    return stat, df
+
+
+def _critical(df: int) -> float:
+    """Chi-square quantile at p = 0.999 (Wilson–Hilferty)."""
+    z = 3.09
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_the_exact_target_distribution(tmp_path, monkeypatch) -> None:
+    pkg = load_package(compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                                       {"verify": {"mode": "compact", "allow_no_cost_model": True},
+                                        "serving": {"max_running_requests": 32}}, "sampled"))
+    params = SamplingParams(temperature=1.0, top_k=8)
+    runtime = Runtime(pkg, sampling=params, seed=1)
+    prompt = pkg.tokenizer.encode("    def __init__(self, ")
+    expected = _exact_joint(runtime, prompt, params)
+    n = 1536
+
+    def joint(rt: Runtime, **kwargs: bool) -> Counter:
+        outputs, _ = rt.generate([prompt] * n, 3, **kwargs)
+        return Counter(tuple(o) for o in outputs)
+
+    speculative = joint(runtime)
+    stat, df = _chi_square(speculative, expected, n)
+    assert stat < _critical(df), f"speculative sampling: chi-square {stat:.1f} on {df} df"
+    target_only = joint(Runtime(pkg, sampling=params, seed=2), target_only=True)
+    stat_ref, df_ref = _chi_square(target_only, expected, n)
+    assert stat_ref < _critical(df_ref)
+
+    # Power check: a verifier that accepts every draft commits the draft's distribution instead.
+    def accept_all(drafts, q_probs, p_probs, verify_lens, generator) -> SamplingAccept:
+        honest = rejection_accept(drafts, q_probs, p_probs, verify_lens, generator)
+        correct = verify_lens.long() - 1
+        bonus = honest.result.bonus
+        return SamplingAccept(AcceptResult(correct, correct + 1, bonus), correct)
+
+    monkeypatch.setattr(engine_module, "rejection_accept", accept_all)
+    broken = joint(Runtime(pkg, sampling=params, seed=3))
+    stat_bad, df_bad = _chi_square(broken, expected, n)
+    assert stat_bad > _critical(df_bad), "the test cannot tell a broken verifier apart"
