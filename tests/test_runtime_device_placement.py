@@ -40,3 +40,19 @@ def test_decode_loop_creates_no_tensor_on_the_default_device(tmp_path, variant: 
     finally:
         torch.set_default_device(None)
     assert speculative == target_only == expected
+
+
+def test_sampling_creates_no_tensor_on_the_default_device(tmp_path) -> None:
+    from dspark.runtime.sampling import SamplingParams
+
+    overrides = {**VARIANTS["compact_tiers"], "serving": {"max_running_requests": 3}}
+    pkg = load_package(compile_variant(tmp_path, "tiny_cpu_static.yaml", overrides, "sampled_placement"))
+    runtime = Runtime(pkg, sampling=SamplingParams(0.8, top_p=0.9, top_k=20), seed=0)
+    prompts = [pkg.tokenizer.encode(p) for p in ["def main(argv):\n", "import os\n", "x"]]
+    torch.set_default_device("meta")
+    try:
+        speculative, stats = runtime.generate(prompts, 16)
+        target_only, _ = runtime.generate(prompts, 16, target_only=True)
+    finally:
+        torch.set_default_device(None)
+    assert all(len(o) == 16 for o in speculative + target_only) and stats.steps > 0
