@@ -261,15 +261,16 @@ def test_cli_reads_shards_and_prints_json(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize("setup, argv, message", [
-    (lambda d: None, ["--sts", "missing"], "missing: no such STS shard or directory"),
-    (lambda d: (d / "empty").mkdir(), ["--sts", "empty"], "empty: directory holds no *.pt STS shards"),
+    (lambda d: None, ["--sts", "missing"], "missing: no such shard file or directory"),
+    (lambda d: (d / "empty").mkdir(), ["--sts", "empty"], "empty: directory holds no .pt shards"),
     (lambda d: write_shard(d / "a.pt", torch.zeros(4, 7)), ["--sts", "a.pt", "--temperatures", "1,2"],
      "--temperatures has 2 values but the shards have gamma=7"),
     (lambda d: (write_shard(d / "a.pt", torch.zeros(4, 7)), write_shard(d / "b.pt", torch.zeros(4, 3))),
-     ["--sts", "a.pt", "b.pt"], "b.pt: gamma=3 but"),
-    (lambda d: torch.save([1, 2], d / "list.pt"), ["--sts", "list.pt"], "list.pt: not an STS shard"),
+     ["--sts", "a.pt", "b.pt"], "b.pt: gamma 3 differs from the earlier shards' gamma 7"),
+    (lambda d: torch.save([1, 2], d / "list.pt"), ["--sts", "list.pt"],
+     "list.pt: holds a list; expected the recorder's dict"),
     (lambda d: (d / "junk.pt").write_text("junk"), ["--sts", "junk.pt"],
-     "junk.pt: cannot read the STS shard"),
+     "junk.pt: cannot read the shard"),
     (lambda d: write_shard(d / "a.pt", torch.zeros(4, 7)), ["--sts", "a.pt", "--min-verify-len", "9"],
      "min_verify_len=9 exceeds the cap"),
 ])

@@ -150,13 +150,17 @@ def _temperatures(values: Any, gamma: int | None = None) -> np.ndarray:
     return t
 
 
-def survival(logits: Any, temperatures: Any) -> np.ndarray:
-    """`cumprod(sigmoid(z / T))` along the last axis: P(the accepted prefix reaches draft k), per row."""
+def confidence(logits: Any, temperatures: Any) -> np.ndarray:
+    """`sigmoid(z / T)`: P(draft k is accepted | the accepted prefix reached it), per row."""
     z = np.asarray(logits, dtype=np.float64)
     if z.ndim not in (1, 2):
         raise ValueError(f"logits must be [gamma] or [n, gamma], got shape {z.shape}")
-    t = _temperatures(temperatures, z.shape[-1])
-    return np.cumprod(_sigmoid(z / t), axis=-1)
+    return _sigmoid(z / _temperatures(temperatures, z.shape[-1]))
+
+
+def survival(logits: Any, temperatures: Any) -> np.ndarray:
+    """`cumprod(sigmoid(z / T))` along the last axis: P(the accepted prefix reaches draft k), per row."""
+    return np.cumprod(confidence(logits, temperatures), axis=-1)
 
 
 # -------------------------------------------------------------------------------------------- data + IO

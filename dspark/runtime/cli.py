@@ -217,13 +217,13 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
         recorder = runtime.recorder = open_recorder(runtime, args)
         prompts = read_prompts(args)
         max_new = args.max_new_tokens or pkg.deployment.serving.max_new_tokens
+        stats = None
         try:
             outputs, stats = runtime.generate([pkg.tokenizer.encode(p) for p in prompts], max_new,
                                               target_only=args.target_only)
         finally:
             if recorder is not None:  # flush what was recorded even when the run failed
-                recorder.close(run_info(runtime, args.target_only,
-                                        stats if "stats" in locals() else None))
+                recorder.close(run_info(runtime, args.target_only, stats))
     except (PackageError, RequestError, ValueError) as err:
         print(f"dspark: error: {err}", file=sys.stderr)
         return 2

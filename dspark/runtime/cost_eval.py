@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspark.runtime.calibration import load_shards
 from dspark.runtime.cost_fit import FitResidual, fit_quality, fit_tier_table
 from dspark.runtime.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
 from dspark.runtime.planner import (
@@ -49,7 +50,7 @@ from dspark.runtime.profiler import ProfileResult, fit_profile
 __all__ = [
     "BOUNDARY_RADIUS", "BatchEval", "BatchRange", "CostEvalReport", "FitQuality", "MeasuredSteps",
     "ModelEval", "RegretStats", "add_cost_eval_parser", "evaluate_cost_models", "fit_all_models",
-    "format_cost_eval", "load_sts_logits", "model_fit_quality", "profile_tiers", "run_cost_eval",
+    "format_cost_eval", "model_fit_quality", "profile_tiers", "run_cost_eval",
 ]
 
 BOUNDARY_RADIUS = 2
@@ -495,44 +496,6 @@ def add_cost_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _shard_paths(paths: Sequence[Path]) -> list[Path]:
-    out: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(path.glob("*.pt"))
-            if not found:
-                raise ValueError(f"{path}: directory holds no *.pt STS shards; pass the run's sts/ directory")
-            out.extend(found)
-        elif path.is_file():
-            out.append(path)
-        else:
-            raise ValueError(f"{path}: no such STS shard or directory")
-    return out
-
-
-def load_sts_logits(paths: Sequence[Path]) -> torch.Tensor:
-    """The confidence logits [n, gamma] of every STS shard in `paths` (files, or directories of *.pt)."""
-    chunks = []
-    for path in _shard_paths(paths):
-        try:
-            shard = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # a corrupt file can fail anywhere in the unpickler, with any type
-            raise ValueError(f"{path}: cannot read the STS shard ({type(error).__name__}: {error}); "
-                             "pass shards written by `dspark run --record`") from None
-        logits = shard.get("logits") if isinstance(shard, dict) else None
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
-            raise ValueError(f"{path}: not an STS shard; expected a dict with 'logits' [n, gamma] float and "
-                             "'prefix_mask' [n, gamma] bool, as `dspark run --record` writes")
-        if chunks and logits.shape[1] != chunks[0][1].shape[1]:
-            raise ValueError(f"{path}: gamma={logits.shape[1]} but {chunks[0][0]} has gamma="
-                             f"{chunks[0][1].shape[1]}; evaluate shards of one deployment together")
-        chunks.append((path, logits))
-    logits = torch.cat([c[1] for c in chunks]).to(torch.float32)
-    if logits.shape[0] == 0:
-        raise ValueError("the STS shards hold no rows; record a run first")
-    return logits
-
-
 def _temperatures(text: str | None, gamma: int) -> list[float] | None:
     if text is None:
         return None
@@ -550,7 +513,7 @@ def run_cost_eval(args: argparse.Namespace) -> int:
     """`dspark cost-eval`: print the report (text or --json); bad input → message on stderr, exit 2."""
     try:
         result = ProfileResult.load(args.profile)
-        logits = load_sts_logits(args.sts)
+        logits = torch.tensor(load_shards(args.sts).logits, dtype=torch.float32)
         survival = survival_from_logits(logits, _temperatures(args.temperatures, logits.shape[1]))
         cfg = ScheduleConfig(gamma=logits.shape[1], min_verify_len=args.min_verify_len,
                              max_verify_len=args.max_verify_len)

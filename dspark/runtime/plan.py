@@ -8,6 +8,7 @@ the runtime and passed in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ class StepPlan:
     decision: BudgetDecision | None = None
     aligned_budget: int | None = None  # the budget after graph-tier alignment, when it applied
 
-    @property
+    @functools.cached_property  # read by the run's counters and again by the step recorder
     def tau(self) -> float | None:
         """Expected committed tokens of the rows actually allocated: B + the survival of every
         verified draft (None without a planner)."""

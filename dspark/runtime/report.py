@@ -23,7 +23,6 @@ import math
 import os
 import re
 import sys
-import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dspark.atomic import atomic_write_text
+from dspark.runtime import calibration as cal
 
 __all__ = [
     "BenchFile", "BiasRow", "CalibrationGroup", "CostPanel", "OracleRow", "Reliability", "ReportError",
@@ -240,29 +242,17 @@ def _load_sts(sts_dir: Path, gamma: int, run_policy: str) -> StsSamples | None:
             raise ReportError(f"{meta_path}: must be a JSON object")
     if not shards:
         return None
-    import torch  # only here: the rest of the report needs no torch
-
-    logits, masks = [], []
-    for shard in shards:
-        try:
-            data = torch.load(shard, map_location="cpu", weights_only=True)
-        except Exception as err:  # torch raises several unrelated types for a corrupt file
-            raise ReportError(f"{shard}: cannot read the STS shard ({err}); delete it or re-record") from None
-        if not isinstance(data, dict) or "logits" not in data or "prefix_mask" not in data:
-            raise ReportError(f"{shard}: an STS shard must be a dict with 'logits' and 'prefix_mask'")
-        z, mask = data["logits"], data["prefix_mask"]
-        if (not isinstance(z, torch.Tensor) or not isinstance(mask, torch.Tensor) or z.dim() != 2
-                or z.shape != mask.shape or z.shape[1] != gamma):
-            shapes = tuple(getattr(z, "shape", ())), tuple(getattr(mask, "shape", ()))
-            raise ReportError(f"{shard}: logits and prefix_mask must both be tensors of shape [n, "
-                              f"gamma={gamma}], got {shapes[0]} and {shapes[1]}")
-        logits.append(z.detach().double().numpy())
-        masks.append(mask.detach().bool().numpy())
+    try:
+        data = cal.load_shards([sts_dir])
+    except cal.CalibrationError as err:
+        raise ReportError(str(err)) from None
+    if data.gamma != gamma:
+        raise ReportError(f"{sts_dir}: the shards have gamma={data.gamma} but run.json says {gamma}")
     where = str(meta_path)
     policy = _field(meta, "policy", (str,), where, nullable=True) or run_policy
     skipped = _int(meta, "skipped_requests", where, nullable=True) or 0
     reason = _field(meta, "skip_reason", (str,), where, nullable=True)
-    return StsSamples(np.concatenate(logits), np.concatenate(masks), policy, skipped, reason)
+    return StsSamples(data.logits, data.prefix_mask, policy, skipped, reason)
 
 
 def load_run(path: str | os.PathLike[str]) -> RunData:
@@ -479,23 +469,6 @@ def _opt_float(value: Any) -> float | None:
 # ---------------------------------------------------------------------------------------- calibration
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    # tanh form: no overflow warnings for large |x|, unlike 1 / (1 + exp(-x)).
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
-
-
-def _auroc(score: np.ndarray, label: np.ndarray) -> float:
-    """Probability that a random positive scores above a random negative (ties count half)."""
-    pos = int(label.sum())
-    neg = label.size - pos
-    if pos == 0 or neg == 0:
-        return math.nan
-    _, inverse, counts = np.unique(score, return_inverse=True, return_counts=True)
-    ends = np.cumsum(counts)
-    ranks = ((ends - counts + 1 + ends) / 2.0)[inverse]
-    return float((ranks[label].sum() - pos * (pos + 1) / 2.0) / (pos * neg))
-
-
 @dataclass(frozen=True)
 class Reliability:
     """A reliability diagram over equal-width confidence bins, with ECE, Brier score and AUROC."""
@@ -528,10 +501,9 @@ def reliability(confidence: np.ndarray, event: np.ndarray, num_bins: int = NUM_B
         rate = np.bincount(index, weights=hit.astype(np.float64), minlength=num_bins) / counts
     if conf.size == 0:
         return Reliability(counts, mean_conf, rate, math.nan, math.nan, math.nan)
-    filled = counts > 0
-    ece = float(np.sum(counts[filled] / conf.size * np.abs(mean_conf[filled] - rate[filled])))
-    brier = float(np.mean((conf - hit) ** 2))
-    return Reliability(counts, mean_conf, rate, ece, brier, _auroc(conf, hit))
+    auroc = cal.roc_auc(conf, hit)
+    return Reliability(counts, mean_conf, rate, cal.ece(conf, hit, num_bins), cal.brier(conf, hit),
+                       math.nan if auroc is None else auroc)
 
 
 @dataclass(frozen=True)
@@ -554,7 +526,7 @@ class CalibrationGroup:
 
 
 def _score(logits: np.ndarray, mask: np.ndarray, temps: np.ndarray) -> tuple[tuple[Reliability, ...], ...]:
-    cond_conf = _sigmoid(logits / temps)
+    cond_conf = cal.confidence(logits, temps)
     survival = np.cumprod(cond_conf, axis=1)
     conditional, cumulative = [], []
     for k in range(logits.shape[1]):
@@ -1040,18 +1012,7 @@ def write_report(inputs: ReportInputs, out_dir: str | os.PathLike[str]) -> Path:
     point leaves the previous report.md (or none), never a partial one."""
     out = Path(out_dir)
     text = render_report(inputs, out)
-    fd, temp = tempfile.mkstemp(dir=out, prefix=f".{REPORT_FILE}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, 0o644)  # mkstemp creates 0600; a report is meant to be shared
-        os.replace(temp, out / REPORT_FILE)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    return out / REPORT_FILE
+    return atomic_write_text(out / REPORT_FILE, text)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
