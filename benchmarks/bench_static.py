@@ -15,23 +15,11 @@ from pathlib import Path
 
 from dspark.runtime.engine import Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.train_tiny import held_out_text
+from dspark.runtime.prompt_sets import held_out_prompts
 
-
-def held_out_prompts(count: int, length: int, phase: int = 40) -> list[str]:
-    """`count` prompts of `length` characters cut at line starts from held-out files: every 97th
-    line, starting at line `phase` (different phases give disjoint prompt sets)."""
-    prompts: list[str] = []
-    for text in held_out_text(4 << 20):
-        lines = text.splitlines(keepends=True)
-        offset = 0
-        for i, line in enumerate(lines):
-            if i % 97 == phase and text[offset:offset + length].strip():
-                prompts.append(text[offset:offset + length])
-            offset += len(line)
-            if len(prompts) == count:
-                return prompts
-    return prompts
+# `held_out_prompts` lives in dspark.runtime.prompt_sets (`dspark bench` uses it without torch);
+# bench_modes.py and held_out_prompts.py still import it from here.
+__all__ = ["held_out_prompts", "main"]
 
 
 def main() -> None:

@@ -396,6 +396,14 @@ def test_report_has_a_row_per_position_and_never_says_acceptance_rate() -> None:
     assert edge.temperatures == (10.0,) and "edge of the grid for position(s) [0]" in format_fit_report(edge)
 
 
+def test_report_names_the_recorded_policy_of_the_labels() -> None:
+    fit = fit_sts(synthetic(500))
+    assert "greedy prefix matches" in format_fit_report(fit, "greedy")
+    sampled = format_fit_report(fit, "sample:temperature=0.8,top_p=0.95,top_k=0")
+    assert "acceptance events of sample:temperature=0.8" in sampled and "greedy" not in sampled
+    assert "unknown" in format_fit_report(fit)
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from dspark.runtime.engine import RequestError, Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.train_tiny import held_out_text
+from dspark.runtime.prompt_sets import held_out_text
 
 from .runtime_helpers import REPO, compile_variant
 
@@ -49,6 +49,26 @@ def test_static_speculative_equals_target_only(reference, batch: int) -> None:
     assert sum(stats.drafts_accepted) > 0  # the draft is doing real work
     assert runtime.slots.num_free_slots == batch  # every slot came back
     assert sum(runtime.slots.generation) == len(prompts)  # reused slots got new generations
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_chunked_prefill_is_lossless(reference, mode: str) -> None:
+    """Prompts prefilled 13 tokens per step (over all requests, across decode steps of the running
+    batch) decode exactly as unchunked target-only decoding."""
+    tmp, prompts, expected = reference
+    verify = {"mode": mode, "allow_no_cost_model": True} if mode == "compact" else {}
+    pkg_dir = compile_variant(tmp, "tiny_cpu_static.yaml",
+                              {"verify": verify, "serving": {"max_running_requests": 4,
+                                                             "chunked_prefill_tokens": 13}},
+                              f"chunked_{mode}")
+    runtime = Runtime(load_package(pkg_dir))
+    assert max(len(p) for p in prompts) > 13 * 3  # several chunks for the longest prompts
+    outputs, _ = runtime.generate(prompts, MAX_NEW)
+    assert outputs == expected
+    target_only, _ = runtime.generate(prompts, MAX_NEW, target_only=True)
+    assert target_only == expected
+    assert runtime.slots.num_free_slots == 4 and not runtime.has_work
 
 
 def test_request_over_context_is_rejected_with_the_limit_named(reference) -> None:

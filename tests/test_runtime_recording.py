@@ -106,3 +106,32 @@ def test_sampling_runs_record_the_rejection_sampling_event_under_their_policy(tm
     _, mask = _shards(out / "sts")
     raw = torch.tensor([r["raw_correct_len"] for s in _steps(out / "steps.jsonl") for r in s["requests"]])
     assert torch.equal(mask.sum(1), raw)  # labels are the verifier's own acceptance events
+
+
+def test_a_recording_stopped_with_sigterm_still_writes_its_metadata(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .runtime_helpers import REPO
+
+    out = tmp_path / "rec"
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):\n"] * 64))
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.runtime.cli", "run",
+                             str(REPO / "generated" / "tiny_cpu_cap_accept"), "--prompts-file", str(prompts),
+                             "--max-new-tokens", "900", "--record", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=dict(os.environ))
+    deadline = time.monotonic() + 120
+    while not (out / "sts").is_dir() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    meta = json.loads((out / "sts" / "meta.json").read_text())
+    run = json.loads((out / "run.json").read_text())
+    assert meta["num_samples"] == sum(
+        torch.load(p, weights_only=True)["logits"].shape[0] for p in (out / "sts").glob("shard-*.pt"))
+    assert run["format"] == "dspark-run"

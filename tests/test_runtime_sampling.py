@@ -17,7 +17,15 @@ from dspark.runtime import engine as engine_module
 from dspark.runtime.accept import AcceptResult
 from dspark.runtime.engine import Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.sampling import SamplingAccept, SamplingParams, rejection_accept, sample, warp
+from dspark.runtime.sampling import (
+    BatchSampling,
+    SamplingAccept,
+    SamplingParams,
+    rejection_accept,
+    sample,
+    warp,
+    warp_rows,
+)
 
 from .runtime_helpers import compile_variant
 
@@ -130,3 +138,45 @@ def test_speculative_sampling_matches_the_exact_target_distribution(tmp_path, mo
     broken = joint(Runtime(pkg, sampling=params, seed=3))
     stat_bad, df_bad = _chi_square(broken, expected, n)
     assert stat_bad > _critical(df_bad), "the test cannot tell a broken verifier apart"
+
+
+def test_warp_rows_applies_each_requests_parameters_and_one_hot_for_greedy() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 50)
+    params = (SamplingParams(0.8, 0.95, 0), SamplingParams(0.0), SamplingParams(1.3, 0.5, 7),
+              SamplingParams(0.7, 1.0, 3))
+    probs = warp_rows(logits, BatchSampling(params))
+    for b, p in enumerate(params):
+        expected = (torch.nn.functional.one_hot(logits[b].argmax(-1), 50).float() if p.greedy
+                    else warp(logits[b], p))
+        torch.testing.assert_close(probs[b], expected)
+
+
+@pytest.mark.slow
+def test_one_batch_mixing_greedy_and_two_sampling_policies_keeps_each_distribution(tmp_path) -> None:
+    """The server batches requests of different policies into one step: greedy requests must still
+    equal target-only greedy decoding, and each sampled policy must keep its own distribution."""
+    pkg = load_package(compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                                       {"verify": {"mode": "compact", "allow_no_cost_model": True},
+                                        "serving": {"max_running_requests": 48}}, "mixed"))
+    hot, cool = SamplingParams(temperature=1.0, top_k=8), SamplingParams(temperature=0.6, top_k=8)
+    runtime = Runtime(pkg, seed=4)
+    prompt = pkg.tokenizer.encode("    def __init__(self, ")
+    greedy_ref, _ = Runtime(pkg).generate([prompt], 3, target_only=True)
+    n = 384
+    requests = {name: [runtime.new_request(prompt, 3, params) for _ in range(n)]
+                for name, params in (("hot", hot), ("cool", cool), ("greedy", SamplingParams()))}
+    for i in range(n):  # interleaved, so every step mixes the three policies
+        for group in requests.values():
+            runtime.enqueue(group[i])
+    while runtime.has_work:
+        runtime.step()
+    assert all(r.output == greedy_ref[0] for r in requests["greedy"])
+    for name, params in (("hot", hot), ("cool", cool)):
+        counts = Counter(tuple(r.output) for r in requests[name])
+        stat, df = _chi_square(counts, _exact_joint(runtime, prompt, params), n)
+        assert stat < _critical(df), f"{name}: chi-square {stat:.1f} on {df} df"
+    # the two sampled policies really are different distributions (the test can tell them apart)
+    stat_swapped, df_swapped = _chi_square(Counter(tuple(r.output) for r in requests["hot"]),
+                                           _exact_joint(runtime, prompt, cool), n)
+    assert stat_swapped > _critical(df_swapped)

@@ -88,8 +88,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         data = load_shards(args.shards)
         fit = fit_sts(data, grid=grid, num_bins=args.bins)
         dataset = args.dataset if args.dataset is not None else default_dataset_name(args.shards)
-        print(format_fit_report(fit), end="")
-        path = save_calibration(args.out, fit, dataset, extra=recorded_under(args.shards))
+        recorded = recorded_under(args.shards)
+        print(format_fit_report(fit, recorded.get("policy")), end="")
+        path = save_calibration(args.out, fit, dataset, extra=recorded)
     except (CalibrationError, OSError) as err:
         print(f"dspark calibrate: error: {err}", file=sys.stderr)
         return 2

@@ -220,7 +220,7 @@ class StsData:
         return int(self.logits.shape[1])
 
 
-def _shard_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+def shard_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     if not paths:
@@ -310,7 +310,7 @@ def load_shards(paths: Sequence[str | os.PathLike[str]]) -> StsData:
     """Read recorder shards (files, or directories whose `.pt` files are read), validated, in sorted order."""
     logits: list[np.ndarray] = []
     masks: list[np.ndarray] = []
-    files = _shard_files(paths)
+    files = shard_files(paths)
     gamma: int | None = None
     for path in files:
         z, m = _load_shard(path, gamma)
@@ -559,8 +559,9 @@ def _pair(before: float | None, after: float | None, digits: int) -> str:
     return f"{one(before)} → {one(after)}"
 
 
-def format_fit_report(fit: StsFit) -> str:
-    """A per-position table of the fit: temperature and before → after calibration metrics."""
+def format_fit_report(fit: StsFit, policy: str | None = None) -> str:
+    """A per-position table of the fit: temperature and before → after calibration metrics
+    (`policy`: what the recording says its labels are, from the shards' meta.json)."""
     lines = [
         f"STS calibration: {fit.num_samples} recorded request-steps, gamma {fit.gamma}, "
         f"ECE over {fit.num_bins} equal-width bins, {len(fit.grid)} grid temperatures "
@@ -585,5 +586,12 @@ def format_fit_report(fit: StsFit) -> str:
     edge = [k for k, t in enumerate(fit.temperatures) if len(fit.grid) > 1 and t in ends]
     if edge:
         lines.append(f"note: T at the edge of the grid for position(s) {edge}; widen --t-min/--t-max")
-    lines.append("labels are greedy prefix matches: recalibrate for a sampling policy before serving it")
+    if policy is None:
+        lines.append("labels: the recording's policy is unknown (no meta.json beside the shards); serve "
+                     "this calibration only with the policy the shards were recorded under")
+    elif policy == "greedy":
+        lines.append("labels are greedy prefix matches: recalibrate for a sampling policy before serving it")
+    else:
+        lines.append(f"labels are the acceptance events of {policy}: serve this calibration with that "
+                     "policy only")
     return "\n".join(lines) + "\n"

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-COMMANDS = ("run", "profile", "calibrate", "cost-eval", "report", "train-tiny")
-
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
@@ -31,6 +29,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-steps", type=int, default=None, metavar="N",
                    help="decode steps kept in the ring (default: the spec's serving.record_steps, "
                         "or 100000 with --record)")
+    p.add_argument("--record-features", action="store_true",
+                   help="with --record, also store the confidence head's inputs in the shards, for "
+                        "`dspark fit-confidence`")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default: the spec's serving.generation; 0 = greedy); "
                         "sampled drafts are verified by rejection sampling, which keeps the target's "
@@ -41,6 +42,31 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-fraction", type=float, default=None, metavar="F",
                    help="experiments: verify this share (0..1) of the candidate drafts every step "
                         "instead of the cost model's budget (cap-accept and compact only)")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send (default: the deployment name)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the engine")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
+    from dspark.runtime.engine import RequestError, Runtime
+    from dspark.runtime.package import PackageError, load_package
+
+    try:
+        pkg = load_package(package_dir)
+        runtime = Runtime(pkg, seed=args.seed)
+    except (PackageError, RequestError, ValueError) as err:
+        print(f"dspark: error: {err}", file=sys.stderr)
+        return 2
+    from dspark.runtime.server import serve
+
+    serve(runtime, args.host, args.port, args.model_name, args.log_level)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     from dspark.runtime.cost_eval import add_cost_eval_parser
 
     add_cost_eval_parser(sub)
+    from dspark.runtime.fit_confidence_cli import add_fit_confidence_parser
+
+    add_fit_confidence_parser(sub)
+    serve = sub.add_parser("serve", help="serve a generated package over HTTP (OpenAI /v1/completions)")
+    serve.add_argument("package", type=Path, help="generated package directory")
+    add_serve_args(serve)
+    from dspark.runtime.bench_client import add_bench_parser
+
+    add_bench_parser(sub)
     train = sub.add_parser("train-tiny", help="train the embedded tiny target + draft pair")
     train.add_argument("-o", "--out", type=Path, required=True, help="output directory")
     train.add_argument("--target-steps", type=int, default=None, help="default 1300 (~10 min)")
@@ -186,10 +221,22 @@ def open_recorder(runtime: Any, args: argparse.Namespace) -> Any:
     pkg = runtime.package
     spec_steps = pkg.deployment.serving.record_steps
     if args.record is None and not spec_steps:
+        if args.record_features:
+            raise ValueError("--record-features needs --record DIR (or serving.record_steps in the spec)")
         return None
     directory = args.record or Path("runs") / f"{pkg.deployment.name}-{time.strftime('%Y%m%dT%H%M%S')}"
     steps = args.record_steps or spec_steps or 100_000
-    return RunRecorder(directory, pkg.plan.gamma, runtime.sampling.policy, steps)
+    backbone = None
+    if args.record_features:
+        from dspark.runtime.checkpoint import resolve_checkpoint
+        from dspark.runtime.confidence_fit import backbone_digest, checkpoint_state
+
+        if not pkg.deployment.draft.confidence_head:
+            raise ValueError("--record-features: this draft has no confidence head")
+        draft_dir = resolve_checkpoint(pkg.deployment.draft.checkpoint, "draft", pkg.directory)
+        backbone = backbone_digest(checkpoint_state(draft_dir))
+    return RunRecorder(directory, pkg.plan.gamma, runtime.sampling.policy, steps,
+                       features_backbone=backbone)
 
 
 def run_info(runtime: Any, target_only: bool, stats: Any) -> dict[str, Any]:
@@ -206,6 +253,16 @@ def run_info(runtime: Any, target_only: bool, stats: Any) -> dict[str, Any]:
             "stats": stats.to_json() if stats is not None else None}
 
 
+def _flush_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so a stopped recording still flushes its last shard and writes
+    meta.json and run.json (the `finally` around the run)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+
+
 def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     from dspark.runtime.engine import RequestError, Runtime
     from dspark.runtime.package import PackageError, load_package
@@ -215,6 +272,8 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
         runtime = Runtime(pkg, forced_budget_fraction=args.budget_fraction,
                           sampling=sampling_of(pkg, args), seed=args.seed)
         recorder = runtime.recorder = open_recorder(runtime, args)
+        if recorder is not None:
+            _flush_on_sigterm()
         prompts = read_prompts(args)
         max_new = args.max_new_tokens or pkg.deployment.serving.max_new_tokens
         stats = None
@@ -270,6 +329,16 @@ def main(argv: list[str] | None = None) -> int:
         from dspark.runtime.report import run_report
 
         return run_report(args)
+    if args.command == "serve":
+        return serve_package(args.package, args)
+    if args.command == "bench":
+        from dspark.runtime.bench_client import run_bench
+
+        return run_bench(args)
+    if args.command == "fit-confidence":
+        from dspark.runtime.fit_confidence_cli import run_fit_confidence
+
+        return run_fit_confidence(args)
     if args.command == "calibrate":
         from dspark.runtime.calibrate_cli import run_calibrate
 

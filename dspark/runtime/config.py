@@ -117,6 +117,7 @@ class ServingConfig:
     temperature: float
     top_p: float
     top_k: int
+    chunked_prefill_tokens: int = 2048  # prompt tokens prefilled per step, over all requests
     record_steps: int = 0  # measurement ring size; 0 = off
 
     def __post_init__(self) -> None:

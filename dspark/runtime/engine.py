@@ -7,6 +7,7 @@ builders and backend (`attn_metadata`), the verify runner (`graph_runner`) and t
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,7 +25,15 @@ from dspark.runtime.package import GeneratedPackage
 from dspark.runtime.plan import StepPlan
 from dspark.runtime.planner import LaggedSurvival
 from dspark.runtime.recording import RunRecorder
-from dspark.runtime.sampling import SamplingParams, rejection_accept, sample, warp
+from dspark.runtime.sampling import (
+    BatchSampling,
+    SamplingParams,
+    pick_rows,
+    rejection_accept,
+    sample,
+    warp,
+    warp_rows,
+)
 
 
 class RequestError(ValueError):
@@ -36,11 +45,31 @@ class Request:
     rid: int
     prompt: list[int]
     max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    ignore_eos: bool = False
     handle: SlotHandle | None = None
     output: list[int] = field(default_factory=list)
     seq_len: int = 0  # positions whose target (and draft-context) KV is cached
+    prefilled: int = 0  # prompt tokens prefilled so far (chunked prefill)
     root: int = -1  # last committed token; its KV is written by the next forward
     done: bool = False
+    finish_reason: str | None = None  # "stop" (EOS), "length" (max_new_tokens) or "abort"
+    decode_steps: int = 0  # decode steps this request took part in
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """The last decode step, for serving metrics."""
+
+    num_reqs: int
+    committed: int
+    rows: int
+    planned_rows: int
+    padding_rows: int
+    tier: int
+    budget: int | None
+    tau: float | None
+    seconds: float
 
 
 @dataclass
@@ -168,6 +197,14 @@ class Runtime:
         # The lagged-confidence history is per runtime: a plan is shared, immutable config.
         self.history = (LaggedSurvival(self.plan.lag_steps, self.plan.gamma)
                         if self.plan.lag_steps else None)
+        # The scheduler: requests wait for a slot and their KV pages, then run until they finish.
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted, prompt not fully prefilled yet
+        self.running: list[Request] = []
+        self.stats = RunStats(gamma=self.plan.gamma)
+        self.last_step: StepInfo | None = None
+        self.target_only = False
+        self._rids = itertools.count()
 
     def _check_models(self) -> None:
         geo = self.deployment.model.geometry
@@ -186,32 +223,82 @@ class Runtime:
     # -- public ------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
                  target_only: bool = False) -> tuple[list[list[int]], RunStats]:
-        """Greedy completions of `prompts` (token ids), speculative unless `target_only`."""
-        reqs = [Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts)]
-        for r in reqs:
-            self._validate(r)
-        stats = RunStats(gamma=self.plan.gamma, requests=len(reqs))
-        waiting: deque[Request] = deque(reqs)
-        running: list[Request] = []
-        while waiting or running:
-            admitted = self._admit(waiting, running)
-            if admitted:
-                t0 = time.perf_counter()
-                self._prefill(admitted, target_only, stats)
-                stats.prefill_seconds += time.perf_counter() - t0
-                running.extend(admitted)
-            self._retire(running)
-            if not running:
-                continue
+        """Completions of `prompts` (token ids) under the run's sampling policy, speculative unless
+        `target_only`; a batch run of the same scheduler the server drives step by step."""
+        if self.has_work:
+            raise RequestError("generate needs an idle runtime; requests are still queued or running")
+        reqs = [self.new_request(p, max_new_tokens) for p in prompts]
+        self.stats = RunStats(gamma=self.plan.gamma, requests=len(reqs))
+        self.target_only = target_only
+        try:
+            for r in reqs:
+                self.enqueue(r)
+            while self.has_work:
+                self.step()
+        finally:
+            self.target_only = False
+        self.stats.generated_tokens = sum(len(r.output) for r in reqs)
+        return [r.output for r in reqs], self.stats
+
+    def new_request(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                    ignore_eos: bool = False) -> Request:
+        """A validated request (not queued yet); raises RequestError naming the limit it breaks.
+        Reads only configuration, so any thread may call it."""
+        r = Request(next(self._rids), list(prompt), max_new_tokens, sampling or self.sampling, ignore_eos)
+        self._validate(r)
+        return r
+
+    def enqueue(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        """Drop a queued or running request and free its slot and pages at once."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running or request in self.prefilling:
+            (self.running if request in self.running else self.prefilling).remove(request)
+            self.slots.release(request.handle.slot)
+        else:
+            return
+        request.done = True
+        request.finish_reason = request.finish_reason or "abort"
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def pool_stats(self) -> dict[str, int]:
+        return {"waiting": len(self.waiting), "running": len(self.running) + len(self.prefilling),
+                "free_slots": self.slots.num_free_slots, "free_pages": self.slots.num_free_pages,
+                "total_pages": self.slots.num_pages - 1}
+
+    def step(self) -> list[Request]:
+        """One scheduler iteration: admit and prefill what fits, one decode step for the running
+        batch, retire what finished. Returns the requests that got tokens or finished."""
+        stats = self.stats
+        touched: list[Request] = []
+        self.prefilling.extend(self._admit(self.waiting, self.running + self.prefilling))
+        if self.prefilling:
             t0 = time.perf_counter()
-            if target_only:
-                self._target_step(running, stats)
+            ready = self._prefill_chunk(self.target_only)
+            stats.prefill_seconds += time.perf_counter() - t0
+            self.running.extend(ready)
+            touched.extend(ready)
+        finished = self._retire(self.running)
+        if self.running:
+            t0 = time.perf_counter()
+            decoding = list(self.running)
+            if self.target_only:
+                self._target_step(decoding, stats)
             else:
-                self._speculative_step(running, stats)
+                self._speculative_step(decoding, stats)
             stats.decode_seconds += time.perf_counter() - t0
-            self._retire(running)
-        stats.generated_tokens = sum(len(r.output) for r in reqs)
-        return [r.output for r in reqs], stats
+            for r in decoding:
+                r.decode_steps += 1
+            touched.extend(r for r in decoding if r not in touched)
+            finished += self._retire(self.running)
+        touched.extend(r for r in finished if r not in touched)
+        return touched
 
     # -- admission ---------------------------------------------------------------------
     def _reserve_tokens(self, r: Request) -> int:
@@ -228,6 +315,12 @@ class Runtime:
                 f"request {r.rid}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
                 f"+ N ({self.plan.num_draft_tokens}) exceeds serving.max_context_len ({cap}); "
                 "shorten the prompt or raise max_context_len in the spec")
+        pool = (self.slots.num_pages - 1) * self.page_size
+        if self._reserve_tokens(r) > pool:
+            raise RequestError(
+                f"request {r.rid}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
+                f"+ N ({self.plan.num_draft_tokens}) exceeds the whole KV pool ({pool} tokens, "
+                "serving.max_total_tokens); shorten the request or raise max_total_tokens")
 
     def _admit(self, waiting: deque[Request], running: list[Request]) -> list[Request]:
         admitted: list[Request] = []
@@ -245,20 +338,22 @@ class Runtime:
             admitted.append(r)
         return admitted
 
-    def _retire(self, running: list[Request]) -> None:
-        for r in [r for r in running if r.done]:
+    def _retire(self, running: list[Request]) -> list[Request]:
+        done = [r for r in running if r.done]
+        for r in done:
             self.slots.release(r.handle.slot)
             running.remove(r)
+        return done
 
     def _commit(self, r: Request, tokens: list[int]) -> None:
-        eos = self.package.tokenizer.eos_id
+        eos = self.package.tokenizer.eos_ids
         for t in tokens:
-            if t == eos:
-                r.done = True
+            if t in eos and not r.ignore_eos:
+                r.done, r.finish_reason = True, "stop"
                 return
             r.output.append(t)
             if len(r.output) >= r.max_new_tokens:
-                r.done = True
+                r.done, r.finish_reason = True, "length"
                 return
 
     # -- forward passes ----------------------------------------------------------------
@@ -274,29 +369,53 @@ class Runtime:
         for layer, (k, v) in enumerate(self.draft.context_kv(hidden, positions)):
             self.draft_kv.write(layer, loc, k, v)
 
-    def _prefill(self, reqs: list[Request], target_only: bool, stats: RunStats) -> None:
-        page_table = self._page_table(reqs)
-        lens = self._tensor([len(r.prompt) for r in reqs], torch.int32)
-        meta = self.metadata.build_extend_metadata(torch.zeros_like(lens), lens, page_table)
-        ids = self._tensor([t for r in reqs for t in r.prompt])
+    def _prefill_chunk(self, target_only: bool) -> list[Request]:
+        """Prefill up to `chunked_prefill_tokens` prompt tokens of the admitted requests, in
+        admission order; returns those whose prompt is now complete, with their first token."""
+        budget = self.deployment.serving.chunked_prefill_tokens
+        batch: list[Request] = []
+        takes: list[int] = []
+        for r in self.prefilling:
+            if budget == 0:
+                break
+            take = min(len(r.prompt) - r.prefilled, budget)
+            batch.append(r)
+            takes.append(take)
+            budget -= take
+        page_table = self._page_table(batch)
+        prefix = self._tensor([r.prefilled for r in batch], torch.int32)
+        lens = self._tensor(takes, torch.int32)
+        meta = self.metadata.build_extend_metadata(prefix, lens, page_table)
+        chunks = [r.prompt[r.prefilled:r.prefilled + k] for r, k in zip(batch, takes, strict=True)]
+        ids = self._tensor([t for chunk in chunks for t in chunk])
         hidden = self.target.forward_paged(ids, meta.positions, self.attn, meta)
-        last = torch.cumsum(lens.long(), 0) - 1
-        first = self.pick_token(self.target.compute_logits(hidden[last])).tolist()
         if not target_only:
-            row_req = torch.repeat_interleave(torch.arange(len(reqs), device=self.device), lens.long())
+            row_req = torch.repeat_interleave(torch.arange(len(batch), device=self.device), lens.long())
             self._append_draft_context(hidden, meta.positions, row_req, page_table)
-        for r, tok in zip(reqs, first, strict=True):
+        for r, k in zip(batch, takes, strict=True):
+            r.prefilled += k
+        complete = [i for i, r in enumerate(batch) if r.prefilled == len(r.prompt)]
+        if not complete:
+            return []
+        last = (torch.cumsum(lens.long(), 0) - 1)[complete]
+        ready = [batch[i] for i in complete]
+        logits = self.target.compute_logits(hidden[last])
+        first = pick_rows(logits, self._batch(ready), self.generator).tolist()
+        for r, tok in zip(ready, first, strict=True):
+            self.prefilling.remove(r)
             r.seq_len = len(r.prompt)
             r.root = tok
             self._commit(r, [tok])
+        return ready
 
     def _target_step(self, running: list[Request], stats: RunStats) -> None:
+        t0 = time.perf_counter()
         page_table = self._page_table(running)
         prefix = self._tensor([r.seq_len for r in running], torch.int32)
         meta = self.metadata.build_extend_metadata(prefix, torch.ones_like(prefix), page_table)
         ids = self._tensor([r.root for r in running])
         hidden = self.target.forward_paged(ids, meta.positions, self.attn, meta)
-        nxt = self.pick_token(self.target.compute_logits(hidden)).tolist()
+        nxt = pick_rows(self.target.compute_logits(hidden), self._batch(running), self.generator).tolist()
         for r, tok in zip(running, nxt, strict=True):
             r.seq_len += 1
             r.root = tok
@@ -305,9 +424,16 @@ class Runtime:
         stats.request_steps += len(running)
         stats.committed_tokens += len(running)
         stats.verify_rows += len(running)
+        self.last_step = StepInfo(len(running), len(running), len(running), len(running), 0, len(running),
+                                  None, None, time.perf_counter() - t0)
+
+    @staticmethod
+    def _batch(requests: list[Request]) -> BatchSampling:
+        return BatchSampling(tuple(r.sampling for r in requests))
 
     def pick_token(self, logits: torch.Tensor) -> torch.Tensor:
-        """The next token from `logits [..., V]` under the run's policy (argmax when greedy)."""
+        """The next token from `logits [..., V]` under the runtime's default policy (argmax when
+        greedy); the profiler's draft steps use it."""
         if self.sampling.greedy:
             return logits.argmax(-1)
         return sample(warp(logits, self.sampling), self.generator)
@@ -328,9 +454,14 @@ class Runtime:
         prefix = self._tensor([r.seq_len for r in running], torch.int32)
         roots = self._tensor([r.root for r in running])
 
-        drafts, conf_logits, draft_logits = self.draft.propose(
+        batch = self._batch(running)
+        greedy = batch.all_greedy
+        proposal = self.draft.propose(
             roots, prefix.long(), self.draft_context(page_table, prefix), prefix.long(),
-            None if self.sampling.greedy else self.pick_token)
+            None if greedy else lambda lg: pick_rows(lg, batch, self.generator),
+            keep_conf_inputs=self.recorder is not None and self.recorder.sts.features)
+        drafts, conf_logits, draft_logits = proposal.drafts, proposal.conf_logits, proposal.logits
+        assert drafts is not None
         step = self.plan.plan_step(conf_logits, [r.handle.slot for r in running],
                                    [r.handle.generation for r in running], self.history)
         verify_lens = step.verify_lens.to(self.device)
@@ -344,17 +475,17 @@ class Runtime:
             ids = pack_rows(ids, rows.src_index)
         hidden = self.verify_runner.run(ids, prefix, page_table, layout)
         logits = self.target.compute_logits(hidden)
-        if self.sampling.greedy:
+        if greedy:
             pred = logits.argmax(-1)
             if self.compact:  # back to the fixed stride accept reads; unplanned rows are never read
                 pred = scatter_rows(pred, rows.src_index, num_reqs * n, fill=-1)
             acc = greedy_accept(drafts, pred.view(num_reqs, n), verify_lens)
         else:
-            p_probs = warp(logits, self.sampling)
-            if self.compact:
-                p_probs = scatter_rows(p_probs, rows.src_index, num_reqs * n)
-            verdict = rejection_accept(drafts, warp(draft_logits, self.sampling),
-                                       p_probs.view(num_reqs, n, -1), verify_lens, self.generator)
+            if self.compact:  # unplanned rows stay zero logits; rejection sampling never reads them
+                logits = scatter_rows(logits, rows.src_index, num_reqs * n)
+            p_probs = warp_rows(logits.view(num_reqs, n, -1), batch)
+            verdict = rejection_accept(drafts, warp_rows(draft_logits, batch), p_probs, verify_lens,
+                                       self.generator)
             acc = verdict.result
 
         # The root and the accepted drafts become draft context; the other rows are discarded.
@@ -373,11 +504,17 @@ class Runtime:
         lens = verify_lens.tolist()
         stats.record_step(correct, lens, layout, step)
         seconds = time.perf_counter() - start  # the step's wall time, before any recording work
+        decision = step.decision
+        self.last_step = StepInfo(num_reqs, sum(correct) + num_reqs, layout.total_rows, sum(lens),
+                                  layout.num_padding_rows, layout.graph_num_tokens,
+                                  decision.budget if decision else None, step.tau, seconds)
         if self.recorder is not None and conf_logits is not None:
             # The uncapped greedy match: its labels are exact wherever every row ran.
             raw = (greedy_accept(drafts, pred.view(num_reqs, n), torch.full_like(verify_lens, n)).correct_len
-                   if self.sampling.greedy else verdict.raw_correct_len)
-            self.recorder.sts.add(conf_logits, raw, run_lens == n)
+                   if greedy else verdict.raw_correct_len)
+            # Labels are the acceptance event of the recorder's policy; other requests' are not.
+            same_policy = torch.tensor([r.sampling == self.sampling for r in running], device=raw.device)
+            self.recorder.sts.add(conf_logits, raw, (run_lens == n) & same_policy, proposal.conf_inputs)
             self.recorder.steps.append(self._step_record(
                 handles, step, layout, lens, correct, raw.tolist(), conf_logits, seconds))
 

@@ -13,7 +13,13 @@ from typing import Any
 
 from dspark.runtime.checkpoint import resolve_checkpoint
 from dspark.runtime.config import DeploymentConfig
-from dspark.runtime.tokenizer import BYTE_TOKENIZER_FILE, ByteTokenizer
+from dspark.runtime.tokenizer import (
+    BYTE_TOKENIZER_FILE,
+    HF_TOKENIZER_FILE,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+)
 
 MODULES = ("deployment", "planner_config", "attn_metadata", "graph_runner")
 
@@ -29,16 +35,22 @@ class GeneratedPackage:
     plan: Any
     attn_metadata: ModuleType
     graph_runner: ModuleType
-    tokenizer: ByteTokenizer
+    tokenizer: Tokenizer
 
 
-def load_tokenizer(checkpoint_dir: Path) -> ByteTokenizer:
-    """The checkpoint's tokenizer: `dspark_tokenizer.json` names the byte-level one."""
+def load_tokenizer(checkpoint_dir: Path) -> Tokenizer:
+    """The checkpoint's tokenizer: `dspark_tokenizer.json` names the byte-level one, else the Hugging
+    Face `tokenizer.json` (a `TokenizerError` says what is wrong with it)."""
     marker = checkpoint_dir / BYTE_TOKENIZER_FILE
-    if marker.is_file() and json.loads(marker.read_text()).get("type") == "byte":
+    if marker.is_file():
+        kind = json.loads(marker.read_text()).get("type")
+        if kind != "byte":
+            raise PackageError(f"{marker}: unknown tokenizer type {kind!r}; this runtime knows \"byte\"")
         return ByteTokenizer()
-    raise PackageError(f"{checkpoint_dir}: no {BYTE_TOKENIZER_FILE} declaring the byte-level "
-                       "tokenizer; this runtime version serves byte-level checkpoints only")
+    if (checkpoint_dir / HF_TOKENIZER_FILE).is_file():
+        return HFTokenizer.from_dir(checkpoint_dir)
+    raise PackageError(f"{checkpoint_dir}: no tokenizer; expected {HF_TOKENIZER_FILE} (Hugging Face) or "
+                       f"{BYTE_TOKENIZER_FILE} (dspark's byte-level tokenizer) beside config.json")
 
 
 def load_package(directory: str | Path) -> GeneratedPackage:

@@ -6,7 +6,9 @@ A record directory (`dspark run … --record DIR`) holds
   step time, committed tokens, measured step time, and per request verify_len / correct_len /
   commit_len / confidence / survival);
 - `sts/shard-*.pt` + `sts/meta.json`: per verified request the raw confidence logits and
-  `prefix_mask[k] = k < correct_len` under greedy matching, the layout SGLang's recorder writes.
+  `prefix_mask[k] = k < correct_len` under greedy matching, the layout SGLang's recorder writes;
+  with `--record-features` also `features[n, gamma, F]`, the confidence head's inputs, which
+  `dspark fit-confidence` refits the head on (meta.json names the draft backbone they came from).
 
 Labels exist only where every draft was verified: a compact step that verified fewer than N rows
 of a request does not know whether the later drafts would have matched, so such requests are
@@ -25,6 +27,7 @@ import torch
 
 from dspark.atomic import atomic_write
 
+FEATURES_KEY = "features"
 RUN_FORMAT = "dspark-run"
 RUN_VERSION = 1
 PARTIAL_VERIFY_REASON = ("compact steps that verified fewer than N rows of a request carry no label "
@@ -35,44 +38,62 @@ PARTIAL_VERIFY_REASON = ("compact steps that verified fewer than N rows of a req
 class StsRecorder:
     """Buffers `(logits, prefix_mask)` rows and writes them in shards of `shard_size` rows."""
 
-    def __init__(self, directory: Path, gamma: int, policy: str, shard_size: int = 4096) -> None:
+    def __init__(self, directory: Path, gamma: int, policy: str, shard_size: int = 4096,
+                 features_backbone: str | None = None) -> None:
         if shard_size < 1:
             raise ValueError(f"shard_size must be >= 1, got {shard_size}")
         self.directory = directory
         self.gamma = gamma
         self.policy = policy
         self.shard_size = shard_size
+        # Digest of the draft weights the features depend on (everything but the head itself);
+        # None when features are not recorded.
+        self.features_backbone = features_backbone
         self.num_samples = 0
         self.skipped_requests = 0
         self.num_shards = 0
-        self._logits: list[torch.Tensor] = []
-        self._masks: list[torch.Tensor] = []
+        self._columns: dict[str, list[torch.Tensor]] = {key: [] for key in self._keys()}
         self._buffered = 0
 
-    def add(self, logits: torch.Tensor, correct_len: torch.Tensor, fully_verified: torch.Tensor) -> None:
+    @property
+    def features(self) -> bool:
+        return self.features_backbone is not None
+
+    def _keys(self) -> tuple[str, ...]:
+        return ("logits", "prefix_mask", FEATURES_KEY) if self.features else ("logits", "prefix_mask")
+
+    def add(self, logits: torch.Tensor, correct_len: torch.Tensor, fully_verified: torch.Tensor,
+            features: torch.Tensor | None = None) -> None:
         """Record the fully verified requests of a step: raw logits `[B, gamma]`, greedy
-        `correct_len [B]` (the uncapped matching prefix), `fully_verified [B]` bool."""
+        `correct_len [B]` (the uncapped matching prefix), `fully_verified [B]` bool, and the
+        confidence head's inputs `[B, gamma, F]` when this recorder stores features."""
+        if self.features and features is None:
+            raise ValueError("this recorder stores features; pass the confidence head's inputs")
         keep = fully_verified.bool()
         self.skipped_requests += int((~keep).sum())
         if not bool(keep.any()):
             return
         logits = logits[keep].detach().float().cpu()
         lens = correct_len[keep].long().cpu()
-        mask = torch.arange(self.gamma)[None, :] < lens[:, None]
-        self._logits.append(logits)
-        self._masks.append(mask)
+        rows = {"logits": logits, "prefix_mask": torch.arange(self.gamma)[None, :] < lens[:, None]}
+        if self.features:
+            assert features is not None
+            # float16 halves the disk use; the head's inputs are RMS-normed states and embeddings.
+            rows[FEATURES_KEY] = features[keep.to(features.device)].detach().to(torch.float16).cpu()
+        for key, value in rows.items():
+            self._columns[key].append(value)
         self._buffered += logits.shape[0]
         self.num_samples += logits.shape[0]
         while self._buffered >= self.shard_size:
             self._write_shard(self.shard_size)
 
     def _write_shard(self, rows: int) -> None:
-        logits, mask = torch.cat(self._logits), torch.cat(self._masks)
-        shard = {"logits": logits[:rows].contiguous(), "prefix_mask": mask[:rows].contiguous()}
+        columns = {key: torch.cat(parts) for key, parts in self._columns.items()}
+        shard = {key: value[:rows].contiguous() for key, value in columns.items()}
         path = self.directory / f"shard-{self.num_shards:05d}.pt"
         atomic_write(path, lambda tmp: torch.save(shard, tmp))
         self.num_shards += 1
-        self._logits, self._masks = [logits[rows:]], [mask[rows:]]
+        self._columns = {key: [value[rows:]] for key, value in columns.items()}
         self._buffered -= rows
 
     def close(self, fingerprint: dict[str, Any] | None = None) -> None:
@@ -82,6 +103,8 @@ class StsRecorder:
         meta = {"policy": self.policy, "num_samples": self.num_samples, "num_shards": self.num_shards,
                 "skipped_requests": self.skipped_requests,
                 "skip_reason": PARTIAL_VERIFY_REASON if self.skipped_requests else None}
+        if self.features:
+            meta[FEATURES_KEY] = {"draft_backbone": self.features_backbone}
         if fingerprint is not None:
             meta["fingerprint"] = fingerprint
         atomic_write(self.directory / "meta.json",
@@ -114,10 +137,10 @@ class RunRecorder:
     """Everything one `dspark run --record DIR` writes; `close` is safe to call once."""
 
     def __init__(self, directory: str | Path, gamma: int, policy: str, record_steps: int,
-                 shard_size: int = 4096) -> None:
+                 shard_size: int = 4096, features_backbone: str | None = None) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.sts = StsRecorder(self.directory / "sts", gamma, policy, shard_size)
+        self.sts = StsRecorder(self.directory / "sts", gamma, policy, shard_size, features_backbone)
         self.steps = StepRing(record_steps)
         self._closed = False
 

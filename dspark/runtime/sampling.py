@@ -103,3 +103,58 @@ def rejection_accept(drafts: torch.Tensor, q_probs: torch.Tensor, p_probs: torch
     stop_dist = torch.where(rejected[:, None], residual, p_stop)
     bonus = sample(stop_dist, generator)
     return SamplingAccept(AcceptResult(correct, correct + 1, bonus), raw)
+
+
+@dataclass(frozen=True)
+class BatchSampling:
+    """The sampling parameters of each request in a batch (a server mixes policies in one step).
+
+    Greedy requests get one-hot distributions at their argmax, so one rejection-sampling pass
+    serves the whole batch: with one-hot p and q a draft is accepted exactly when it equals the
+    target's argmax, and the committed token is that argmax — greedy verification, unchanged.
+    """
+
+    params: tuple[SamplingParams, ...]
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+    def _columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        greedy = torch.tensor([p.greedy for p in self.params], device=device)
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in self.params],
+                                   dtype=torch.float32, device=device)
+        top_p = torch.tensor([p.top_p for p in self.params], dtype=torch.float32, device=device)
+        top_k = torch.tensor([p.top_k for p in self.params], dtype=torch.long, device=device)
+        return greedy, temperature, top_p, top_k
+
+
+def warp_rows(logits: torch.Tensor, batch: BatchSampling) -> torch.Tensor:
+    """Probabilities `[B, ..., V]` with request b's parameters applied to `logits[b]` (float32);
+    greedy requests get a one-hot distribution at the argmax."""
+    num_reqs, vocab = logits.shape[0], logits.shape[-1]
+    if len(batch.params) != num_reqs:
+        raise ValueError(f"{len(batch.params)} sampling parameter sets for {num_reqs} requests")
+    greedy, temperature, top_p, top_k = batch._columns(logits.device)
+    shape = (num_reqs,) + (1,) * (logits.dim() - 1)
+    scaled = logits.float() / temperature.view(shape)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    # top-k: keep ranks < k (0 = all); ties at the k-th value are kept, as in `warp`.
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(-1, (k - 1).view(shape).expand(*sorted_logits.shape[:-1], 1))
+    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs = probs.gather(-1, order)
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p.view(shape)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    probs = probs / probs.sum(-1, keepdim=True)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
+    return torch.where(greedy.view(shape), one_hot, probs)
+
+
+def pick_rows(logits: torch.Tensor, batch: BatchSampling, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per request row of `logits [B, ..., V]` under that request's parameters."""
+    if batch.all_greedy:
+        return logits.argmax(-1)
+    return sample(warp_rows(logits, batch), generator)

@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import sysconfig
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +22,8 @@ import torch.nn.functional as F
 from dspark.runtime.checkpoint import save_draft, save_target
 from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft
 from dspark.runtime.models.llama import LlamaConfig, LlamaForCausalLM
+from dspark.runtime.prompt_sets import corpus_files
 from dspark.runtime.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
-
-HELD_OUT_MODULUS = 20  # every file whose path hashes to 0 mod this is held out
 
 
 @dataclass(frozen=True)
@@ -71,17 +68,6 @@ def draft_config(gamma: int) -> DraftConfig:
 
 
 # -- corpus --------------------------------------------------------------------------------
-def corpus_files() -> tuple[list[Path], list[Path]]:
-    """(train, held-out) Python files of the running interpreter's standard library."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
-    train, held = [], []
-    for p in files:
-        key = str(p.relative_to(root)).encode()
-        (held if zlib.crc32(key) % HELD_OUT_MODULUS == 0 else train).append(p)
-    return train, held
-
-
 def byte_stream(files: list[Path]) -> torch.Tensor:
     """All files as one token stream: BOS, the file's bytes, EOS."""
     parts = []
@@ -93,19 +79,6 @@ def byte_stream(files: list[Path]) -> torch.Tensor:
         parts.append(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int16))
         parts.append(torch.tensor([EOS_ID], dtype=torch.int16))
     return torch.cat(parts)
-
-
-def held_out_text(max_bytes: int = 1 << 20) -> list[str]:
-    """Held-out standard-library sources (for prompts and evaluation)."""
-    _, held = corpus_files()
-    out, total = [], 0
-    for p in held:
-        text = p.read_text(encoding="utf-8", errors="replace")
-        out.append(text)
-        total += len(text)
-        if total >= max_bytes:
-            break
-    return out
 
 
 def batches(stream: torch.Tensor, seq_len: int, batch_size: int,

@@ -203,6 +203,11 @@ class ServingSpec(Section):
         default=32, ge=1, description="Most requests decoded together (the largest B).")
     max_total_tokens: int = Field(default=65536, ge=1, description="KV-cache capacity in tokens.")
     page_size: int = Field(default=16, ge=1, description="Tokens per KV-cache page.")
+    chunked_prefill_tokens: int = Field(
+        default=2048, ge=1,
+        description="Most prompt tokens prefilled in one step (summed over requests); longer "
+                    "prompts are prefilled over several steps, between decode steps of the "
+                    "running batch.")
     max_context_len: int = Field(
         default=1024, ge=1,
         description="Longest request (prompt + output); a multiple of page_size and at most the "

@@ -53,6 +53,7 @@ DEPLOYMENT = DeploymentConfig(
         max_running_requests=32,
         max_total_tokens=65536,
         page_size=16,
+        chunked_prefill_tokens=2048,
         max_context_len=1024,
         max_new_tokens=128,
         temperature=0.0,

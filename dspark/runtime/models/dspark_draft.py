@@ -7,14 +7,16 @@ state `g_k` for every draft position at once. A light sequential head (a residua
 small steps) then turns `g_k` into logits from the Markov embedding of the previous draft token
 (the root for `k = 1`) and its own previous hidden state, so position `k` knows what was drafted
 before it. The confidence head maps `[hidden_k ; markov_embedding(prev_k)]` through one Linear
-layer to one logit per position.
+layer to one logit per position; with `confidence_draft_stats` the head also sees three
+statistics of the draft's own distribution at that position (`draft_stats`), which a Linear
+layer over the hidden state cannot compute but which say much about whether the target agrees.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,7 @@ class DraftConfig:
     gamma: int
     markov_embedding_size: int
     confidence_head: bool = True
+    confidence_draft_stats: bool = False  # the head also reads `draft_stats` of the draft logits
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -58,6 +61,44 @@ class DraftConfig:
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(**{f: getattr(self, f) for f in LLAMA_FIELDS})
+
+    @property
+    def confidence_inputs(self) -> int:
+        """Width of the confidence head's input `[hidden ; markov embedding ; draft stats]`."""
+        return self.hidden_size + self.markov_embedding_size + (
+            NUM_DRAFT_STATS if self.confidence_draft_stats else 0)
+
+
+NUM_DRAFT_STATS = 3
+
+
+def draft_stats(logits: torch.Tensor) -> torch.Tensor:
+    """`[..., 3]` float32: the top draft token's log-probability, its margin over the runner-up,
+    and the entropy of the draft distribution (nats)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top2 = logp.topk(2, dim=-1).values
+    entropy = -(logp.exp() * logp).sum(-1)
+    return torch.stack((top2[..., 0], top2[..., 0] - top2[..., 1], entropy), dim=-1)
+
+
+class HeadStep(NamedTuple):
+    """One sequential head step: draft logits, confidence logit, the confidence head's input
+    (`DraftConfig.confidence_inputs` wide) and the hidden carried to the next position."""
+
+    logits: torch.Tensor
+    conf_logit: torch.Tensor | None
+    conf_input: torch.Tensor | None
+    hidden: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What the head produced over the gamma draft positions."""
+
+    drafts: torch.Tensor | None  # [..., gamma] drafted tokens; None when teacher-forced
+    conf_logits: torch.Tensor | None  # [..., gamma]; None without a confidence head
+    logits: torch.Tensor  # [..., gamma, V]
+    conf_inputs: torch.Tensor | None = None  # [..., gamma, confidence_inputs] when asked for
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -123,7 +164,7 @@ class DSparkDraft(nn.Module):
         self.head_up = nn.Linear(2 * d + m, d, bias=False)
         self.head_down = nn.Linear(d, d, bias=False)
         if cfg.confidence_head:
-            self.confidence_head = nn.Linear(d + m, 1)
+            self.confidence_head = nn.Linear(cfg.confidence_inputs, 1)
 
     # -- shared pieces -------------------------------------------------------------------
     def context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -147,9 +188,8 @@ class DSparkDraft(nn.Module):
             x = layer(x, cos, sin, ck, cv, mask)
         return x
 
-    def head(self, g: torch.Tensor, prev_ids: torch.Tensor, state: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """One sequential step: logits, confidence logit and the new state for position k.
+    def head(self, g: torch.Tensor, prev_ids: torch.Tensor, state: torch.Tensor) -> HeadStep:
+        """One sequential step at position k.
 
         `g` is the backbone state of position k, `prev_ids` the token at k - 1 (the root for
         k = 1) and `state` the hidden of position k - 1 (zeros for k = 1).
@@ -161,36 +201,42 @@ class DSparkDraft(nn.Module):
         head_in = torch.cat((g, m, state), dim=-1)
         hidden = self.norm(g + self.head_down(F.silu(self.head_up(head_in))))
         logits = self.lm_head(hidden)
-        conf = None
-        if self.cfg.confidence_head:
-            conf = self.confidence_head(torch.cat((hidden, m), dim=-1)).squeeze(-1)
-        return logits, conf, hidden
+        if not self.cfg.confidence_head:
+            return HeadStep(logits, None, None, hidden)
+        conf_in = torch.cat((hidden, m), dim=-1)
+        if self.cfg.confidence_draft_stats:
+            conf_in = torch.cat((conf_in, draft_stats(logits).to(conf_in.dtype)), dim=-1)
+        return HeadStep(logits, self.confidence_head(conf_in).squeeze(-1), conf_in, hidden)
 
     def _run_head(self, g: torch.Tensor, first_prev: torch.Tensor,
                   choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  forced_prev: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The head over all gamma positions of `g[..., gamma, d]`: logits, confidence logits and
-        the drafted tokens.
+                  forced_prev: torch.Tensor | None = None, keep_conf_inputs: bool = False
+                  ) -> Proposal:
+        """The head over all gamma positions of `g[..., gamma, d]`.
 
         The previous token is the drafted one, `choose(logits)` (argmax, or a sample), or
-        `forced_prev[..., k]` (training, which drafts nothing).
+        `forced_prev[..., k]` (training, which drafts nothing: `drafts` is None then).
         """
         state = torch.zeros_like(g[..., 0, :])
         prev = first_prev
-        logits, confs, tokens = [], [], []
+        logits, confs, conf_ins, tokens = [], [], [], []
         for k in range(self.cfg.gamma):
             if forced_prev is not None:
                 prev = forced_prev[..., k]
-            step_logits, conf, state = self.head(g[..., k, :], prev, state)
+            step = self.head(g[..., k, :], prev, state)
+            state = step.hidden
             if choose is not None:
-                prev = choose(step_logits)
+                prev = choose(step.logits)
                 tokens.append(prev)
-            logits.append(step_logits)
-            confs.append(conf)
-        conf_logits = torch.stack(confs, dim=-1) if self.cfg.confidence_head else None
-        drafted = torch.stack(tokens, dim=-1) if tokens else None
-        return torch.stack(logits, dim=-2), conf_logits, drafted
+            logits.append(step.logits)
+            confs.append(step.conf_logit)
+            conf_ins.append(step.conf_input)
+        has_conf = self.cfg.confidence_head
+        return Proposal(
+            drafts=torch.stack(tokens, dim=-1) if tokens else None,
+            conf_logits=torch.stack(confs, dim=-1) if has_conf else None,
+            logits=torch.stack(logits, dim=-2),
+            conf_inputs=torch.stack(conf_ins, dim=-2) if has_conf and keep_conf_inputs else None)
 
     # -- training ------------------------------------------------------------------------
     def forward_train(self, target_hidden: torch.Tensor, tokens: torch.Tensor,
@@ -219,8 +265,8 @@ class DSparkDraft(nn.Module):
 
         g = self.backbone(block_ids, block_pos, ctx_kv, mask).view(b, n_anchor, gamma + 1, -1)[:, :, 1:]
         prev = tokens.gather(1, (anchors[..., None] + offs[:-1]).reshape(b, -1)).view(b, n_anchor, gamma)
-        logits, conf, _ = self._run_head(g, prev[..., 0], forced_prev=prev)
-        return logits, conf
+        out = self._run_head(g, prev[..., 0], forced_prev=prev)
+        return out.logits, out.conf_logits
 
     # -- serving -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -234,9 +280,11 @@ class DSparkDraft(nn.Module):
     @torch.inference_mode()
     def propose(self, root_ids: torch.Tensor, root_pos: torch.Tensor,
                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_lens: torch.Tensor,
-                choose: Callable[[torch.Tensor], torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Drafts `[B, gamma]`, confidence logits `[B, gamma]` and draft logits `[B, gamma, V]`.
+                choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                keep_conf_inputs: bool = False) -> Proposal:
+        """Drafts `[B, gamma]`, confidence logits `[B, gamma]` and draft logits `[B, gamma, V]`
+        (and the confidence head's inputs `[B, gamma, confidence_inputs]` with `keep_conf_inputs`, which
+        `dspark run --record-features` stores for `dspark fit-confidence`).
 
         `ctx_kv` holds each layer's context K/V gathered to `[B, C, Hkv, D]`; request r's
         first `ctx_lens[r]` entries are valid. `choose(logits)` picks each draft token (a
@@ -252,6 +300,4 @@ class DSparkDraft(nn.Module):
                           torch.ones(len(root_ids), n, n, dtype=torch.bool, device=root_ids.device)),
                          dim=-1)
         g = self.backbone(block_ids, block_pos, ctx_kv, mask)[:, 1:]
-        logits, conf_logits, drafts = self._run_head(g, root_ids, choose or _argmax)
-        assert drafts is not None
-        return drafts, conf_logits, logits
+        return self._run_head(g, root_ids, choose or _argmax, keep_conf_inputs=keep_conf_inputs)
