@@ -37,7 +37,12 @@ from dspark.runtime.sampling import (
 
 
 class RequestError(ValueError):
-    """A request that this deployment cannot serve (says which limit and what to change)."""
+    """A request that this deployment cannot serve (says which limit and what to change).
+    `field` names the request field at fault ("prompt", "max_new_tokens"), where there is one."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -307,20 +312,20 @@ class Runtime:
     def _validate(self, r: Request) -> None:
         cap = self.deployment.serving.max_context_len
         if not r.prompt:
-            raise RequestError(f"request {r.rid}: empty prompt")
+            raise RequestError(f"request {r.rid}: empty prompt", "prompt")
         if r.max_new_tokens < 1:
-            raise RequestError(f"request {r.rid}: max_new_tokens must be >= 1")
+            raise RequestError(f"request {r.rid}: max_new_tokens must be >= 1", "max_new_tokens")
         if self._reserve_tokens(r) > cap:
             raise RequestError(
                 f"request {r.rid}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
                 f"+ N ({self.plan.num_draft_tokens}) exceeds serving.max_context_len ({cap}); "
-                "shorten the prompt or raise max_context_len in the spec")
+                "shorten the prompt or raise max_context_len in the spec", "prompt")
         pool = (self.slots.num_pages - 1) * self.page_size
         if self._reserve_tokens(r) > pool:
             raise RequestError(
                 f"request {r.rid}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
                 f"+ N ({self.plan.num_draft_tokens}) exceeds the whole KV pool ({pool} tokens, "
-                "serving.max_total_tokens); shorten the request or raise max_total_tokens")
+                "serving.max_total_tokens); shorten the request or raise max_total_tokens", "prompt")
 
     def _admit(self, waiting: deque[Request], running: list[Request]) -> list[Request]:
         admitted: list[Request] = []

@@ -234,8 +234,11 @@ class CompletionServer:
         try:
             return self.runtime.new_request(prompt, max_new, self._sampling(req), ignore_eos=req.ignore_eos)
         except RequestError as err:
-            param = "prompt" if "prompt" in str(err) else "max_tokens"
-            raise ApiError(400, str(err), param, code="context_length_exceeded") from None
+            # The engine speaks of max_new_tokens; this API's field is max_tokens.
+            message = str(err).replace("max_new_tokens", "max_tokens")
+            param = "max_tokens" if err.field == "max_new_tokens" else err.field
+            code = "context_length_exceeded" if "exceeds" in message else None
+            raise ApiError(400, message, param, code=code) from None
 
     async def _events(self, request: Request, stream: Stream, stops: list[str]
                       ) -> AsyncIterator[tuple[str, str | None, int]]:
