@@ -307,3 +307,67 @@ def test_a_generated_package_serves_as_a_module(tmp_path) -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         server.stop()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def _hf_checkpoint(directory: Path) -> Path:
+    """The embedded target as a Hugging Face checkpoint whose tokenizer.json (tokenizers library,
+    byte-level BPE without merges, `<s>`/`</s>` at 256/257) encodes exactly as the byte tokenizer."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from dspark.runtime.checkpoint import EMBEDDED_ROOT
+
+    directory.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(EMBEDDED_ROOT / "tiny" / "target" / name, directory / name)
+    alphabet = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    return directory
+
+
+def test_a_hugging_face_tokenizer_checkpoint_serves_end_to_end(tmp_path) -> None:
+    from dspark.runtime.tokenizer import HFTokenizer
+
+    checkpoint = _hf_checkpoint(tmp_path / "hf_target")
+    package = compile_variant(tmp_path, "tiny_cpu_static.yaml", {"model": {"checkpoint": str(checkpoint)}},
+                              "hf_tok")
+    pkg = load_package(package)
+    assert isinstance(pkg.tokenizer, HFTokenizer)
+    prompts = ["def résumé(self):\n", "# 🙂 emoji\nimport os\n", "class Queue:\n    "]
+    byte_pkg = load_package(REPO / "generated" / "tiny_cpu_static")
+    assert [pkg.tokenizer.encode(p) for p in prompts] == [byte_pkg.tokenizer.encode(p) for p in prompts]
+    reference, _ = Runtime(byte_pkg).generate([byte_pkg.tokenizer.encode(p) for p in prompts], 32,
+                                              target_only=True)
+    server = ServerProcess(package, tmp_path / "server.log")
+    try:
+        for prompt, ids in zip(prompts, reference, strict=True):
+            body = {"model": "hf_tok", "prompt": prompt, "max_tokens": 32, "temperature": 0}
+            r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == byte_pkg.tokenizer.decode(ids)
+            chunks, _ = _stream(server.url, prompt, model="hf_tok", max_tokens=32)
+            assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == \
+                byte_pkg.tokenizer.decode(ids)
+    finally:
+        server.stop()
