@@ -19,6 +19,7 @@ from dspark.runtime.engine import Runtime
 from dspark.runtime.package import load_package
 from dspark.runtime.sampling import (
     BatchSampling,
+    RowGenerators,
     SamplingAccept,
     SamplingParams,
     rejection_accept,
@@ -164,7 +165,9 @@ def test_one_batch_mixing_greedy_and_two_sampling_policies_keeps_each_distributi
     prompt = pkg.tokenizer.encode("    def __init__(self, ")
     greedy_ref, _ = Runtime(pkg).generate([prompt], 3, target_only=True)
     n = 384
-    requests = {name: [runtime.new_request(prompt, 3, params) for _ in range(n)]
+    # The cool requests have seeds: they sample from their own streams (inverse-CDF sampling).
+    requests = {name: [runtime.new_request(prompt, 3, params, seed=i if name == "cool" else None)
+                       for i in range(n)]
                 for name, params in (("hot", hot), ("cool", cool), ("greedy", SamplingParams()))}
     for i in range(n):  # interleaved, so every step mixes the three policies
         for group in requests.values():
@@ -180,3 +183,57 @@ def test_one_batch_mixing_greedy_and_two_sampling_policies_keeps_each_distributi
     stat_swapped, df_swapped = _chi_square(Counter(tuple(r.output) for r in requests["hot"]),
                                            _exact_joint(runtime, prompt, cool), n)
     assert stat_swapped > _critical(df_swapped)
+
+
+def test_per_request_generators_sample_each_row_from_its_own_stream() -> None:
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 0.0, 1.0], [0.25, 0.25, 0.25, 0.25]])
+
+    def row_gens(seeds: list[int | None]) -> RowGenerators:
+        rows = tuple(None if s is None else torch.Generator().manual_seed(s) for s in seeds)
+        return RowGenerators(rows, torch.Generator().manual_seed(99))
+
+    # A seeded row draws the same whatever shares the batch with it.
+    alone = sample(probs[:1].expand(50, -1)[:1], row_gens([7]))
+    together = sample(probs, row_gens([7, None, 8]))
+    assert alone[0] == together[0] and together[1] == 3
+    # Inverse-CDF sampling keeps the row's distribution and never picks a zero-probability token.
+    n = 20_000
+    gens = row_gens(list(range(n)))
+    draws = sample(probs[:1].expand(n, -1), gens)
+    freq = torch.bincount(draws, minlength=4).float() / n
+    assert freq[1] == 0 and torch.allclose(freq, probs[0], atol=0.015), freq
+
+
+def test_rejection_accept_with_per_request_generators_keeps_the_target_distribution() -> None:
+    rows = 20_000
+    gens = RowGenerators(tuple(torch.Generator().manual_seed(i) for i in range(rows)), None)
+    q = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]]).expand(rows, -1, -1)
+    p = torch.tensor([[0.2, 0.5, 0.3], [0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]).expand(rows, -1, -1)
+    drafts = sample(q, gens)
+    verdict = rejection_accept(drafts, q, p, torch.full((rows,), 3), gens)
+    first = torch.where(verdict.result.correct_len > 0, drafts[:, 0], verdict.result.bonus)
+    freq = torch.bincount(first, minlength=3).float() / rows
+    assert torch.allclose(freq, p[0, 0], atol=0.015), freq
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(tmp_path) -> None:
+    """Static verification and the CPU backend's batch-invariant numerics: a seeded request's
+    continuation does not depend on the requests that share its steps."""
+    pkg = load_package(compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                                       {"serving": {"max_running_requests": 8}}, "seeded"))
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    prompt = pkg.tokenizer.encode("def parse(self, text):\n")
+
+    def run(others: int, seed: int) -> list[int]:
+        runtime = Runtime(pkg, seed=others)
+        mine = runtime.new_request(prompt, 40, params, seed=seed)
+        runtime.enqueue(mine)
+        for i in range(others):
+            runtime.enqueue(runtime.new_request(pkg.tokenizer.encode(f"import os{i}\n"), 40, params))
+        while runtime.has_work:
+            runtime.step()
+        return mine.output
+
+    alone = run(0, seed=5)
+    assert run(5, seed=5) == alone and run(3, seed=5) == alone
+    assert len({tuple(run(0, seed=s)) for s in (1, 2, 3)}) > 1  # the seed matters

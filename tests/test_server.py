@@ -296,6 +296,18 @@ def test_sampled_requests_are_served_next_to_greedy_ones(compact_server) -> None
     assert _complete(server.url, "def main():\n", max_tokens=32)["choices"] == greedy["choices"]
 
 
+def test_a_seed_makes_a_sampled_request_repeatable(compact_server) -> None:
+    server, _ = compact_server
+    kw = {"temperature": 1.0, "top_p": 0.95, "max_tokens": 32}
+    first = _complete(server.url, "def main():\n", seed=1234, **kw)["choices"][0]["text"]
+    assert _complete(server.url, "def main():\n", seed=1234, **kw)["choices"][0]["text"] == first
+    others = {_complete(server.url, "def main():\n", seed=s, **kw)["choices"][0]["text"] for s in (1, 2, 3)}
+    assert len(others | {first}) > 1
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   json={"model": "tiny_cpu_compact", "prompt": "x", "seed": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+
+
 def test_a_generated_package_serves_as_a_module(tmp_path) -> None:
     server = ServerProcess(REPO / "generated" / "tiny_cpu_static", tmp_path / "server.log",
                            ["-m", "generated.tiny_cpu_static", "serve"])

@@ -27,6 +27,8 @@ from dspark.runtime.planner import LaggedSurvival
 from dspark.runtime.recording import RunRecorder
 from dspark.runtime.sampling import (
     BatchSampling,
+    Generator,
+    RowGenerators,
     SamplingParams,
     pick_rows,
     rejection_accept,
@@ -52,6 +54,7 @@ class Request:
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     ignore_eos: bool = False
+    generator: torch.Generator | None = None  # the request's own stream when it has a seed
     handle: SlotHandle | None = None
     output: list[int] = field(default_factory=list)
     seq_len: int = 0  # positions whose target (and draft-context) KV is cached
@@ -246,10 +249,13 @@ class Runtime:
         return [r.output for r in reqs], self.stats
 
     def new_request(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                    ignore_eos: bool = False) -> Request:
+                    ignore_eos: bool = False, seed: int | None = None) -> Request:
         """A validated request (not queued yet); raises RequestError naming the limit it breaks.
-        Reads only configuration, so any thread may call it."""
-        r = Request(next(self._rids), list(prompt), max_new_tokens, sampling or self.sampling, ignore_eos)
+        With a `seed` the request samples from its own generator. Reads only configuration, so any
+        thread may call it."""
+        generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+        r = Request(next(self._rids), list(prompt), max_new_tokens, sampling or self.sampling, ignore_eos,
+                    generator)
         self._validate(r)
         return r
 
@@ -405,7 +411,7 @@ class Runtime:
         last = (torch.cumsum(lens.long(), 0) - 1)[complete]
         ready = [batch[i] for i in complete]
         logits = self.target.compute_logits(hidden[last])
-        first = pick_rows(logits, self._batch(ready), self.generator).tolist()
+        first = pick_rows(logits, self._batch(ready), self._generators(ready)).tolist()
         for r, tok in zip(ready, first, strict=True):
             self.prefilling.remove(r)
             r.seq_len = len(r.prompt)
@@ -420,7 +426,8 @@ class Runtime:
         meta = self.metadata.build_extend_metadata(prefix, torch.ones_like(prefix), page_table)
         ids = self._tensor([r.root for r in running])
         hidden = self.target.forward_paged(ids, meta.positions, self.attn, meta)
-        nxt = pick_rows(self.target.compute_logits(hidden), self._batch(running), self.generator).tolist()
+        logits = self.target.compute_logits(hidden)
+        nxt = pick_rows(logits, self._batch(running), self._generators(running)).tolist()
         for r, tok in zip(running, nxt, strict=True):
             r.seq_len += 1
             r.root = tok
@@ -435,6 +442,12 @@ class Runtime:
     @staticmethod
     def _batch(requests: list[Request]) -> BatchSampling:
         return BatchSampling(tuple(r.sampling for r in requests))
+
+    def _generators(self, requests: list[Request]) -> Generator:
+        """The runtime's generator, or one stream per request when any request has a seed."""
+        if all(r.generator is None for r in requests):
+            return self.generator
+        return RowGenerators(tuple(r.generator for r in requests), self.generator)
 
     def pick_token(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token from `logits [..., V]` under the runtime's default policy (argmax when
@@ -461,9 +474,10 @@ class Runtime:
 
         batch = self._batch(running)
         greedy = batch.all_greedy
+        generator = self._generators(running)
         proposal = self.draft.propose(
             roots, prefix.long(), self.draft_context(page_table, prefix), prefix.long(),
-            None if greedy else lambda lg: pick_rows(lg, batch, self.generator),
+            None if greedy else lambda lg: pick_rows(lg, batch, generator),
             keep_conf_inputs=self.recorder is not None and self.recorder.sts.features)
         drafts, conf_logits, draft_logits = proposal.drafts, proposal.conf_logits, proposal.logits
         assert drafts is not None
@@ -490,7 +504,7 @@ class Runtime:
                 logits = scatter_rows(logits, rows.src_index, num_reqs * n)
             p_probs = warp_rows(logits.view(num_reqs, n, -1), batch)
             verdict = rejection_accept(drafts, warp_rows(draft_logits, batch), p_probs, verify_lens,
-                                       self.generator)
+                                       generator)
             acc = verdict.result
 
         # The root and the accepted drafts become draft context; the other rows are discarded.

@@ -36,7 +36,8 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = Field(None, description="up to 4 stop strings, not included")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    seed: StrictInt | None = Field(None, description="accepted; sampling uses the server's generator")
+    seed: StrictInt | None = Field(None, description="the request samples from its own generator, "
+                                                     "seeded with this (best effort, as OpenAI's)")
     ignore_eos: StrictBool = Field(False, description="extension: keep generating past EOS")
     user: str | None = None
     # OpenAI fields accepted only at their defaults: this server has no such feature.
@@ -75,6 +76,13 @@ class CompletionRequest(BaseModel):
     def _top_k(cls, value: int | None) -> int | None:
         if value is not None and value < 0:
             raise ValueError("top_k must be >= 0 (0 = off)")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value < 2**63:
+            raise ValueError("seed must be in [0, 2**63)")
         return value
 
     @field_validator("prompt")

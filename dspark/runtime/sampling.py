@@ -64,8 +64,41 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `probs [..., V]` (int64 `[...]`)."""
+@dataclass(frozen=True)
+class RowGenerators:
+    """One random stream per request of a batch: a request with a `seed` draws only from its own
+    generator, so what it samples does not depend on which other requests share its steps; the
+    rest draw from the runtime's generator."""
+
+    rows: tuple[torch.Generator | None, ...]
+    default: torch.Generator | None
+
+    def rand(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """Uniforms in [0, 1) of `shape`, whose leading dimension is the request."""
+        if shape[0] != len(self.rows):
+            raise ValueError(f"{len(self.rows)} generators for {shape[0]} requests")
+        return torch.stack([torch.rand(shape[1:], generator=g or self.default, device=device)
+                            for g in self.rows])
+
+
+Generator = torch.Generator | RowGenerators | None
+
+
+def uniform(shape: tuple[int, ...], generator: Generator, device: torch.device) -> torch.Tensor:
+    if isinstance(generator, RowGenerators):
+        return generator.rand(shape, device)
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def sample(probs: torch.Tensor, generator: Generator) -> torch.Tensor:
+    """One token per row of `probs [..., V]` (int64 `[...]`); per-request generators sample by
+    inverting each row's CDF at a uniform from that request's stream."""
+    if isinstance(generator, RowGenerators):
+        cdf = probs.float().cumsum(-1)
+        u = generator.rand(tuple(probs.shape[:-1]), probs.device) * cdf[..., -1]
+        # right=True: a zero-probability token (a flat CDF step) can never be chosen.
+        index = torch.searchsorted(cdf, u.unsqueeze(-1).contiguous(), right=True).squeeze(-1)
+        return index.clamp_max(probs.shape[-1] - 1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
@@ -77,14 +110,14 @@ class SamplingAccept:
 
 
 def rejection_accept(drafts: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,
-                     verify_lens: torch.Tensor, generator: torch.Generator | None) -> SamplingAccept:
+                     verify_lens: torch.Tensor, generator: Generator) -> SamplingAccept:
     """Verify sampled `drafts [B, gamma]` (drawn from `q_probs [B, gamma, V]`) against the
     target's warped `p_probs [B, N, V]`; acceptance is capped by `verify_lens` as in greedy mode."""
     num_reqs, gamma = drafts.shape
     device = drafts.device
     q = q_probs.gather(-1, drafts[..., None]).squeeze(-1)
     p = p_probs[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
-    u = torch.rand((num_reqs, gamma), generator=generator, device=device)
+    u = uniform((num_reqs, gamma), generator, device)
     accepted = u * q < p  # u < p / q without dividing by a possibly tiny q
     raw = accepted.long().cumprod(-1).sum(-1)
     cap = verify_lens.long() - 1
@@ -153,7 +186,7 @@ def warp_rows(logits: torch.Tensor, batch: BatchSampling) -> torch.Tensor:
     return torch.where(greedy.view(shape), one_hot, probs)
 
 
-def pick_rows(logits: torch.Tensor, batch: BatchSampling, generator: torch.Generator | None) -> torch.Tensor:
+def pick_rows(logits: torch.Tensor, batch: BatchSampling, generator: Generator) -> torch.Tensor:
     """One token per request row of `logits [B, ..., V]` under that request's parameters."""
     if batch.all_greedy:
         return logits.argmax(-1)

@@ -232,7 +232,8 @@ class CompletionServer:
         prompt = self._prompt_ids(req)
         max_new = req.max_tokens or self.runtime.deployment.serving.max_new_tokens
         try:
-            return self.runtime.new_request(prompt, max_new, self._sampling(req), ignore_eos=req.ignore_eos)
+            return self.runtime.new_request(prompt, max_new, self._sampling(req), ignore_eos=req.ignore_eos,
+                                            seed=req.seed)
         except RequestError as err:
             # The engine speaks of max_new_tokens; this API's field is max_tokens.
             message = str(err).replace("max_new_tokens", "max_tokens")
