@@ -11,6 +11,7 @@ that goes away only enqueues an abort: its slot and KV pages are freed before th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import threading
@@ -374,17 +375,13 @@ class CompletionServer:
 
         return app
 
-    def _lifespan(self, _: FastAPI) -> Any:
-        server = self
-
-        class Lifespan:
-            async def __aenter__(self) -> None:
-                server.engine.start()
-
-            async def __aexit__(self, *exc: object) -> None:
-                server.engine.stop()
-
-        return Lifespan()
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        self.engine.start()
+        try:
+            yield
+        finally:
+            self.engine.stop()
 
 
 def serve(runtime: Runtime, host: str, port: int, model_name: str | None = None,
