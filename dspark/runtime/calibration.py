@@ -259,7 +259,8 @@ def _tensor_to_mask(tensor: Any, path: Path) -> np.ndarray:
     return values == 1.0
 
 
-def _load_shard(path: Path, gamma: int | None) -> tuple[np.ndarray, np.ndarray]:
+def read_shard(path: Path) -> Mapping[str, Any]:
+    """A shard's dict as `torch.load` gives it (checked to be a dict, nothing more)."""
     import torch
 
     try:
@@ -270,6 +271,13 @@ def _load_shard(path: Path, gamma: int | None) -> tuple[np.ndarray, np.ndarray]:
     if not isinstance(payload, Mapping):
         raise CalibrationError(f"{path}: holds a {type(payload).__name__}; expected the recorder's dict "
                                f"{{'logits': Tensor[n, gamma], 'prefix_mask': Tensor[n, gamma]}}")
+    return payload
+
+
+def shard_arrays(payload: Mapping[str, Any], path: Path, gamma: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Validated float64 logits and bool prefix masks of a read shard (`gamma`: the earlier shards')."""
+    import torch
+
     for key in (LOGITS_KEY, PREFIX_MASK_KEY):
         if key not in payload:
             raise CalibrationError(f"{path}: missing key {key!r} (found {sorted(map(str, payload))}); "
@@ -313,7 +321,7 @@ def load_shards(paths: Sequence[str | os.PathLike[str]]) -> StsData:
     files = shard_files(paths)
     gamma: int | None = None
     for path in files:
-        z, m = _load_shard(path, gamma)
+        z, m = shard_arrays(read_shard(path), path, gamma)
         gamma = z.shape[1]
         logits.append(z)
         masks.append(m)

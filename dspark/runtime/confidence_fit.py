@@ -42,8 +42,9 @@ from dspark.runtime.calibration import (
     CalibrationError,
     brier,
     ece,
-    load_shards,
+    read_shard,
     roc_auc,
+    shard_arrays,
     shard_files,
 )
 from dspark.runtime.models.dspark_draft import NUM_DRAFT_STATS, draft_stats
@@ -113,9 +114,8 @@ def _read_meta(directory: Path) -> dict[str, Any]:
 
 def load_feature_shards(paths: Sequence[str | os.PathLike[str]]) -> FeatureData:
     """Recorder shards with features (validated like `dspark calibrate`'s), from one draft backbone
-    and one policy."""
+    and one policy; each shard is read once."""
     files = shard_files(paths)
-    labels = load_shards(files)  # validates logits / prefix_mask shapes and prefix rows
     metas = {p.parent: _read_meta(p.parent) for p in files}
     backbones = {m[FEATURES_KEY]["draft_backbone"] for m in metas.values()}
     policies = {m.get("policy") for m in metas.values()}
@@ -124,25 +124,30 @@ def load_feature_shards(paths: Sequence[str | os.PathLike[str]]) -> FeatureData:
             "the shards were recorded with different drafts or policies ("
             + "; ".join(f"{d}: backbone {m[FEATURES_KEY]['draft_backbone']}, policy {m.get('policy')}"
                         for d, m in metas.items()) + "); fit each draft and policy separately")
-    parts = []
+    parts, masks = [], []
+    gamma: int | None = None
     for path in files:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = read_shard(path)
+        _, mask = shard_arrays(payload, path, gamma)  # validates logits / prefix_mask and prefix rows
+        n, gamma = mask.shape
         feats = payload.get(FEATURES_KEY)
-        n, gamma = payload["logits"].shape
         if not isinstance(feats, torch.Tensor) or feats.dim() != 3 or tuple(feats.shape[:2]) != (n, gamma) \
                 or not feats.is_floating_point():
             shape = tuple(feats.shape) if isinstance(feats, torch.Tensor) else None
             raise CalibrationError(f"{path}: {FEATURES_KEY!r} must be a float tensor [n, gamma, F] = "
                                    f"[{n}, {gamma}, F], got {shape}")
         parts.append(feats.float())
+        masks.append(torch.from_numpy(mask))
     if len({p.shape[-1] for p in parts}) > 1:
         raise CalibrationError("the shards hold features of different widths; fit one draft at a time")
     features = torch.cat(parts)
+    if features.shape[0] == 0:
+        raise CalibrationError(f"{', '.join(map(str, files))}: the shards hold no rows")
     if not bool(torch.isfinite(features).all()):
         raise CalibrationError("the shards hold non-finite features (float16 overflow?); the draft's "
                                "head inputs must be finite")
-    return FeatureData(features, torch.from_numpy(labels.prefix_mask.copy()), backbones.pop(), policies.pop(),
-                       labels.sources)
+    return FeatureData(features, torch.cat(masks), backbones.pop(), policies.pop(),
+                       tuple(str(p) for p in files))
 
 
 def with_draft_stats(data: FeatureData, lm_head: torch.Tensor, hidden_size: int,
@@ -261,16 +266,16 @@ def format_head_fit(fit: HeadFit) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_refit_checkpoint(source: Path, out: Path, fit: HeadFit, data: FeatureData,
-                           settings: HeadFitSettings, config: Mapping[str, Any]) -> Path:
-    """A copy of the `source` draft with the refitted head and `confidence_fit.json` (provenance),
-    moved into place whole: `out` must not exist yet."""
+def write_refit_checkpoint(source: Path, state: dict[str, torch.Tensor], out: Path, fit: HeadFit,
+                           data: FeatureData, settings: HeadFitSettings, config: Mapping[str, Any]) -> Path:
+    """A copy of the `source` draft (whose tensors are `state`) with the refitted head and
+    `confidence_fit.json` (provenance), moved into place whole: `out` must not exist yet."""
     if out.exists():
         raise CalibrationError(f"{out} already exists; choose a new directory for the refitted draft "
                                f"(its name is the draft's identity in fingerprints)")
     if out.resolve() == source.resolve():
         raise CalibrationError("the output must be a new directory, not the source draft")
-    state = checkpoint_state(source)
+    state = dict(state)
     dtype = state[WEIGHT].dtype
     state[WEIGHT] = fit.weight.to(dtype).contiguous()
     state[BIAS] = fit.bias.to(dtype).contiguous()
@@ -320,4 +325,4 @@ def refit_draft(shards: Sequence[Path], source: Path, out: Path,
         weight = torch.cat((weight, weight.new_zeros(1, NUM_DRAFT_STATS)), dim=-1)
         config = {**config, STATS_FLAG: True}
     fit = fit_confidence_head(data, weight, state[BIAS], settings)
-    return fit, write_refit_checkpoint(source, out, fit, data, settings, config)
+    return fit, write_refit_checkpoint(source, state, out, fit, data, settings, config)

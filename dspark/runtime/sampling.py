@@ -171,17 +171,24 @@ def warp_rows(logits: torch.Tensor, batch: BatchSampling) -> torch.Tensor:
     greedy, temperature, top_p, top_k = batch._columns(logits.device)
     shape = (num_reqs,) + (1,) * (logits.dim() - 1)
     scaled = logits.float() / temperature.view(shape)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    # top-k: keep ranks < k (0 = all); ties at the k-th value are kept, as in `warp`.
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    kth = sorted_logits.gather(-1, (k - 1).view(shape).expand(*sorted_logits.shape[:-1], 1))
-    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    sorted_probs = probs.gather(-1, order)
-    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p.view(shape)
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    probs = probs / probs.sum(-1, keepdim=True)
+    # The sort over the vocabulary is the expensive part: only a request that filters needs it.
+    filters = [p for p in batch.params if not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0)]
+    if not filters:
+        probs = torch.softmax(scaled, dim=-1)
+    else:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        # top-k: keep ranks < k (0 = all); ties at the k-th value are kept, as in `warp`.
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = sorted_logits.gather(-1, (k - 1).view(shape).expand(*sorted_logits.shape[:-1], 1))
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        sorted_probs = probs.gather(-1, order)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p.view(shape)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if not any(p.greedy for p in batch.params):
+        return probs
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).to(probs.dtype)
     return torch.where(greedy.view(shape), one_hot, probs)
 

@@ -55,6 +55,7 @@ class Stream:
 
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Delivery] = field(default_factory=asyncio.Queue)
+    sent: int = 0  # output tokens already delivered (engine thread only)
 
     def push(self, delivery: Delivery) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, delivery)
@@ -68,7 +69,6 @@ class EngineThread:
         self.metrics = metrics
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[int, tuple[Request, Stream]] = {}
-        self._sent: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self.error: BaseException | None = None
@@ -89,7 +89,6 @@ class EngineThread:
         def add() -> None:
             self.runtime.enqueue(request)
             self._streams[request.rid] = (request, stream)
-            self._sent[request.rid] = 0
             self.metrics.requests_received.inc()
         self._commands.put(add)
 
@@ -97,12 +96,14 @@ class EngineThread:
         """Stop a request: "abort" (the client went away) or "stop" (a stop string matched)."""
         def drop() -> None:
             if self._streams.pop(request.rid, None) is not None:
-                self._sent.pop(request.rid, None)
                 request.finish_reason = reason
                 self.runtime.abort(request)
-                self.metrics.requests_finished.labels(reason).inc()
-                self.metrics.prompt_tokens.inc(len(request.prompt))
+                self._count_finished(request, reason)
         self._commands.put(drop)
+
+    def _count_finished(self, request: Request, reason: str) -> None:
+        self.metrics.requests_finished.labels(reason).inc()
+        self.metrics.prompt_tokens.inc(len(request.prompt))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -137,19 +138,17 @@ class EngineThread:
         entry = self._streams.get(r.rid)
         if entry is None:
             return
-        sent = self._sent[r.rid]
-        new = r.output[sent:]
-        self._sent[r.rid] = len(r.output)
+        stream = entry[1]
+        new = r.output[stream.sent:]
+        stream.sent = len(r.output)
         reason = r.finish_reason if r.done else None
         if reason is not None:
             del self._streams[r.rid]
-            del self._sent[r.rid]
-            self.metrics.requests_finished.labels(reason).inc()
-            self.metrics.prompt_tokens.inc(len(r.prompt))
+            self._count_finished(r, reason)
         if new:
             self.metrics.generation_tokens.inc(len(new))
         if new or reason is not None:
-            entry[1].push(Delivery(new, reason, r.decode_steps))
+            stream.push(Delivery(new, reason, r.decode_steps))
 
 
 class StopMatcher:
