@@ -21,7 +21,8 @@ from typing import Any
 
 from bench_static import held_out_prompts
 
-from dspark.runtime.engine import RunStats, Runtime
+from dspark.runtime.engine.runtime import Runtime
+from dspark.runtime.engine.stats import RunStats
 from dspark.runtime.package import load_package
 
 

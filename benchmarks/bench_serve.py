@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from dspark.runtime.bench_client import BenchConfig, benchmark
-from dspark.runtime.prompt_sets import held_out_prompts
+from dspark.bench.client import BenchConfig, benchmark
+from dspark.corpus import held_out_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 
 def start_server(package: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "dspark.runtime.cli", "serve", str(package), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "serve", str(package), "--port",
                              str(port), "--log-level", "warning"], cwd=REPO)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:

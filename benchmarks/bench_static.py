@@ -13,11 +13,11 @@ import argparse
 import json
 from pathlib import Path
 
-from dspark.runtime.engine import Runtime
+from dspark.corpus import held_out_prompts
+from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.prompt_sets import held_out_prompts
 
-# `held_out_prompts` lives in dspark.runtime.prompt_sets (`dspark bench` uses it without torch);
+# `held_out_prompts` lives in dspark.corpus (`dspark bench` uses it without torch);
 # bench_modes.py and held_out_prompts.py still import it from here.
 __all__ = ["held_out_prompts", "main"]
 

@@ -44,15 +44,15 @@ write("h200_compact", verify={"mode": "compact"}, cost_model=table, graph=tiers)
 write("h200_compact_aligned", verify={"mode": "compact", "align_to_graph_tier": True}, cost_model=table,
       graph=tiers)
 PYEOF
-"$PY" -m dspark.compiler.cli build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile"
-"$PY" -m dspark.runtime.cli profile "$W/pkgs/h200_profile" -o "$W/tables" --repeats 5 --grid-density 8 --m-bin 16 \
+"$PY" -m dspark.cli.compile build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile"
+"$PY" -m dspark.cli.main profile "$W/pkgs/h200_profile" -o "$W/tables" --repeats 5 --grid-density 8 --m-bin 16 \
   --no-progress 2>&1 | tee "$OUT/profile.txt" | tail -n 12
 cp "$W"/tables/*.json "$OUT/"
 
 echo "== benchmark: static vs cap-accept vs compact, same prompts, one process"
 for name in h200_cap_accept h200_compact h200_compact_aligned; do
-  "$PY" -m dspark.compiler.cli build "$W/$name.yaml" -o "$W/pkgs/$name" >/dev/null
+  "$PY" -m dspark.cli.compile build "$W/$name.yaml" -o "$W/pkgs/$name" >/dev/null
 done
-"$PY" -m dspark.compiler.cli build specs/tiny_h200_static.yaml -o "$W/pkgs/h200_static" >/dev/null
+"$PY" -m dspark.cli.compile build specs/tiny_h200_static.yaml -o "$W/pkgs/h200_static" >/dev/null
 "$PY" benchmarks/bench_modes.py "$W/pkgs/h200_static" "$W/pkgs/h200_cap_accept" "$W/pkgs/h200_compact" \
   "$W/pkgs/h200_compact_aligned" --prompts 32 --max-new-tokens 128 --rounds 3 2>&1 | tee "$OUT/bench.txt"

@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
+from dspark.cli.main import main as dspark_main
 from dspark.compiler.api import build
-from dspark.runtime.cli import main as dspark_main
 
 REPO = Path(__file__).resolve().parents[1]
 # A table whose row cost dwarfs its overhead: the budget then verifies about half the drafts.

@@ -37,7 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dspark.runtime.config import EMBEDDED_PREFIX
+from dspark.checkpoints import EMBEDDED_PREFIX
+from dspark.modes import VerifyMode
 
 if TYPE_CHECKING:
     from dspark.runtime.config import DeploymentConfig
@@ -52,7 +53,7 @@ GEOMETRY_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers
                    "num_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "rms_norm_eps")
 _FLOAT_GEOMETRY = ("rope_theta", "rms_norm_eps")
 _DIGEST_CHARS = 16  # 64 bits: enough to tell deployments apart, short enough to read in an error
-_VERIFY_MODES = ("static", "cap-accept", "compact")
+_VERIFY_MODES = tuple(mode.value for mode in VerifyMode)
 GREEDY = "greedy"
 
 
@@ -205,7 +206,7 @@ def _build(*, backend: str, device: str, dtype: str, geometry: Any, draft_checkp
         backend=backend, device=device, dtype=dtype, model_geometry=geometry_digest(geometry),
         draft=draft_digest(gamma=gamma, confidence_head=confidence_head,
                            markov_embedding_size=markov_embedding_size, checkpoint=draft_checkpoint),
-        tp=tp, dp=dp, tiers=tuple(int(t) for t in tiers), verify_mode=verify_mode, gamma=gamma,
+        tp=tp, dp=dp, tiers=tuple(int(t) for t in tiers), verify_mode=str(verify_mode), gamma=gamma,
         policy=sampling_policy(temperature, top_p, top_k))
 
 

@@ -23,15 +23,17 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from dspark.runtime.accept import greedy_accept  # noqa: E402
-from dspark.runtime.kernels.accept import launch_greedy_accept  # noqa: E402
-from dspark.runtime.kernels.layout import VerifyRows, build_verify_rows, launch_verify_rows  # noqa: E402
+from dspark.runtime.kernels.accept import (
+    greedy_accept,  # noqa: E402
+    launch_greedy_accept,  # noqa: E402
+)
 from dspark.runtime.kernels.scatter import (  # noqa: E402
     launch_pack_rows,
     launch_scatter_rows,
     pack_rows,
     scatter_rows,
 )
+from dspark.runtime.kernels.verify_rows import VerifyRows, build_verify_rows, launch_verify_rows  # noqa: E402
 
 SENTINEL = -777
 CASES = 30

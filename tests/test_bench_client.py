@@ -24,8 +24,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from dspark.runtime import prompt_sets
-from dspark.runtime.bench_client import (
+from dspark import corpus as prompt_sets
+from dspark.bench.client import (
     BenchConfig,
     BenchResult,
     RequestOutcome,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from dspark.cli.compile import main
 from dspark.compiler import compile_spec, emit, write
-from dspark.compiler.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,7 +143,7 @@ def test_a_failing_write_leaves_the_old_package(project, monkeypatch):
 
 
 def test_the_compiler_never_imports_torch(project):
-    code = ("import sys\nfrom dspark.compiler.cli import main\n"
+    code = ("import sys\nfrom dspark.cli.compile import main\n"
             "assert main(['build', 'specs/demo.yaml', '-o', 'out/demo']) == 0\n"
             "assert main(['check']) == 0\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
@@ -152,7 +152,7 @@ def test_the_compiler_never_imports_torch(project):
     assert result.returncode == 0, result.stderr[-2000:]
     imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:")}
-    assert "dspark.compiler.cli" in imported
+    assert "dspark.cli.compile" in imported
     assert not {name for name in imported if name.split(".")[0] == "torch"}
 
 

@@ -39,7 +39,7 @@ def test_package_files_and_header(write_spec, tmp_path):
             assert "Do not edit: change the spec and recompile." in docstring
             assert "cpu/generic backend, static verify mode" in docstring
     assert package.files["__main__.py"].decode().endswith(
-        "from pathlib import Path\n\nfrom dspark.runtime.entry import main\n\n"
+        "from pathlib import Path\n\nfrom dspark.cli.package_entry import main\n\n"
         'if __name__ == "__main__":\n    raise SystemExit(main(Path(__file__).resolve().parent))\n')
     body = package.files["attn_metadata.py"].decode()
     assert "NUM_DRAFT_TOKENS = 4  # N = gamma + 1" in body and "PAGE_SIZE = 16\n" in body
@@ -80,12 +80,12 @@ def test_deployment_builds_the_runtime_config(write_spec, tmp_path):
 
 def test_static_and_adaptive_planner_config(write_spec, tmp_path):
     static = compile_spec(write_spec(), tmp_path / "demo").files["planner_config.py"]
-    assert b"from dspark.runtime.plan import StaticVerifyPlan\n" in static
+    assert b"from dspark.runtime.planner.verify_plan import StaticVerifyPlan\n" in static
     assert keywords(static, "StaticVerifyPlan") == {"gamma": 3}
     spec = write_spec({"verify": {"mode": "compact", "min_verify_len": 2, "survival_eps": 1e-4},
                        "cost_model": SPS, "calibration": {"temperatures": [1.0, 1.5, 2.0]}})
     adaptive = compile_spec(spec, tmp_path / "demo").files["planner_config.py"]
-    assert b"from dspark.runtime.plan import AdaptiveVerifyPlan\n" in adaptive
+    assert b"from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan\n" in adaptive
     assert keywords(adaptive, "AdaptiveVerifyPlan") == {
         "gamma": 3, "mode": "compact", "min_verify_len": 2, "max_verify_len": 4, "survival_eps": 1e-4,
         "align_to_graph_tier": False, "lag_steps": 0, "temperatures": (1.0, 1.5, 2.0),
@@ -116,7 +116,7 @@ def test_output_is_deterministic(write_spec, tmp_path, monkeypatch):
                        "draft": {"checkpoint": "rel/draft"}})
     first, second = tmp_path / "one" / "demo", tmp_path / "two" / "demo"
     build(spec, first)
-    code = ("import sys; from dspark.compiler.cli import main; "
+    code = ("import sys; from dspark.cli.compile import main; "
             "raise SystemExit(main(['build', sys.argv[1], '-o', sys.argv[2]]))")
     subprocess.run([sys.executable, "-c", code, str(spec), str(second)], check=True,
                    env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin:/bin"},
@@ -192,7 +192,7 @@ def test_spec_strings_cannot_inject_code(write_spec, tmp_path):
     assert 'evil"""; import os; x=""".yaml' in docstring
     imports = {node.module for node in ast.walk(ast.parse(bad["deployment.py"]))
                if isinstance(node, ast.ImportFrom)}
-    assert imports == {"dspark.runtime.config"}
+    assert imports == {"dspark.modes", "dspark.runtime.config"}
     calls = {node.func.id for node in ast.walk(ast.parse(bad["deployment.py"]))
              if isinstance(node, ast.Call)}
     assert calls == {"DeploymentConfig", "ModelRef", "ModelGeometry", "DraftRef", "ParallelPlan",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
+from dspark.cli.compile import main
 from dspark.compiler import compile_spec
-from dspark.compiler.cli import main
 from dspark.compiler.explain import dependent_fields, explain_file
 from dspark.compiler.graph import build_graph
 from dspark.spec import load_spec

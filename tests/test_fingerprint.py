@@ -183,7 +183,7 @@ def test_a_calibration_fitted_under_another_policy_is_stale(write_spec, tmp_path
 
 
 def test_the_runtime_reads_a_fingerprinted_cost_file(tmp_path):
-    from dspark.runtime.cost_models import load_cost_model
+    from dspark.runtime.planner.cost_models import load_cost_model
 
     (tmp_path / "cost.json").write_text(json.dumps({**SPS, "fingerprint": example().to_json()}))
     assert load_cost_model(tmp_path / "cost.json").sample_batch_tokens == (4, 8)
@@ -192,7 +192,7 @@ def test_the_runtime_reads_a_fingerprinted_cost_file(tmp_path):
 def test_what_dspark_calibrate_writes_loads_with_its_fingerprint(write_spec, tmp_path):
     import numpy as np
 
-    from dspark.runtime.calibration import StsData, calibration_payload, fit_sts
+    from dspark.measure.calibration import StsData, calibration_payload, fit_sts
 
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(64, 3))

@@ -1,6 +1,6 @@
 import torch
 
-from dspark.runtime.accept import greedy_accept
+from dspark.runtime.kernels.accept import greedy_accept
 
 
 def test_prefix_stops_at_first_mismatch_even_if_later_drafts_match() -> None:

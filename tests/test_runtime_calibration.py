@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime import calibration as cal
-from dspark.runtime.calibrate_cli import add_calibrate_parser, run_calibrate
-from dspark.runtime.calibration import (
+from dspark.cli.calibrate import add_calibrate_parser, run_calibrate
+from dspark.measure import calibration as cal
+from dspark.measure.calibration import (
     CalibrationError,
     StsData,
     brier,

@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
-from dspark.runtime.calibration import CalibrationError, ece
-from dspark.runtime.checkpoint import load_draft, save_draft
-from dspark.runtime.cli import main
-from dspark.runtime.confidence_fit import (
+from dspark.cli.main import main
+from dspark.measure.calibration import CalibrationError, ece
+from dspark.measure.confidence_fit import (
     BIAS,
     FIT_FILE,
     WEIGHT,
@@ -23,9 +22,10 @@ from dspark.runtime.confidence_fit import (
     refit_draft,
     with_draft_stats,
 )
+from dspark.measure.recording import StsRecorder
+from dspark.runtime.models.checkpoint import load_draft, save_draft
 from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft, draft_stats
 from dspark.runtime.package import load_package
-from dspark.runtime.recording import StsRecorder
 
 from .runtime_helpers import compile_variant
 
@@ -175,7 +175,7 @@ def test_cli_errors_name_the_problem(tmp_path, capsys) -> None:
 @pytest.mark.slow
 def test_served_features_are_the_head_inputs_and_the_refitted_draft_serves(tmp_path, capsys) -> None:
     """End to end: record a run with features, refit, compile a spec naming the new draft, run it."""
-    from dspark.runtime.checkpoint import EMBEDDED_ROOT
+    from dspark.checkpoints import embedded_root
 
     pkg_dir = compile_variant(tmp_path, "tiny_cpu_static.yaml",
                               {"verify": {"mode": "cap-accept"}, "serving": {"max_running_requests": 4}},
@@ -190,13 +190,13 @@ def test_served_features_are_the_head_inputs_and_the_refitted_draft_serves(tmp_p
     shards = [torch.load(p, weights_only=True) for p in sorted((tmp_path / "rec" / "sts").glob("*.pt"))]
     feats = torch.cat([s["features"] for s in shards]).float()
     logits = torch.cat([s["logits"] for s in shards])
-    head = checkpoint_state(EMBEDDED_ROOT / "tiny" / "draft")
+    head = checkpoint_state(embedded_root() / "tiny" / "draft")
     # The stored features reproduce the served confidence logits through the head (to float16).
     torch.testing.assert_close(feats @ head[WEIGHT][0] + head[BIAS], logits, atol=0.05, rtol=0.0)
 
     out = tmp_path / "tiny_draft_refit"
     assert main(["fit-confidence", str(tmp_path / "rec" / "sts"), "--draft",
-                 str(EMBEDDED_ROOT / "tiny" / "draft"), "-o", str(out), "--holdout", "0.3"]) == 0
+                 str(embedded_root() / "tiny" / "draft"), "-o", str(out), "--holdout", "0.3"]) == 0
     capsys.readouterr()
     refit_pkg = load_package(compile_variant(
         tmp_path, "tiny_cpu_static.yaml",

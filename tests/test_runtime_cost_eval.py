@@ -1,4 +1,4 @@
-"""Cost models judged by the budgets they make the planner choose (dspark.runtime.cost_eval)."""
+"""Cost models judged by the budgets they make the planner choose (dspark.measure.cost_eval)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime.cost_eval import (
+from dspark.measure.cost_eval import (
     BOUNDARY_RADIUS,
     MeasuredSteps,
     add_cost_eval_parser,
@@ -21,10 +21,10 @@ from dspark.runtime.cost_eval import (
     profile_tiers,
     run_cost_eval,
 )
-from dspark.runtime.cost_fit import fit_additive, fit_tier_table
-from dspark.runtime.cost_models import AdditiveCostTable, TierCostTable
-from dspark.runtime.planner import ScheduleConfig
-from dspark.runtime.profiler import ProfilePlan, ProfileResult, ProfileSample
+from dspark.measure.cost_fit import fit_additive, fit_tier_table
+from dspark.measure.profiler import ProfilePlan, ProfileResult, ProfileSample
+from dspark.runtime.planner.budget import ScheduleConfig
+from dspark.runtime.planner.cost_models import AdditiveCostTable, TierCostTable
 
 REPO = Path(__file__).resolve().parents[1]
 TIERS = (8, 16, 32, 64)

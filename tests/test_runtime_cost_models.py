@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.runtime.cost_models import (
+from dspark.runtime.planner.cost_models import (
     AdditiveCostTable,
     CostModelError,
     SpsTable,

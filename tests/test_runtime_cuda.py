@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.runtime.accept import greedy_accept
-from dspark.runtime.engine import Runtime
+from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.kernels import HAS_TRITON, build_verify_rows, pack_rows, scatter_rows
+from dspark.runtime.kernels.accept import greedy_accept
 from dspark.runtime.layout import RaggedVerifyLayout
 from dspark.runtime.package import load_package
 

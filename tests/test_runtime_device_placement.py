@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from dspark.runtime.engine import Runtime
+from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
 
 from .runtime_helpers import compile_variant

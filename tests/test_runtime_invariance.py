@@ -1,18 +1,21 @@
 """The CPU reference path must compute a row identically whatever else shares its step: this is
 what makes greedy speculative output bit-exact with target-only output."""
 
+import pytest
 import torch
 
-from dspark.runtime import ops
-from dspark.runtime.attn_metadata import PagedAttnMetadata, QueryPadding, cache_slots
-from dspark.runtime.backends.torch_paged import TorchPagedAttention
+from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding, cache_slots
+from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.kv_cache import PagedKVCache
+from dspark.runtime.models import ops
 
 
-def test_linear_rows_do_not_depend_on_row_count() -> None:
+@pytest.mark.parametrize("in_features, out_features", [(256, 688), (688, 256), (256, 259)])
+def test_linear_rows_do_not_depend_on_row_count(in_features: int, out_features: int) -> None:
+    # The embedded model's products: attention and MLP in, MLP out, the LM head.
     torch.manual_seed(0)
-    w = torch.randn(688, 256)
-    x = torch.randn(300, 256)
+    w = torch.randn(out_features, in_features)
+    x = torch.randn(300, in_features)
     full = ops.linear(x, w)
     for rows in [*range(1, 40), 64, 257, 299]:
         assert torch.equal(ops.linear(x[:rows], w), full[:rows]), rows

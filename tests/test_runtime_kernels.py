@@ -18,12 +18,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.runtime import accept as accept_module
-from dspark.runtime.accept import greedy_accept
-from dspark.runtime.kernels import _dispatch, layout, scatter
-from dspark.runtime.kernels._dispatch import Impl
-from dspark.runtime.kernels.layout import build_verify_rows
+from dspark.runtime.kernels import accept as accept_module
+from dspark.runtime.kernels import dispatch, scatter, verify_rows
+from dspark.runtime.kernels.accept import greedy_accept
+from dspark.runtime.kernels.dispatch import Impl
 from dspark.runtime.kernels.scatter import pack_rows, scatter_rows
+from dspark.runtime.kernels.verify_rows import build_verify_rows
 
 REPO = Path(__file__).resolve().parents[1]
 INTERP_CHECKS = ["layout_worked_example", "layout_random", "accept_cap_example", "accept_random",
@@ -199,7 +199,7 @@ def test_auto_takes_the_torch_reference_for_cpu_tensors(monkeypatch: pytest.Monk
     def no_triton(*args: object, **kwargs: object) -> None:
         raise AssertionError("the Triton path was taken for CPU tensors")
 
-    monkeypatch.setattr(layout, "build_verify_rows_triton", no_triton)
+    monkeypatch.setattr(verify_rows, "build_verify_rows_triton", no_triton)
     monkeypatch.setattr(accept_module, "greedy_accept_triton", no_triton)
     monkeypatch.setattr(scatter, "launch_pack_rows", no_triton)
     monkeypatch.setattr(scatter, "launch_scatter_rows", no_triton)
@@ -208,24 +208,24 @@ def test_auto_takes_the_torch_reference_for_cpu_tensors(monkeypatch: pytest.Monk
     greedy_accept(torch.tensor([[1]]), torch.tensor([[1, 2]]), torch.tensor([2]), impl="auto")
     pack_rows(torch.zeros(4, 2), torch.tensor([0, 2]), impl="auto")
     scatter_rows(torch.zeros(2, 2), torch.tensor([0, 2]), 4, impl="auto")
-    assert not _dispatch.use_triton("auto", torch.zeros(1))
+    assert not dispatch.use_triton("auto", torch.zeros(1))
 
 
 def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if not _dispatch.HAS_TRITON:
+    if not dispatch.HAS_TRITON:
         pytest.skip("Triton is not installed")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         pack_rows(torch.zeros(4, 2), torch.tensor([0, 2]), impl="triton")
     with pytest.raises(ValueError, match="impl"):
-        _dispatch.use_triton("cuda", torch.zeros(1))  # type: ignore[arg-type]
+        dispatch.use_triton("cuda", torch.zeros(1))  # type: ignore[arg-type]
 
 
 # -- Triton kernels under the interpreter ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, str]:
-    if not _dispatch.HAS_TRITON:
+    if not dispatch.HAS_TRITON:
         pytest.skip("Triton is not installed")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -244,7 +244,7 @@ def test_triton_kernel_matches_reference_under_interpreter(interp_results: dict[
 
 # -- CUDA: the compiled kernels (skipped on machines without a GPU) ------------------------------
 
-requires_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and _dispatch.HAS_TRITON),
+requires_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and dispatch.HAS_TRITON),
                                    reason="needs a CUDA device and Triton")
 
 

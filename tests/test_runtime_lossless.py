@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dspark.runtime.engine import RequestError, Runtime
+from dspark.corpus import held_out_text
+from dspark.runtime.engine.requests import RequestError
+from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.prompt_sets import held_out_text
 
 from .runtime_helpers import REPO, compile_variant
 
@@ -83,7 +84,7 @@ def test_cli_json_and_generated_entry_point_agree(tmp_path: Path) -> None:
     pkg = REPO / "generated" / "tiny_cpu_static"
     args = ["--prompt", "def parse(text):\n", "--prompt", "import re\n", "--max-new-tokens", "24",
             "--json"]
-    spec = subprocess.run([sys.executable, "-m", "dspark.runtime.cli", "run", str(pkg), *args],
+    spec = subprocess.run([sys.executable, "-m", "dspark.cli.main", "run", str(pkg), *args],
                           capture_output=True, text=True, check=True)
     ref = subprocess.run([sys.executable, "-m", "generated.tiny_cpu_static", "run", "--target-only",
                           *args], capture_output=True, text=True, check=True, cwd=REPO)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.runtime.backends.ascend import reference_fused_infer_attention_tnd
-from dspark.runtime.backends.torch_paged import TorchPagedAttention
+from dspark.runtime.attention.ascend import reference_fused_infer_attention_tnd
+from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.kv_cache import PagedKVCache
 
 from .runtime_helpers import compile_variant, import_file

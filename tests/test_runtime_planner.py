@@ -6,17 +6,16 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dspark.runtime.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
-from dspark.runtime.planner import (
+from dspark.runtime.planner.budget import (
     TIE_RTOL,
     BudgetDecision,
-    LaggedSurvival,
     ScheduleConfig,
     allocate_verify_lens,
     choose_budget,
     forced_budget,
-    survival_from_logits,
 )
+from dspark.runtime.planner.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
+from dspark.runtime.planner.survival import LaggedSurvival, survival_from_logits
 
 EXAMPLE_CONFIDENCE = torch.tensor([[0.9, 0.8], [0.6, 0.5]])
 # The source's assumed costs: 2 extra rows (M = 4) take 1 ms, 3 extra rows (M = 5) take 1.4 ms.

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from dspark.runtime.cli import main
-from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, TierCostTable, load_cost_model
+from dspark.cli.main import main
+from dspark.measure.step_timer import ProfileError, spread_rows
 from dspark.runtime.package import load_package
-from dspark.runtime.step_timer import ProfileError, spread_rows
+from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, TierCostTable, load_cost_model
 
 from .runtime_helpers import compile_variant
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, load_cost_model
-from dspark.runtime.profiler import (
+from dspark.measure.profiler import (
     ProfilePlan,
     ProfileResult,
     ProfileSample,
@@ -26,6 +25,7 @@ from dspark.runtime.profiler import (
     run_profile,
     write_tables,
 )
+from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, load_cost_model
 
 
 class SyntheticTimer:

@@ -6,10 +6,10 @@ import json
 
 import torch
 
-from dspark.runtime.cli import main
-from dspark.runtime.engine import Runtime
+from dspark.cli.main import main
+from dspark.measure.recording import RunRecorder
+from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.recording import RunRecorder
 
 from .runtime_helpers import compile_variant
 from .test_runtime_lossless import _prompts
@@ -120,7 +120,7 @@ def test_a_recording_stopped_with_sigterm_still_writes_its_metadata(tmp_path) ->
     out = tmp_path / "rec"
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):\n"] * 64))
-    proc = subprocess.Popen([sys.executable, "-m", "dspark.runtime.cli", "run",
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run",
                              str(REPO / "generated" / "tiny_cpu_cap_accept"), "--prompts-file", str(prompts),
                              "--max-new-tokens", "900", "--record", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=dict(os.environ))

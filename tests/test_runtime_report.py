@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime import report
-from dspark.runtime.cost_models import AdditiveCostTable, SpsTable, save_cost_model
-from dspark.runtime.profiler import ProfilePlan, ProfileResult, ProfileSample
-from dspark.runtime.report import (
+from dspark.measure.profiler import ProfilePlan, ProfileResult, ProfileSample
+from dspark.report import report
+from dspark.report.report import (
     ReportError,
     bias_by_batch_and_lag,
     bias_tables,
@@ -29,6 +28,7 @@ from dspark.runtime.report import (
     run_summaries,
     write_report,
 )
+from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, save_cost_model
 
 GAMMA = 3
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -361,7 +361,7 @@ def test_missing_inputs_drop_their_sections(tmp_path: Path) -> None:
 
 def test_failed_render_leaves_no_report(tmp_path: Path, runs: tuple[Path, Path],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from dspark.runtime import report_plots
+    from dspark.report import plots as report_plots
 
     def boom(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("plot failed")

@@ -13,9 +13,9 @@ from collections import Counter
 import pytest
 import torch
 
-from dspark.runtime import engine as engine_module
-from dspark.runtime.accept import AcceptResult
-from dspark.runtime.engine import Runtime
+from dspark.runtime.engine import runtime as engine_module
+from dspark.runtime.engine.runtime import Runtime
+from dspark.runtime.kernels.accept import AcceptResult
 from dspark.runtime.package import load_package
 from dspark.runtime.sampling import (
     BatchSampling,

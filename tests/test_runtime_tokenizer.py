@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from dspark.runtime.checkpoint import EMBEDDED_ROOT
+from dspark.checkpoints import embedded_root
 from dspark.runtime.package import PackageError, load_tokenizer
 from dspark.runtime.tokenizer import (
     BOS_ID,
@@ -240,11 +240,11 @@ def test_stream_keeps_spaces_a_metaspace_decoder_strips_per_call(tmp_path: Path,
 # -- load_tokenizer dispatch -----------------------------------------------------------------------
 
 def test_load_tokenizer_dispatch(tmp_path: Path) -> None:
-    assert isinstance(load_tokenizer(EMBEDDED_ROOT / "tiny" / "target"), ByteTokenizer)
+    assert isinstance(load_tokenizer(embedded_root() / "tiny" / "target"), ByteTokenizer)
     hf_dir = _write_hf(tmp_path / "hf", {"eos_token": "</s>"})
     assert isinstance(load_tokenizer(hf_dir), HFTokenizer)
     # The byte-level marker wins when both are present.
-    shutil.copy(EMBEDDED_ROOT / "tiny" / "target" / BYTE_TOKENIZER_FILE, hf_dir)
+    shutil.copy(embedded_root() / "tiny" / "target" / BYTE_TOKENIZER_FILE, hf_dir)
     assert isinstance(load_tokenizer(hf_dir), ByteTokenizer)
     (tmp_path / "empty").mkdir()
     with pytest.raises(PackageError, match=r"expected tokenizer\.json .* or dspark_tokenizer\.json"):

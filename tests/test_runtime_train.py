@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.runtime.checkpoint import CheckpointError, load_draft, load_target
-from dspark.runtime.train_tiny import TrainSettings, corpus_files, train_tiny
+from dspark.runtime.models.checkpoint import CheckpointError, load_draft, load_target
+from dspark.train.tiny import TrainSettings, corpus_files, train_tiny
 
 
 def test_held_out_split_is_deterministic_and_disjoint() -> None:
@@ -44,7 +44,7 @@ def test_missing_checkpoint_names_the_spec_field(tmp_path: Path) -> None:
 
 def test_greedy_continue_with_dense_cache_matches_full_recompute() -> None:
     from dspark.runtime.models.llama import LlamaForCausalLM
-    from dspark.runtime.train_tiny import TARGET_CONFIG
+    from dspark.train.tiny import TARGET_CONFIG
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(TARGET_CONFIG).eval()

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dspark.runtime.engine import Runtime
+from dspark.corpus import held_out_prompts
+from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.prompt_sets import held_out_prompts
 
 from .runtime_helpers import REPO, compile_variant
 
@@ -39,7 +39,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log.open("w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        command = command or ["-m", "dspark.runtime.cli", "serve", str(package)]
+        command = command or ["-m", "dspark.cli.main", "serve", str(package)]
         self.proc = subprocess.Popen(
             [sys.executable, *command, "--port", str(self.port), "--log-level", "warning"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -342,11 +342,11 @@ def _hf_checkpoint(directory: Path) -> Path:
 
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    from dspark.runtime.checkpoint import EMBEDDED_ROOT
+    from dspark.checkpoints import embedded_root
 
     directory.mkdir()
     for name in ("config.json", "model.safetensors"):
-        shutil.copy(EMBEDDED_ROOT / "tiny" / "target" / name, directory / name)
+        shutil.copy(embedded_root() / "tiny" / "target" / name, directory / name)
     alphabet = _bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

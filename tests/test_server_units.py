@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from dspark.runtime.openai_protocol import CompletionRequest
-from dspark.runtime.server import StopMatcher, _validation_error
+from dspark.runtime.serve.openai_protocol import CompletionRequest
+from dspark.runtime.serve.server import StopMatcher, _validation_error
 
 ALPHABET = st.sampled_from(list("ab\n é🙂"))
 

@@ -258,7 +258,7 @@ def test_embedded_checkpoints_resolve_from_the_package(write_spec, tmp_path, mon
 
 
 def test_schema_lists_every_section(capsys):
-    from dspark.compiler.cli import main
+    from dspark.cli.compile import main
 
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
@@ -280,7 +280,7 @@ def test_tier_cost_model_inline_and_from_a_file(write_spec, tmp_path):
     from_file = load_spec(write_spec({"cost_model": {"type": "tier", "file": "tier.json"}})).cost_model
     assert from_file.tiers == (8, 16, 32) and from_file.draft_seconds == (0.0005,)
     # The runtime reads the resolved table the way the compiler embeds it.
-    from dspark.runtime.cost_models import TierCostTable, cost_model_from_dict
+    from dspark.runtime.planner.cost_models import TierCostTable, cost_model_from_dict
 
     table = cost_model_from_dict(from_file.model_dump(mode="json", exclude_defaults=True), "spec")
     assert isinstance(table, TierCostTable) and table.step_time(4, 9) == 0.003

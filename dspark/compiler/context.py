@@ -69,6 +69,6 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "serving": spec.serving,
         "model_checkpoint": stored_checkpoint(resolved.model_checkpoint, package_dir),
         "draft_checkpoint": stored_checkpoint(resolved.draft_checkpoint, package_dir),
-        "plan_class": "StaticVerifyPlan" if spec.verify.mode == "static" else "AdaptiveVerifyPlan",
+        "plan_class": "AdaptiveVerifyPlan" if spec.verify.mode.plans else "StaticVerifyPlan",
         "plan_arguments": planner_arguments(resolved),
     }

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from dspark.modes import VerifyMode
+
 _SCALARS = (str, int, bool, type(None))
 
 
@@ -63,6 +65,8 @@ def _flat(value: Any) -> str:
         return "(" + ", ".join(_flat(item) for item in value) + ")"
     if kind is dict:
         return "{" + ", ".join(f"{_flat(k)}: {_flat(v)}" for k, v in value.items()) + "}"
+    if kind is VerifyMode:
+        return f"VerifyMode.{value.name}"
     raise LiteralError(f"cannot render a {kind.__name__} as a Python literal: {value!r}")
 
 

@@ -89,12 +89,12 @@ def _tier_grid(resolved: ResolvedSpec) -> Any:
 def planner_arguments(resolved: ResolvedSpec) -> dict[str, Any]:
     """Keyword arguments of the generated `PLAN` (its class follows from verify.mode)."""
     spec = resolved.spec
-    if spec.verify.mode == "static":
+    if not spec.verify.mode.plans:
         return {"gamma": spec.draft.gamma}
     verify = spec.verify
     return {
         "gamma": spec.draft.gamma,
-        "mode": verify.mode,
+        "mode": verify.mode.value,
         "min_verify_len": verify.min_verify_len,
         "max_verify_len": resolved.max_verify_len,
         "survival_eps": verify.survival_eps,
@@ -103,7 +103,7 @@ def planner_arguments(resolved: ResolvedSpec) -> dict[str, Any]:
         "temperatures": resolved.temperatures,
         # Without defaults: an absent optional draft term leaves no empty fields in the output.
         "cost_model": resolved.cost_model.model_dump(exclude_defaults=True) if resolved.cost_model else None,
-        "token_tiers": resolved.tiers if verify.mode == "compact" else (),
+        "token_tiers": resolved.tiers if verify.mode.packs_rows else (),
     }
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
 from dspark.spec.external import resolve_path
-from dspark.spec.models import CalibrationFile, CostModelFile
+from dspark.spec.tables import CalibrationFile, CostModelFile
 
 LAUNCH = ("python", "-m", "sglang.launch_server")
 SGLANG_COST_KINDS = ("sps-1d", "additive")  # the table kinds SGLang's loader reads
@@ -109,7 +109,7 @@ def sglang_launch(resolved: ResolvedSpec, cwd: Path | None = None) -> SglangLaun
         else:
             unmapped.append(f"cost_model.type={cost.type} ({where}): SGLang reads sps-1d and additive "
                             f"tables only")
-    elif verify.mode != "static":
+    elif verify.mode.plans:
         notes.append("no cost_model (verify.allow_no_cost_model): without "
                      "--speculative-dspark-sps-table-path SGLang uses a flat table and verifies every row")
 
@@ -126,7 +126,7 @@ def sglang_launch(resolved: ResolvedSpec, cwd: Path | None = None) -> SglangLaun
 
     if verify.align_to_graph_tier:
         flags.append(("--speculative-dspark-align-verify-tokens-to-graph-tier",))
-    if verify.mode != "static":
+    if verify.mode.plans:
         # SGLang clamps the lag to >= 1 (default 2): it never plans with this step's own confidence.
         lag = max(verify.lag_steps, 1)
         env.append(("SGLANG_DSPARK_CONFIDENCE_RELAY_LAG_STEPS", str(lag)))
@@ -175,7 +175,7 @@ def _graph_flags(resolved: ResolvedSpec, flags: list[tuple[str, ...]], env: list
         return
     n, tiers = resolved.num_draft_tokens, resolved.tiers
     batch_sizes = sorted({tier // n for tier in tiers if tier % n == 0})
-    if resolved.spec.verify.mode == "compact":
+    if resolved.spec.verify.mode.packs_rows:
         largest = batch_sizes[-1] * n if batch_sizes else 0
         extra = [tier for tier in tiers if tier % n and tier < largest]
         dropped = [tier for tier in tiers if tier % n and tier > largest]

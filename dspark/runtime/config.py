@@ -10,23 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-EMBEDDED_PREFIX = "embedded:"
-
-# Hugging Face LlamaConfig key of each geometry field, and what an absent optional key means.
-HF_GEOMETRY_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "num_kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
-    "max_position_embeddings": "max_position_embeddings",
-    "rope_theta": "rope_theta",
-    "rms_norm_eps": "rms_norm_eps",
-}
-HF_DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}
-HF_OPTIONAL_KEYS = ("head_dim", "num_key_value_heads", *HF_DEFAULTS)
+from dspark.formats.hf_config import HF_DEFAULTS, HF_GEOMETRY_KEYS, geometry_values
 
 
 def _require(cond: bool, what: str) -> None:
@@ -50,18 +34,9 @@ class ModelGeometry:
     rope_theta: float = HF_DEFAULTS["rope_theta"]
     rms_norm_eps: float = HF_DEFAULTS["rms_norm_eps"]
 
-    @staticmethod
-    def hf_values(cfg: dict[str, Any]) -> dict[str, Any]:
-        """Geometry fields read from a Hugging Face Llama config.json, absent keys resolved."""
-        values = {f: cfg[k] for f, k in HF_GEOMETRY_KEYS.items() if cfg.get(k) is not None}
-        values.setdefault("num_kv_heads", values.get("num_heads"))  # absent: multi-head attention
-        if values.get("num_heads"):
-            values.setdefault("head_dim", values["hidden_size"] // values["num_heads"])
-        return {**HF_DEFAULTS, **values}
-
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelGeometry:
-        return cls(**cls.hf_values(cfg))
+        return cls(**geometry_values(cfg))
 
     def to_hf(self) -> dict[str, Any]:
         out = {HF_GEOMETRY_KEYS[f.name]: getattr(self, f.name) for f in fields(self)}

@@ -11,8 +11,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dspark.runtime.checkpoint import resolve_checkpoint
 from dspark.runtime.config import DeploymentConfig
+from dspark.runtime.models.checkpoint import resolve_checkpoint
 from dspark.runtime.tokenizer import (
     BYTE_TOKENIZER_FILE,
     HF_TOKENIZER_FILE,

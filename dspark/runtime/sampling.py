@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.runtime.accept import AcceptResult
+from dspark.runtime.kernels.accept import AcceptResult
 
 
 @dataclass(frozen=True)

@@ -7,19 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import dspark
-from dspark.runtime.config import HF_GEOMETRY_KEYS, HF_OPTIONAL_KEYS, ModelGeometry
-from dspark.spec.errors import SpecValueError
+from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
+from dspark.formats.fields import FieldValueError
+from dspark.formats.hf_config import HF_GEOMETRY_KEYS, HF_OPTIONAL_KEYS, geometry_values
 from dspark.spec.external import read_json, resolve_path, validate_file_data
-from dspark.spec.models import EMBEDDED_PREFIX, GeometrySpec
+from dspark.spec.models import GeometrySpec
 
 Role = Literal["target", "draft"]
-
-def embedded_root() -> Path:
-    # Located from the dspark package rather than imported as `dspark.runtime.checkpoints`:
-    # importing the runtime package could pull in torch, which the compiler must never load.
-    return Path(dspark.__file__).resolve().parent / "runtime" / "checkpoints"
-
 
 @dataclass(frozen=True)
 class CheckpointRef:
@@ -38,11 +32,11 @@ class CheckpointRef:
         if not self.directory.is_dir():
             return None
         if not self.config_path.is_file():
-            raise SpecValueError(f"checkpoint directory {str(self.directory)!r} has no config.json",
+            raise FieldValueError(f"checkpoint directory {str(self.directory)!r} has no config.json",
                                  f"add the {what} config.json or point at the right directory")
         data = read_json(self.config_path, f"{what} config")
         if not isinstance(data, dict):
-            raise SpecValueError(f"{what} config {str(self.config_path)!r} is not a JSON object",
+            raise FieldValueError(f"{what} config {str(self.config_path)!r} is not a JSON object",
                                  "use the config.json written with the checkpoint")
         return data
 
@@ -55,7 +49,7 @@ def resolve_checkpoint(raw: str, role: Role, spec_dir: Path) -> CheckpointRef:
     available = sorted(p.name for p in root.iterdir() if (p / role).is_dir()) if root.is_dir() \
         else []
     if not re.fullmatch(r"[a-z0-9_]+", name) or not (root / name / role).is_dir():
-        raise SpecValueError(
+        raise FieldValueError(
             f"unknown embedded checkpoint {raw!r} (no {role} model in dspark's checkpoints)",
             f"use one of: {', '.join(EMBEDDED_PREFIX + a for a in available)}" if available
             else "no embedded checkpoints are installed; use a checkpoint directory")
@@ -66,10 +60,10 @@ def geometry_from_hf_config(config: dict[str, Any], path: Path) -> GeometrySpec:
     missing = [key for key in HF_GEOMETRY_KEYS.values()
                if key not in config and key not in HF_OPTIONAL_KEYS]
     if missing:
-        raise SpecValueError(f"model config {str(path)!r} lacks {', '.join(missing)}",
+        raise FieldValueError(f"model config {str(path)!r} lacks {', '.join(missing)}",
                              "use a Hugging Face Llama config.json")
     # The same reading the runtime's loader makes, so the compiled geometry is what will load.
-    return validate_file_data(GeometrySpec, ModelGeometry.hf_values(config), path, "model config")
+    return validate_file_data(GeometrySpec, geometry_values(config), path, "model config")
 
 
 def geometry_differences(inline: GeometrySpec, from_checkpoint: GeometrySpec

@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dspark.spec.errors import SpecIssue, SpecValueError, format_path
+from dspark.formats.fields import FieldValueError
+from dspark.spec.errors import SpecIssue, format_path
 from dspark.spec.introspect import FieldTarget, literal_options, model_at, resolve_loc
 from dspark.spec.yaml_source import YamlDocument, locate
 
@@ -63,7 +64,7 @@ def _message(detail: Any) -> str:
 
 def _hint(detail: Any, target: FieldTarget) -> str:
     error = (detail.get("ctx") or {}).get("error")
-    if isinstance(error, SpecValueError) and error.hint:
+    if isinstance(error, FieldValueError) and error.hint:
         return error.hint
     kind = detail["type"]
     doc = target.field.description if target.field and target.field.description else ""

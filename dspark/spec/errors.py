@@ -65,11 +65,3 @@ class SpecError(Exception):
 
     def __str__(self) -> str:
         return self.report()
-
-
-class SpecValueError(ValueError):
-    """Raised inside pydantic validators; the loader shows `hint` under the message."""
-
-    def __init__(self, message: str, hint: str = "") -> None:
-        super().__init__(message)
-        self.hint = hint

@@ -1,6 +1,6 @@
 """Files a spec points at: checkpoint config.json files and cost-model/calibration JSON tables.
 
-Every failure raises `SpecValueError` naming the file, so the loader can attach it to the spec
+Every failure raises `FieldValueError` naming the file, so the loader can attach it to the spec
 field that referenced the file.
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from dspark.spec.errors import SpecValueError, format_path
+from dspark.formats.fields import FieldValueError
+from dspark.spec.errors import format_path
 
 
 def resolve_path(raw: str, base: Path) -> Path:
@@ -25,16 +26,16 @@ def read_json(path: Path, what: str) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SpecValueError(f"{what} {str(path)!r} does not exist",
+        raise FieldValueError(f"{what} {str(path)!r} does not exist",
                              "fix the path (relative paths start at the spec file's directory)"
                              ) from None
     except OSError as exc:
-        raise SpecValueError(f"cannot read {what} {str(path)!r}: {exc.strerror}",
+        raise FieldValueError(f"cannot read {what} {str(path)!r}: {exc.strerror}",
                              "check the file's permissions") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise SpecValueError(
+        raise FieldValueError(
             f"{what} {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno} "
             f"column {exc.colno}", "fix the JSON syntax in that file") from None
 
@@ -43,7 +44,7 @@ def validate_file_data(model: type[BaseModel], data: Any, path: Path, what: str,
                        extra: dict[str, Any] | None = None) -> Any:
     """Validate a JSON file's object against a spec model; errors name the file and field."""
     if not isinstance(data, dict):
-        raise SpecValueError(f"{what} {str(path)!r} must hold a JSON object",
+        raise FieldValueError(f"{what} {str(path)!r} must hold a JSON object",
                              f"write an object with the fields of {model.__name__}")
     try:
         return model.model_validate({**(extra or {}), **data})
@@ -54,5 +55,5 @@ def validate_file_data(model: type[BaseModel], data: Any, path: Path, what: str,
             message = str(error) if detail["type"] == "value_error" and error else detail["msg"]
             problems.append(f"{format_path(tuple(detail['loc']))}: {message}")
         allowed = ", ".join(name for name in model.model_fields if name not in (extra or {}))
-        raise SpecValueError(f"{what} {str(path)!r} is invalid: " + "; ".join(problems),
+        raise FieldValueError(f"{what} {str(path)!r} is invalid: " + "; ".join(problems),
                              f"the file must hold exactly these fields: {allowed}") from None

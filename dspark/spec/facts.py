@@ -6,24 +6,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dspark.spec.calibration_file import CalibrationFileContents
+from dspark.formats.cost_tables import COST_TABLE_MODELS, CostTable
+from dspark.formats.fields import FieldValueError
+from dspark.formats.sts_calibration import CalibrationFileContents
 from dspark.spec.checkpoints import (
     CheckpointRef,
     geometry_differences,
     geometry_from_hf_config,
     resolve_checkpoint,
 )
-from dspark.spec.errors import SpecIssue, SpecValueError
+from dspark.spec.errors import SpecIssue
 from dspark.spec.external import read_json, resolve_path, validate_file_data
-from dspark.spec.models import (
-    CalibrationFile,
-    CalibrationInline,
-    CostModelFile,
-    CostTable,
-    DeploymentSpec,
-    GeometrySpec,
-)
-from dspark.spec.tables import COST_TABLE_MODELS
+from dspark.spec.models import DeploymentSpec, GeometrySpec
+from dspark.spec.tables import CalibrationFile, CalibrationInline, CostModelFile
 
 
 @dataclass(frozen=True)
@@ -46,7 +41,7 @@ def gather_facts(spec: DeploymentSpec, spec_dir: Path) -> tuple[SpecFacts, list[
     def attempt(path: tuple[str, ...], action: Any) -> Any:
         try:
             return action()
-        except SpecValueError as exc:
+        except FieldValueError as exc:
             issues.append(SpecIssue(path, str(exc), exc.hint))
             return None
 
@@ -111,7 +106,7 @@ def _cost_model(spec: DeploymentSpec, spec_dir: Path) -> CostTable | None:
     model = COST_TABLE_MODELS[cost.type]
     data = read_json(path, f"{cost.type} cost model file")
     if isinstance(data, dict) and data.get("type", cost.type) != cost.type:
-        raise SpecValueError(f"cost model file {str(path)!r} holds a {data['type']!r} table",
+        raise FieldValueError(f"cost model file {str(path)!r} holds a {data['type']!r} table",
                              f"set cost_model.type: {data['type']} or use the right file")
     return validate_file_data(model, data, path, f"{cost.type} cost model file",
                               extra={"type": cost.type})

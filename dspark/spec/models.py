@@ -13,27 +13,11 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from dspark.spec.errors import SpecValueError
-from dspark.spec.fieldtypes import IntTuple, Section, strictly_increasing
-from dspark.spec.tables import (
-    AdditiveCostModel,
-    CalibrationFile,
-    CalibrationInline,
-    CalibrationSpec,
-    CostModelFile,
-    CostModelSpec,
-    CostTable,
-    Sps1dCostModel,
-)
-
-# Re-exported: the tables are part of the spec's public model set.
-__all__ = ["AdditiveCostModel", "BackendSpec", "CalibrationFile", "CalibrationInline",
-           "CalibrationSpec", "CostModelFile", "CostModelSpec", "CostTable", "DeploymentSpec",
-           "DraftSpec", "GenerationSpec", "GeometrySpec", "GraphSpec", "ModelSpec",
-           "ParallelismSpec", "ServingSpec", "Sps1dCostModel", "VerifySpec"]
+from dspark.formats.fields import FieldValueError, IntTuple, Section, strictly_increasing
+from dspark.modes import VerifyMode
+from dspark.spec.tables import CalibrationSpec, CostModelSpec
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
-EMBEDDED_PREFIX = "embedded:"
 DEVICES_BY_BACKEND: dict[str, tuple[str, ...]] = {
     "cpu": ("generic",),
     "cuda": ("h100", "h200", "a100", "b200", "l40s"),
@@ -63,14 +47,14 @@ class GeometrySpec(Section):
     def _kv_heads_divide_heads(cls, value: int, info: ValidationInfo) -> int:
         heads = info.data.get("num_heads")
         if heads is not None and heads % value:
-            raise SpecValueError(f"num_heads ({heads}) is not a multiple of num_kv_heads ({value})",
+            raise FieldValueError(f"num_heads ({heads}) is not a multiple of num_kv_heads ({value})",
                                  "grouped-query attention needs num_heads = k * num_kv_heads")
         return value
 
     @model_validator(mode="after")
     def _default_head_dim_exists(self) -> GeometrySpec:
         if self.head_dim is None and self.hidden_size % self.num_heads:
-            raise SpecValueError(
+            raise FieldValueError(
                 f"head_dim is not given and hidden_size ({self.hidden_size}) is not divisible by "
                 f"num_heads ({self.num_heads})", "set head_dim explicitly")
         return self
@@ -138,7 +122,7 @@ class BackendSpec(Section):
         kind = info.data.get("kind")
         allowed = DEVICES_BY_BACKEND.get(kind, ()) if isinstance(kind, str) else ()
         if kind is not None and value not in allowed:
-            raise SpecValueError(f"device {value!r} is not a {kind} device",
+            raise FieldValueError(f"device {value!r} is not a {kind} device",
                                  f"use one of: {', '.join(allowed)}")
         return value
 
@@ -146,8 +130,8 @@ class BackendSpec(Section):
 class VerifySpec(Section):
     """How the target verifies draft tokens each step."""
 
-    mode: Literal["static", "cap-accept", "compact"] = Field(
-        default="static",
+    mode: VerifyMode = Field(
+        default=VerifyMode.STATIC, strict=False,  # the enum from its value, the only way YAML can say it
         description="static: every request verifies N = gamma + 1 rows; cap-accept: the planner "
                     "caps acceptance but all rows run; compact: only planned rows run.")
     min_verify_len: int = Field(
@@ -226,7 +210,7 @@ class ServingSpec(Section):
         page = info.data.get("page_size")
         if page and value % page:
             lower, upper = value // page * page, (value // page + 1) * page
-            raise SpecValueError(
+            raise FieldValueError(
                 f"{value} is not a multiple of page_size ({page})",
                 f"use {upper}" + (f" or {lower}" if lower else ""))
         return value
@@ -258,11 +242,11 @@ class DeploymentSpec(Section):
     @classmethod
     def _package_name(cls, value: str) -> str:
         if not re.fullmatch(NAME_PATTERN, value):
-            raise SpecValueError(
+            raise FieldValueError(
                 f"{value!r} is not a valid deployment name",
                 "use a lowercase identifier: a letter, then letters, digits or '_' "
                 "(at most 64 characters), e.g. llama31_8b_h200")
         if keyword.iskeyword(value) or keyword.issoftkeyword(value):
-            raise SpecValueError(f"{value!r} is a Python keyword and cannot name a package",
+            raise FieldValueError(f"{value!r} is a Python keyword and cannot name a package",
                                  f"use e.g. {value}_deploy")
         return value

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.fingerprint import Fingerprint
+from dspark.formats.cost_tables import CostTable
 from dspark.spec.checkpoints import CheckpointRef
 from dspark.spec.errors import FieldPath, Location, format_path
-from dspark.spec.models import CostTable, DeploymentSpec, GeometrySpec
+from dspark.spec.models import DeploymentSpec, GeometrySpec
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,8 @@ def tier_grid(spec: DeploymentSpec) -> tuple[int, ...]:
 
 def verify_len_range(spec: DeploymentSpec) -> tuple[int, int]:
     """Fewest and most rows one request can put into a step in the configured mode."""
-    if spec.verify.mode == "compact":
-        return max(spec.verify.min_verify_len, 1), resolved_max_verify_len(spec)
-    n = num_draft_tokens(spec)  # static and cap-accept always run the full B x N rows
-    return n, n
+    return spec.verify.mode.rows_per_request(max(spec.verify.min_verify_len, 1),
+                                             resolved_max_verify_len(spec), num_draft_tokens(spec))
 
 
 def check_num_draft_tokens(facts: SpecFacts) -> Iterator[SpecIssue]:
@@ -68,7 +66,7 @@ def check_verify_lens(facts: SpecFacts) -> Iterator[SpecIssue]:
 
 def check_confidence_head(facts: SpecFacts) -> Iterator[SpecIssue]:
     spec = facts.spec
-    if spec.verify.mode != "static" and not spec.draft.confidence_head:
+    if spec.verify.mode.plans and not spec.draft.confidence_head:
         yield SpecIssue(("verify", "mode"),
                         f"{spec.verify.mode} mode plans with per-position confidence, but "
                         f"draft.confidence_head is false",
@@ -184,7 +182,7 @@ def check_draft_checkpoint(facts: SpecFacts) -> Iterator[SpecIssue]:
 
 def check_compact_cost_model(facts: SpecFacts) -> Iterator[SpecIssue]:
     spec = facts.spec
-    if (spec.verify.mode == "compact" and spec.cost_model is None
+    if (spec.verify.mode.needs_cost_model and spec.cost_model is None
             and not spec.verify.allow_no_cost_model):
         yield SpecIssue(("verify", "mode"),
                         "compact mode needs a cost model to choose how many rows to verify",

@@ -23,8 +23,8 @@ from dspark.fingerprint import (
 )
 from dspark.spec.errors import FieldPath, SpecIssue, format_path
 from dspark.spec.facts import SpecFacts
-from dspark.spec.models import CalibrationFile, CostModelFile
 from dspark.spec.rules import tier_grid
+from dspark.spec.tables import CalibrationFile, CostModelFile
 
 ALLOW_FLAG = "--allow-stale-tables"
 

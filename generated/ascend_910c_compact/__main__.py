@@ -5,7 +5,7 @@ Deployment ascend_910c_compact: ascend/910c backend, compact verify mode."""
 
 from pathlib import Path
 
-from dspark.runtime.entry import main
+from dspark.cli.package_entry import main
 
 if __name__ == "__main__":
     raise SystemExit(main(Path(__file__).resolve().parent))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attn_metadata import AscendTndMetadata, cache_slots, ragged_rows
-from dspark.runtime.backends.ascend import AscendFusedAttention as AttentionBackend
+from dspark.runtime.attention.metadata import AscendTndMetadata, cache_slots, ragged_rows
+from dspark.runtime.attention.ascend import AscendFusedAttention as AttentionBackend
 from dspark.runtime.kernels import build_verify_rows
 
 NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts

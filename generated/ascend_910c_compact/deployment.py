@@ -3,6 +3,7 @@ Do not edit: change the spec and recompile.
 
 Deployment ascend_910c_compact: ascend/910c backend, compact verify mode."""
 
+from dspark.modes import VerifyMode
 from dspark.runtime.config import (
     DeploymentConfig,
     DraftRef,
@@ -19,7 +20,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='ascend',
     device='910c',
-    verify_mode='compact',
+    verify_mode=VerifyMode.COMPACT,
     model=ModelRef(
         family='llama',
         checkpoint='/models/Meta-Llama-3.1-8B-Instruct',

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from dspark.runtime.backends.ascend import AscendFusedAttention
+from dspark.runtime.attention.ascend import AscendFusedAttention
 from dspark.runtime.layout import RaggedVerifyLayout, padding_requests
 from dspark.runtime.models.llama import LlamaForCausalLM
 

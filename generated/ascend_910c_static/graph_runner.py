@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.backends.ascend import AscendFusedAttention
+from dspark.runtime.attention.ascend import AscendFusedAttention
 from dspark.runtime.layout import RaggedVerifyLayout, padding_requests
 from dspark.runtime.models.llama import LlamaForCausalLM
 

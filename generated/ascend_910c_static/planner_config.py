@@ -3,6 +3,6 @@ Do not edit: change the spec and recompile.
 
 Deployment ascend_910c_static: ascend/910c backend, static verify mode."""
 
-from dspark.runtime.plan import StaticVerifyPlan
+from dspark.runtime.planner.verify_plan import StaticVerifyPlan
 
 PLAN = StaticVerifyPlan(gamma=7)

@@ -3,6 +3,7 @@ Do not edit: change the spec and recompile.
 
 Deployment llama31_8b_h200_compact: cuda/h200 backend, compact verify mode."""
 
+from dspark.modes import VerifyMode
 from dspark.runtime.config import (
     DeploymentConfig,
     DraftRef,
@@ -19,7 +20,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='cuda',
     device='h200',
-    verify_mode='compact',
+    verify_mode=VerifyMode.COMPACT,
     model=ModelRef(
         family='llama',
         checkpoint='/models/Meta-Llama-3.1-8B-Instruct',

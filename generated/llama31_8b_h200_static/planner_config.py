@@ -3,6 +3,6 @@ Do not edit: change the spec and recompile.
 
 Deployment llama31_8b_h200_static: cuda/h200 backend, static verify mode."""
 
-from dspark.runtime.plan import StaticVerifyPlan
+from dspark.runtime.planner.verify_plan import StaticVerifyPlan
 
 PLAN = StaticVerifyPlan(gamma=7)

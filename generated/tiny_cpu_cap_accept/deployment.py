@@ -3,6 +3,7 @@ Do not edit: change the spec and recompile.
 
 Deployment tiny_cpu_cap_accept: cpu/generic backend, cap-accept verify mode."""
 
+from dspark.modes import VerifyMode
 from dspark.runtime.config import (
     DeploymentConfig,
     DraftRef,
@@ -19,7 +20,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='cpu',
     device='generic',
-    verify_mode='cap-accept',
+    verify_mode=VerifyMode.CAP_ACCEPT,
     model=ModelRef(
         family='llama',
         checkpoint='embedded:tiny',

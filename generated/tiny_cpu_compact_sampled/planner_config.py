@@ -3,7 +3,7 @@ Do not edit: change the spec and recompile.
 
 Deployment tiny_cpu_compact_sampled: cpu/generic backend, compact verify mode."""
 
-from dspark.runtime.plan import AdaptiveVerifyPlan
+from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
 PLAN = AdaptiveVerifyPlan(
     gamma=7,

@@ -3,6 +3,7 @@ Do not edit: change the spec and recompile.
 
 Deployment tiny_cpu_static: cpu/generic backend, static verify mode."""
 
+from dspark.modes import VerifyMode
 from dspark.runtime.config import (
     DeploymentConfig,
     DraftRef,
@@ -19,7 +20,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='cpu',
     device='generic',
-    verify_mode='static',
+    verify_mode=VerifyMode.STATIC,
     model=ModelRef(
         family='llama',
         checkpoint='embedded:tiny',

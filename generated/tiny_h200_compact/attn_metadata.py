@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attn_metadata import PagedAttnMetadata, QueryPadding, cache_slots, ragged_rows
-from dspark.runtime.backends.torch_paged import TorchPagedAttention as AttentionBackend
+from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding, cache_slots, ragged_rows
+from dspark.runtime.attention.torch_paged import TorchPagedAttention as AttentionBackend
 from dspark.runtime.kernels import build_verify_rows
 
 NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts

@@ -8,8 +8,10 @@ so nothing here waits on the device and every kernel can be captured in a CUDA g
 `greedy_accept` itself lives in `dspark.runtime.accept`, next to its `AcceptResult`.
 """
 
-from dspark.runtime.kernels._dispatch import HAS_TRITON, Impl
-from dspark.runtime.kernels.layout import VerifyRows, build_verify_rows
+from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
+from dspark.runtime.kernels.dispatch import HAS_TRITON, Impl
 from dspark.runtime.kernels.scatter import pack_rows, scatter_rows
+from dspark.runtime.kernels.verify_rows import VerifyRows, build_verify_rows
 
-__all__ = ["HAS_TRITON", "Impl", "VerifyRows", "build_verify_rows", "pack_rows", "scatter_rows"]
+__all__ = ["HAS_TRITON", "AcceptResult", "Impl", "VerifyRows", "build_verify_rows", "greedy_accept",
+           "pack_rows", "scatter_rows"]

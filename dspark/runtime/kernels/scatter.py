@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from dspark.runtime.kernels._dispatch import Impl, jit, next_pow2, tl, use_triton
+from dspark.runtime.kernels.dispatch import Impl, jit, next_pow2, tl, use_triton
 
 MAX_BLOCK_H = 1024  # columns one program moves per loop iteration
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.runtime import ops
+from dspark.runtime.models import ops
 from dspark.runtime.models.llama import LlamaConfig, LlamaMLP, RMSNorm
 
 LLAMA_FIELDS = tuple(f.name for f in fields(LlamaConfig))

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.runtime import ops
 from dspark.runtime.config import ModelGeometry
+from dspark.runtime.models import ops
 
 # The model's config is the deployment geometry itself (HF config.json <-> ModelGeometry).
 LlamaConfig = ModelGeometry

@@ -1,0 +1,553 @@
+"""`dspark bench`: load a running OpenAI-compatible completions server and report latency and throughput.
+
+Sends `--num-prompts` streaming `POST /v1/completions` requests, at most `--concurrency` in flight, arriving
+as a seeded Poisson process at `--request-rate` per second (default: all at once). Per request it measures
+TTFT (send to the first non-empty text chunk), TPOT ((end − first token) / (completion tokens − 1)), the
+end-to-end latency and the gaps between text chunks; token counts come from the final usage chunk
+(`stream_options.include_usage`). A dspark server also reports `usage.dspark.decode_steps`, from which the
+mean accepted tokens per step (accepted drafts + the bonus token) follows.
+
+Wired into `dspark` by `cli.py` through `add_bench_parser` and `run_bench`. httpx and tqdm are imported only
+when a benchmark runs, so that the other subcommands do not pay for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dspark.corpus import held_out_prompts, load_prompts_file
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = [
+    "BenchConfig", "BenchResult", "BenchSetupError", "LatencyStats", "RequestOutcome", "add_bench_parser",
+    "arrival_offsets", "benchmark", "format_result", "run_bench", "summarize",
+]
+
+COMPLETIONS_PATH = "/v1/completions"
+MODELS_PATH = "/v1/models"
+MAX_REPORTED_ERRORS = 5
+CONNECT_TIMEOUT_S = 10.0
+# A request queued behind a full batch may wait long for its first byte: only a stuck server should
+# time out, never a busy one.
+READ_TIMEOUT_S = 600.0
+
+
+class BenchSetupError(Exception):
+    """The benchmark could not start (server unreachable, no model to name)."""
+
+
+class StreamError(Exception):
+    """A failed response: an HTTP error status, malformed SSE, an error event, no usage chunk."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    url: str
+    model: str | None = None  # None: the first id from /v1/models
+    num_prompts: int = 64
+    concurrency: int | None = None  # None: unlimited
+    request_rate: float = math.inf
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    ignore_eos: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be at least 1, got {self.num_prompts}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, got {self.concurrency}")
+        if not self.request_rate > 0:  # also rejects NaN
+            raise ValueError(f"--request-rate must be positive, got {self.request_rate}")
+        if self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be non-negative, got {self.temperature}")
+
+    @property
+    def base_url(self) -> str:
+        """The server root: a trailing `/` or `/v1` (as OpenAI clients take it) is dropped."""
+        url = self.url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """One request. Times are seconds from sending it; `error` is None when it succeeded."""
+
+    index: int
+    error: str | None = None
+    latency: float = 0.0  # to the end of the stream, or to the failure
+    ttft: float | None = None  # None when no chunk carried text
+    chunk_gaps: tuple[float, ...] = ()
+    text_chunks: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    decode_steps: int | None = None  # None when the server does not report usage.dspark
+    finish_reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.completion_tokens - 1)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Mean and percentiles of one latency, in milliseconds."""
+
+    count: int
+    mean_ms: float
+    p50_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of(cls, seconds: Sequence[float]) -> LatencyStats | None:
+        if not seconds:
+            return None
+        ms = sorted(s * 1e3 for s in seconds)
+        return cls(len(ms), sum(ms) / len(ms), percentile(ms, 50), percentile(ms, 99))
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    model: str
+    url: str
+    num_prompts: int
+    concurrency: int | None
+    request_rate: float
+    max_tokens: int
+    temperature: float
+    completed: int
+    failed: int
+    errors: tuple[str, ...]  # the first MAX_REPORTED_ERRORS, by request index
+    duration_s: float
+    request_throughput: float  # successful requests per second
+    output_throughput: float  # completion tokens per second
+    total_token_throughput: float  # prompt + completion tokens per second
+    total_prompt_tokens: int
+    total_completion_tokens: int
+    ttft: LatencyStats | None
+    tpot: LatencyStats | None
+    e2e_latency: LatencyStats | None
+    chunk_gap: LatencyStats | None
+    mean_tokens_per_chunk: float | None
+    total_decode_steps: int | None
+    mean_accepted_tokens_per_step: float | None  # None when the server reports no decode_steps
+    peak_in_flight: int
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["errors"] = list(self.errors)
+        # JSON has no infinity: null means "all at once".
+        out["request_rate"] = None if math.isinf(self.request_rate) else self.request_rate
+        return out
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), of an already sorted sequence."""
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def arrival_offsets(count: int, rate: float, seed: int) -> list[float]:
+    """Send times (seconds from the start) of `count` requests: a Poisson process at `rate` per second whose
+    first request leaves at once, or all at once when the rate is infinite."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(count):
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    return offsets
+
+
+def select_prompts(pool: Sequence[str], count: int) -> list[str]:
+    """`count` prompts, cycling through `pool` when it is shorter."""
+    if not pool:
+        raise ValueError("no prompts to send")
+    return [pool[i % len(pool)] for i in range(count)]
+
+
+# -- one request --------------------------------------------------------------------------------
+@dataclass
+class _StreamTracker:
+    """Accumulates one streamed response; times are seconds since the request was sent."""
+
+    first_text: float | None = None
+    last_text: float | None = None
+    end: float | None = None  # when `data: [DONE]` arrived
+    gaps: list[float] = field(default_factory=list)
+    text_chunks: int = 0
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+    def on_event(self, data: str, now: float) -> None:
+        if data == "[DONE]":
+            self.end = now
+            return
+        try:
+            chunk = json.loads(data)
+        except json.JSONDecodeError:
+            raise StreamError(f"malformed SSE data: {data[:80]!r}") from None
+        if not isinstance(chunk, dict):
+            raise StreamError(f"malformed SSE data: {data[:80]!r}")
+        if "error" in chunk:  # a server may fail a request after the 200 status went out
+            raise StreamError(f"error event: {_error_message(chunk)}")
+        if chunk.get("usage") is not None:  # some servers send "usage": null on every chunk
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            raise StreamError(f"chunk without a choices list: {data[:80]!r}")
+        for choice in choices:
+            if not isinstance(choice, dict):
+                raise StreamError(f"malformed choice: {choice!r:.80}")
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+            if choice.get("text"):
+                self._on_text(now)
+
+    def _on_text(self, now: float) -> None:
+        if self.first_text is None:
+            self.first_text = now
+        else:
+            self.gaps.append(now - self.last_text)
+        self.last_text = now
+        self.text_chunks += 1
+
+    def outcome(self, index: int) -> RequestOutcome:
+        if self.end is None:
+            raise StreamError("stream ended before `data: [DONE]`")
+        if self.usage is None:
+            raise StreamError("no usage chunk (does the server honour stream_options.include_usage?)")
+        completion = _int_field(self.usage, "completion_tokens")
+        prompt = _int_field(self.usage, "prompt_tokens")
+        dspark = self.usage.get("dspark")
+        reports_steps = isinstance(dspark, dict) and "decode_steps" in dspark
+        steps = _int_field(dspark, "decode_steps") if reports_steps else None
+        return RequestOutcome(index=index, latency=self.end, ttft=self.first_text,
+                              chunk_gaps=tuple(self.gaps), text_chunks=self.text_chunks,
+                              prompt_tokens=prompt, completion_tokens=completion, decode_steps=steps,
+                              finish_reason=self.finish_reason)
+
+
+def _int_field(obj: dict[str, Any], key: str) -> int:
+    value = obj.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise StreamError(f"usage.{key} is not a count: {value!r}")
+    return value
+
+
+def _error_message(body: Any) -> str:
+    """The `error.message` of an OpenAI error body, else the body itself (shortened)."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message", body["error"]))
+    return str(body)[:200]
+
+
+class _SseParser:
+    """Incremental SSE parsing: `data:` lines accumulate until the blank line that ends an event."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        """The event's data when `line` completes one, else None. Comments and other fields are ignored."""
+        if not line:
+            return self.flush()
+        if line.startswith("data:"):
+            value = line[5:]
+            self._data.append(value[1:] if value.startswith(" ") else value)
+        return None
+
+    def flush(self) -> str | None:
+        if not self._data:
+            return None
+        data, self._data = "\n".join(self._data), []
+        return data
+
+
+def _describe(err: BaseException) -> str:
+    # httpx timeouts and some protocol errors have an empty message: the type is the information.
+    text = str(err)
+    if isinstance(err, StreamError):
+        return text
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+async def send_request(client: httpx.AsyncClient, payload: dict[str, Any], index: int) -> RequestOutcome:
+    """Send one streaming completion and time it. Never raises (but for cancellation): a failure of any
+    kind becomes an outcome with `error` set, so that one bad request cannot end the run."""
+    sent = time.perf_counter()
+    tracker = _StreamTracker()
+    parser = _SseParser()
+    try:
+        async with client.stream("POST", COMPLETIONS_PATH, json=payload) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                try:
+                    body: Any = response.json()
+                except ValueError:
+                    body = response.text
+                raise StreamError(f"HTTP {response.status_code}: {_error_message(body)}")
+            async for line in response.aiter_lines():
+                data = parser.feed(line)
+                if data is not None:
+                    tracker.on_event(data, time.perf_counter() - sent)
+        data = parser.flush()  # a last event without its closing blank line
+        if data is not None:
+            tracker.on_event(data, time.perf_counter() - sent)
+        return tracker.outcome(index)
+    except Exception as err:
+        return RequestOutcome(index=index, error=_describe(err), latency=time.perf_counter() - sent)
+
+
+# -- the run ------------------------------------------------------------------------------------
+class _InFlight:
+    """Counts requests between send and end, to report (and test) the peak against --concurrency."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            yield
+        finally:
+            self.now -= 1
+
+
+def _payload(config: BenchConfig, model: str, prompt: str) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": config.max_tokens,
+        "temperature": config.temperature, "stream": True, "stream_options": {"include_usage": True},
+    }
+    if config.ignore_eos:  # an extension: left out otherwise, so that strict servers accept the request
+        payload["ignore_eos"] = True
+    return payload
+
+
+async def fetch_model(client: httpx.AsyncClient) -> str:
+    """The first model id the server lists."""
+    try:
+        response = await client.get(MODELS_PATH)
+        response.raise_for_status()
+        models = response.json()["data"]
+        return str(models[0]["id"])
+    except Exception as err:
+        raise BenchSetupError(f"no model from {MODELS_PATH} ({_describe(err)}); pass --model") from err
+
+
+async def run_requests(client: httpx.AsyncClient, config: BenchConfig, model: str, prompts: Sequence[str]
+                       ) -> tuple[list[RequestOutcome], float, int]:
+    """(outcomes by request index, wall seconds from the first send to the last end, peak in flight)."""
+    from tqdm import tqdm
+
+    limit: contextlib.AbstractAsyncContextManager[Any] = (
+        asyncio.Semaphore(config.concurrency) if config.concurrency else contextlib.nullcontext())
+    in_flight = _InFlight()
+    # disable=None lets tqdm turn itself off when stderr is not a terminal (CI logs, pipes).
+    bar = tqdm(total=len(prompts), desc="bench", unit="req", disable=None if config.progress else True)
+
+    async def one(index: int) -> RequestOutcome:
+        async with limit:
+            with in_flight.track():
+                outcome = await send_request(client, _payload(config, model, prompts[index]), index)
+        bar.update()
+        return outcome
+
+    start = time.perf_counter()
+    tasks = []
+    for index, offset in enumerate(arrival_offsets(len(prompts), config.request_rate, config.seed)):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(index)))
+    outcomes = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    bar.close()
+    return list(outcomes), duration, in_flight.peak
+
+
+async def benchmark_async(config: BenchConfig, prompts: Sequence[str]) -> BenchResult:
+    import httpx
+
+    prompts = select_prompts(prompts, config.num_prompts)
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S, write=CONNECT_TIMEOUT_S,
+                            pool=None)
+    # trust_env=False: a proxy from the environment would be measured along with the server.
+    async with httpx.AsyncClient(base_url=config.base_url, limits=limits, timeout=timeout,
+                                 trust_env=False) as client:
+        model = config.model or await fetch_model(client)
+        outcomes, duration, peak = await run_requests(client, config, model, prompts)
+    return summarize(config, model, outcomes, duration, peak)
+
+
+def benchmark(config: BenchConfig, prompts: Sequence[str]) -> BenchResult:
+    """Run the benchmark (its own event loop) and summarize it. Raises BenchSetupError before any request."""
+    return asyncio.run(benchmark_async(config, prompts))
+
+
+def summarize(config: BenchConfig, model: str, outcomes: Sequence[RequestOutcome], duration: float,
+              peak_in_flight: int) -> BenchResult:
+    ok = [o for o in outcomes if o.ok]
+    failed = sorted((o for o in outcomes if not o.ok), key=lambda o: o.index)
+    prompt_tokens = sum(o.prompt_tokens for o in ok)
+    completion_tokens = sum(o.completion_tokens for o in ok)
+    chunks = sum(o.text_chunks for o in ok)
+    stepped = [o for o in ok if o.decode_steps is not None]
+    steps = sum(o.decode_steps or 0 for o in stepped)
+    per_s = 1.0 / duration if duration > 0 else 0.0
+    return BenchResult(
+        model=model, url=config.base_url, num_prompts=len(outcomes), concurrency=config.concurrency,
+        request_rate=config.request_rate, max_tokens=config.max_tokens, temperature=config.temperature,
+        completed=len(ok), failed=len(failed),
+        errors=tuple(f"request {o.index}: {o.error}" for o in failed[:MAX_REPORTED_ERRORS]),
+        duration_s=duration, request_throughput=len(ok) * per_s, output_throughput=completion_tokens * per_s,
+        total_token_throughput=(prompt_tokens + completion_tokens) * per_s,
+        total_prompt_tokens=prompt_tokens, total_completion_tokens=completion_tokens,
+        ttft=LatencyStats.of([o.ttft for o in ok if o.ttft is not None]),
+        tpot=LatencyStats.of([t for o in ok if (t := o.tpot) is not None]),
+        e2e_latency=LatencyStats.of([o.latency for o in ok]),
+        chunk_gap=LatencyStats.of([g for o in ok for g in o.chunk_gaps]),
+        mean_tokens_per_chunk=completion_tokens / chunks if chunks else None,
+        total_decode_steps=steps if stepped else None,
+        # Only requests that report their steps count, so that a mixed answer cannot skew the ratio.
+        mean_accepted_tokens_per_step=sum(o.completion_tokens for o in stepped) / steps if steps else None,
+        peak_in_flight=peak_in_flight,
+        finish_reasons=dict(Counter(o.finish_reason or "none" for o in ok)),
+    )
+
+
+# -- output -------------------------------------------------------------------------------------
+def _row(label: str, value: str) -> str:
+    return f"  {label:<36}{value}"
+
+
+def _latency_row(label: str, stats: LatencyStats | None) -> str:
+    if stats is None:
+        return f"  {label:<20}{'n/a':>10}"
+    return f"  {label:<20}{stats.mean_ms:>10.2f}{stats.p50_ms:>10.2f}{stats.p99_ms:>10.2f}"
+
+
+def format_result(r: BenchResult) -> str:
+    """The result as a readable table."""
+    rate = "inf" if math.isinf(r.request_rate) else f"{r.request_rate:g}"
+    concurrency = "unlimited" if r.concurrency is None else str(r.concurrency)
+    lines = [
+        f"dspark bench: {r.num_prompts} requests to {r.url} (model {r.model}), max_tokens {r.max_tokens}, "
+        f"temperature {r.temperature:g}",
+        f"  concurrency {concurrency} (peak in flight {r.peak_in_flight}), request rate {rate}/s",
+        _row("successful requests", str(r.completed)),
+        _row("failed requests", str(r.failed)),
+        *(f"    {e}" for e in r.errors),
+        _row("duration", f"{r.duration_s:.2f} s"),
+        _row("request throughput", f"{r.request_throughput:.2f} req/s"),
+        _row("output token throughput", f"{r.output_throughput:.1f} tok/s"),
+        _row("total token throughput", f"{r.total_token_throughput:.1f} tok/s"),
+        _row("prompt / completion tokens", f"{r.total_prompt_tokens} / {r.total_completion_tokens}"),
+        _row("mean accepted tokens per step", "n/a (no usage.dspark.decode_steps)"
+             if r.mean_accepted_tokens_per_step is None else f"{r.mean_accepted_tokens_per_step:.2f}"),
+        _row("mean tokens per chunk",
+             "n/a" if r.mean_tokens_per_chunk is None else f"{r.mean_tokens_per_chunk:.2f}"),
+        _row("finish reasons", ", ".join(f"{k} {v}" for k, v in sorted(r.finish_reasons.items())) or "-"),
+        f"  {'(ms)':<20}{'mean':>10}{'p50':>10}{'p99':>10}",
+        _latency_row("TTFT", r.ttft),
+        _latency_row("TPOT", r.tpot),
+        _latency_row("E2E latency", r.e2e_latency),
+        _latency_row("inter-chunk gap", r.chunk_gap),
+    ]
+    return "\n".join(lines)
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to a `dspark` subparsers object and return its parser."""
+    p = subparsers.add_parser(
+        "bench", help="load an OpenAI-compatible completions server and report latency and throughput",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="requests to send (prompts are reused in order when there are fewer)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="most requests in flight (default: unlimited)")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="mean requests per second, Poisson arrivals (default: inf, all at once)")
+    p.add_argument("--max-tokens", type=int, default=128, help="completion tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask the server to generate --max-tokens tokens even past EOS (a dspark extension)")
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="a JSON list of strings (.json) or one prompt per line (default: held-out "
+                        "standard-library code the embedded model never trained on)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(url=args.url, model=args.model, num_prompts=args.num_prompts,
+                       concurrency=args.concurrency, request_rate=args.request_rate,
+                       max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                       ignore_eos=args.ignore_eos, progress=not args.no_progress)
+
+
+def bench_prompts(prompts_file: Path | None, count: int) -> list[str]:
+    """The prompt pool: the file's prompts, or `count` held-out ones."""
+    if prompts_file is not None:
+        return load_prompts_file(prompts_file)
+    return held_out_prompts(count)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """`dspark bench`: 0 when any request succeeded, 1 when none did (or none could be sent), 2 for bad
+    arguments."""
+    try:
+        config = config_from_args(args)
+        prompts = bench_prompts(args.prompts_file, config.num_prompts)
+        if not prompts:
+            raise ValueError(f"{args.prompts_file or 'the held-out set'}: no prompts")
+    except (OSError, ValueError) as err:
+        print(f"dspark bench: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        result = benchmark(config, prompts)
+    except BenchSetupError as err:
+        print(f"dspark bench: error: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.to_json(), indent=2) if args.json else format_result(result))
+    if not result.completed:
+        print(f"dspark bench: error: all {result.failed} requests failed", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,328 @@
+"""Refit the draft's confidence head on what serving recorded (`dspark fit-confidence`).
+
+The confidence head is one Linear layer over `[hidden_k ; markov_embedding(prev_k)]`. Training
+fits it teacher-forced, against whatever acceptance event the trainer chose; at serving time the
+drafts are the draft's own and the event is the deployment's policy (a greedy prefix match, or the
+rejection sampler's acceptance). Per-position temperatures (STS) can rescale each position's
+logits but cannot change the shape of the reliability curve, so when the head was fitted for
+another event the calibrated survival stays off. Refitting the Linear layer on the recorded
+inputs and labels of served steps fixes the shape; STS on a fresh recording then fine-tunes it.
+
+The fit minimises the binary cross-entropy of every position's cumulative survival
+`S_k = prod_{j<=k} sigmoid(z_j)` against `prefix_mask[k]` (the quantity the planner ranks rows by
+and that the ECE targets measure), plus an L2 pull towards the head being replaced, by
+full-batch L-BFGS: deterministic for a given recording. A held-out share of the request-steps is
+kept out of the fit and reported before and after.
+
+The features depend on every draft weight except the head's own, so shards carry a digest of
+those weights and the refit refuses a draft they were not recorded with.
+
+`--add-draft-stats` widens a head that reads only `[hidden ; markov embedding]` to also read
+`draft_stats` of the draft's own logits (which the recorded hidden state gives back through
+`lm_head`); the new weights start at zero, so the fit starts from the current head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.measure.calibration import (
+    CalibrationError,
+    brier,
+    ece,
+    read_shard,
+    roc_auc,
+    shard_arrays,
+    shard_files,
+)
+from dspark.measure.recording import FEATURES_KEY
+from dspark.runtime.models.dspark_draft import NUM_DRAFT_STATS, draft_stats
+
+HEAD_PREFIX = "confidence_head."
+WEIGHT, BIAS = HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"
+FIT_FILE = "confidence_fit.json"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+STATS_FLAG = "confidence_draft_stats"
+
+
+def backbone_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 (16 hex digits) over every tensor but the confidence head's: name, dtype, shape, bytes."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        if name.startswith(HEAD_PREFIX):
+            continue
+        tensor = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()[:16]
+
+
+def checkpoint_state(directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a single-file draft checkpoint (what `save_draft` writes)."""
+    path = directory / WEIGHTS_FILE
+    if not (directory / CONFIG_FILE).is_file() or not path.is_file():
+        raise CalibrationError(f"{directory}: not a draft checkpoint (needs config.json and {WEIGHTS_FILE})")
+    state = load_file(str(path))
+    missing = [k for k in (WEIGHT, BIAS) if k not in state]
+    if missing:
+        raise CalibrationError(f"{directory}: the draft has no confidence head ({', '.join(missing)} "
+                               f"missing); train one with confidence_head: true first")
+    return state
+
+
+@dataclass(frozen=True)
+class FeatureData:
+    features: torch.Tensor  # [n, gamma, F] float32
+    prefix_mask: torch.Tensor  # [n, gamma] bool
+    backbone: str
+    policy: str | None
+    sources: tuple[str, ...]
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.features.shape[0])
+
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    path = directory / "meta.json"
+    if not path.is_file():
+        raise CalibrationError(f"{directory}: no meta.json beside the shards; record them with "
+                               f"`dspark run --record DIR --record-features`")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CalibrationError(f"{path}: not valid JSON ({err})") from None
+    info = meta.get(FEATURES_KEY) if isinstance(meta, dict) else None
+    if not isinstance(info, dict) or not isinstance(info.get("draft_backbone"), str):
+        raise CalibrationError(f"{path}: the run did not record features; record it again with "
+                               f"`dspark run --record DIR --record-features`")
+    return meta
+
+
+def load_feature_shards(paths: Sequence[str | os.PathLike[str]]) -> FeatureData:
+    """Recorder shards with features (validated like `dspark calibrate`'s), from one draft backbone
+    and one policy; each shard is read once."""
+    files = shard_files(paths)
+    metas = {p.parent: _read_meta(p.parent) for p in files}
+    backbones = {m[FEATURES_KEY]["draft_backbone"] for m in metas.values()}
+    policies = {m.get("policy") for m in metas.values()}
+    if len(backbones) > 1 or len(policies) > 1:
+        raise CalibrationError(
+            "the shards were recorded with different drafts or policies ("
+            + "; ".join(f"{d}: backbone {m[FEATURES_KEY]['draft_backbone']}, policy {m.get('policy')}"
+                        for d, m in metas.items()) + "); fit each draft and policy separately")
+    parts, masks = [], []
+    gamma: int | None = None
+    for path in files:
+        payload = read_shard(path)
+        _, mask = shard_arrays(payload, path, gamma)  # validates logits / prefix_mask and prefix rows
+        n, gamma = mask.shape
+        feats = payload.get(FEATURES_KEY)
+        if not isinstance(feats, torch.Tensor) or feats.dim() != 3 or tuple(feats.shape[:2]) != (n, gamma) \
+                or not feats.is_floating_point():
+            shape = tuple(feats.shape) if isinstance(feats, torch.Tensor) else None
+            raise CalibrationError(f"{path}: {FEATURES_KEY!r} must be a float tensor [n, gamma, F] = "
+                                   f"[{n}, {gamma}, F], got {shape}")
+        parts.append(feats.float())
+        masks.append(torch.from_numpy(mask))
+    if len({p.shape[-1] for p in parts}) > 1:
+        raise CalibrationError("the shards hold features of different widths; fit one draft at a time")
+    features = torch.cat(parts)
+    if features.shape[0] == 0:
+        raise CalibrationError(f"{', '.join(map(str, files))}: the shards hold no rows")
+    if not bool(torch.isfinite(features).all()):
+        raise CalibrationError("the shards hold non-finite features (float16 overflow?); the draft's "
+                               "head inputs must be finite")
+    return FeatureData(features, torch.cat(masks), backbones.pop(), policies.pop(),
+                       tuple(str(p) for p in files))
+
+
+def with_draft_stats(data: FeatureData, lm_head: torch.Tensor, hidden_size: int,
+                     chunk: int = 4096) -> FeatureData:
+    """`data` with `draft_stats` of `lm_head(hidden)` appended to every position's features."""
+    if data.features.shape[-1] < hidden_size:
+        raise CalibrationError(f"the features are {data.features.shape[-1]} wide, narrower than the "
+                               f"draft's hidden size {hidden_size}; record with this draft")
+    flat = data.features.reshape(-1, data.features.shape[-1])
+    stats = torch.cat([draft_stats(flat[i:i + chunk, :hidden_size] @ lm_head.float().T)
+                       for i in range(0, len(flat), chunk)])
+    features = torch.cat((flat, stats), dim=-1).reshape(*data.features.shape[:2], -1)
+    return dataclasses.replace(data, features=features)
+
+
+@dataclass(frozen=True)
+class HeadFitSettings:
+    holdout_fraction: float = 0.2  # request-steps kept out of the fit for the report
+    l2: float = 1e-4  # pull towards the head being replaced, per weight, relative to the mean loss
+    max_iter: int = 300
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.holdout_fraction < 1.0:
+            raise CalibrationError(f"holdout fraction must be in (0, 1), got {self.holdout_fraction}")
+        if self.l2 < 0.0:
+            raise CalibrationError(f"l2 must be >= 0, got {self.l2}")
+        if self.max_iter < 1:
+            raise CalibrationError(f"max iterations must be >= 1, got {self.max_iter}")
+
+
+def _cumulative_bce(z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    log_s = torch.nn.functional.logsigmoid(z).cumsum(-1)
+    log_not_s = torch.log((-torch.expm1(log_s)).clamp_min(1e-12))  # log(1 - S), stable near S = 1
+    return -(mask * log_s + (~mask) * log_not_s).sum(-1).mean()
+
+
+def _metrics(z: torch.Tensor, mask: torch.Tensor) -> dict[str, list[Any]]:
+    s = torch.sigmoid(z.double()).cumprod(-1).numpy()
+    m = mask.numpy()
+    gamma = m.shape[1]
+    return {"ece": [round(ece(s[:, k], m[:, k]), 4) for k in range(gamma)],
+            "brier": [round(brier(s[:, k], m[:, k]), 4) for k in range(gamma)],
+            "auc": [None if (a := roc_auc(s[:, k], m[:, k])) is None else round(a, 4) for k in range(gamma)]}
+
+
+@dataclass(frozen=True)
+class HeadFit:
+    weight: torch.Tensor  # [1, F]
+    bias: torch.Tensor  # [1]
+    num_fit: int
+    num_holdout: int
+    loss_before: float
+    loss_after: float
+    holdout_before: dict[str, list[Any]]
+    holdout_after: dict[str, list[Any]]
+
+
+def fit_confidence_head(data: FeatureData, weight: torch.Tensor, bias: torch.Tensor,
+                        settings: HeadFitSettings = HeadFitSettings()) -> HeadFit:
+    """Fit `sigmoid`-survival BCE over the fit split; report the held-out split before and after."""
+    n = data.num_samples
+    n_hold = int(round(n * settings.holdout_fraction))
+    if n_hold < 1 or n - n_hold < 1:
+        raise CalibrationError(f"{n} request-steps are too few to hold out {settings.holdout_fraction:.0%}; "
+                               f"record more")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(settings.seed))
+    hold, fit = order[:n_hold], order[n_hold:]
+    x, y = data.features[fit], data.prefix_mask[fit]
+    w0 = weight.detach().float().reshape(-1)
+    if w0.numel() != x.shape[-1]:
+        raise CalibrationError(f"the features have width {x.shape[-1]} but the draft's head takes "
+                               f"{w0.numel()} inputs; record with this draft")
+    b0 = bias.detach().float().reshape(1)
+    params = torch.cat((w0, b0)).clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([params], lr=1.0, max_iter=settings.max_iter, history_size=20,
+                            tolerance_grad=1e-9, tolerance_change=1e-12, line_search_fn="strong_wolfe")
+    anchor = torch.cat((w0, b0))
+
+    def loss_of(p: torch.Tensor) -> torch.Tensor:
+        z = x @ p[:-1] + p[-1]
+        return _cumulative_bce(z, y) + settings.l2 * (p[:-1] - anchor[:-1]).square().sum()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = loss_of(params)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss_before = float(loss_of(params))
+    opt.step(closure)
+    p = params.detach()
+    with torch.no_grad():
+        loss_after = float(loss_of(p))
+    xh, yh = data.features[hold], data.prefix_mask[hold]
+    with torch.no_grad():
+        before = _metrics(xh @ w0 + b0, yh)
+        after = _metrics(xh @ p[:-1] + p[-1], yh)
+    return HeadFit(p[:-1].reshape(1, -1), p[-1:].clone(), len(fit), n_hold, loss_before, loss_after,
+                   before, after)
+
+
+def format_head_fit(fit: HeadFit) -> str:
+    lines = [f"confidence head refit on {fit.num_fit} request-steps "
+             f"(cumulative-survival BCE {fit.loss_before:.4f} -> {fit.loss_after:.4f}); "
+             f"held out {fit.num_holdout}:",
+             f"{'pos':>4} {'ECE before':>11} {'ECE after':>10} {'Brier before':>13} {'Brier after':>12} "
+             f"{'AUC before':>11} {'AUC after':>10}"]
+    b, a = fit.holdout_before, fit.holdout_after
+    for k in range(len(b["ece"])):
+        auc_b = "-" if b["auc"][k] is None else f"{b['auc'][k]:.4f}"
+        auc_a = "-" if a["auc"][k] is None else f"{a['auc'][k]:.4f}"
+        lines.append(f"{k + 1:>4} {b['ece'][k]:>11.4f} {a['ece'][k]:>10.4f} {b['brier'][k]:>13.4f} "
+                     f"{a['brier'][k]:>12.4f} {auc_b:>11} {auc_a:>10}")
+    return "\n".join(lines) + "\n"
+
+
+def write_refit_checkpoint(source: Path, state: dict[str, torch.Tensor], out: Path, fit: HeadFit,
+                           data: FeatureData, settings: HeadFitSettings, config: Mapping[str, Any]) -> Path:
+    """A copy of the `source` draft (whose tensors are `state`) with the refitted head and
+    `confidence_fit.json` (provenance), moved into place whole: `out` must not exist yet."""
+    if out.exists():
+        raise CalibrationError(f"{out} already exists; choose a new directory for the refitted draft "
+                               f"(its name is the draft's identity in fingerprints)")
+    if out.resolve() == source.resolve():
+        raise CalibrationError("the output must be a new directory, not the source draft")
+    state = dict(state)
+    dtype = state[WEIGHT].dtype
+    state[WEIGHT] = fit.weight.to(dtype).contiguous()
+    state[BIAS] = fit.bias.to(dtype).contiguous()
+    provenance = {
+        "source_draft": str(source), "draft_backbone": data.backbone, "policy": data.policy,
+        "shards": list(data.sources), "num_fit": fit.num_fit, "num_holdout": fit.num_holdout,
+        "confidence_draft_stats": bool(config.get(STATS_FLAG, False)),
+        "settings": {"holdout_fraction": settings.holdout_fraction, "l2": settings.l2,
+                     "max_iter": settings.max_iter, "seed": settings.seed},
+        "loss_before": round(fit.loss_before, 6), "loss_after": round(fit.loss_after, 6),
+        "holdout_before": fit.holdout_before, "holdout_after": fit.holdout_after,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".staging-{out.name}-"))
+    try:
+        for item in source.iterdir():
+            if item.is_file() and item.name not in (WEIGHTS_FILE, FIT_FILE, CONFIG_FILE):
+                shutil.copy2(item, staging / item.name)
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / FIT_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        os.chmod(staging, 0o755)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def refit_draft(shards: Sequence[Path], source: Path, out: Path,
+                settings: HeadFitSettings = HeadFitSettings(), add_draft_stats: bool = False
+                ) -> tuple[HeadFit, Path]:
+    """Load, check the backbone, fit, write: the whole `dspark fit-confidence`."""
+    state = checkpoint_state(source)
+    try:
+        config = json.loads((source / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise CalibrationError(f"{source / CONFIG_FILE}: not valid JSON ({err})") from None
+    data = load_feature_shards(shards)
+    digest = backbone_digest(state)
+    if digest != data.backbone:
+        raise CalibrationError(f"the shards' features were recorded with draft backbone {data.backbone}, "
+                               f"but {source} has {digest}; record with this draft checkpoint")
+    weight = state[WEIGHT].float()
+    if add_draft_stats and not config.get(STATS_FLAG, False):
+        data = with_draft_stats(data, state["lm_head.weight"], int(config["hidden_size"]))
+        weight = torch.cat((weight, weight.new_zeros(1, NUM_DRAFT_STATS)), dim=-1)
+        config = {**config, STATS_FLAG: True}
+    fit = fit_confidence_head(data, weight, state[BIAS], settings)
+    return fit, write_refit_checkpoint(source, state, out, fit, data, settings, config)

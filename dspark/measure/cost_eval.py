@@ -1,0 +1,530 @@
+"""How good is each cost model for the planner, judged against the measured profile (DESIGN §6).
+
+A cost model only matters through the budget it makes the planner choose, so it is scored the way it is
+used: for every profiled batch size B, batches of B requests are drawn from recorded survival; for each
+draw the planner's `tau(b)` is divided by the MEASURED step time of `M(b)` rows, the measured-optimal
+budget is found, and each model's choice (`choose_budget` on the same survival) is charged its regret
+
+    regret% = 100 · (1 − objective_meas(model's budget) / objective_meas(optimal budget)).
+
+Measured step time of (B, M): the profile's median at a measured M; between measured M values of the same
+B, linear interpolation, but only between two measurements in the same graph tier (when the profile's
+meta records its tiers): one step of M rows costs what its tier costs, so interpolating across a tier
+boundary would invent the smoothing under test. Budgets stop at the first M that cannot be read this
+way, for the optimum and for every model alike.
+
+Fit quality on the profile samples is reported next to the regret, with the mean error split into
+samples within ±2 rows of a tier boundary and the rest: where an additive fit misprices a cliff.
+
+Draft terms are left out on both sides: the profile measures the verify step only, so a model's draft
+term would tilt its choice by a cost the measured objective cannot see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark.measure.calibration import load_shards
+from dspark.measure.cost_fit import FitResidual, fit_quality, fit_tier_table
+from dspark.measure.profiler import ProfileResult, fit_profile
+from dspark.runtime.planner.budget import (
+    TIE_RTOL,
+    ScheduleConfig,
+    check_survival,
+    choose_budget,
+    rank_candidates,
+)
+from dspark.runtime.planner.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
+from dspark.runtime.planner.survival import survival_from_logits
+
+__all__ = [
+    "BOUNDARY_RADIUS", "BatchEval", "BatchRange", "CostEvalReport", "FitQuality", "MeasuredSteps",
+    "ModelEval", "RegretStats", "add_cost_eval_parser", "evaluate_cost_models", "fit_all_models",
+    "format_cost_eval", "model_fit_quality", "profile_tiers", "run_cost_eval",
+]
+
+BOUNDARY_RADIUS = 2
+"""Samples with |M − tier| <= this many rows count as "at a tier boundary" (the profiler's rows_around)."""
+
+
+def profile_tiers(result: ProfileResult) -> tuple[int, ...]:
+    """The graph tiers recorded in the profile's meta ("8,16,24"), or () when it records none."""
+    text = result.meta.get("tiers", "").strip()
+    if not text:
+        return ()
+    try:
+        tiers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"profile meta 'tiers' is {text!r}; expected comma-separated integers such as "
+                         "'8,16,32'") from None
+    if any(t < 1 for t in tiers) or any(b <= a for a, b in zip(tiers, tiers[1:], strict=False)):
+        raise ValueError(f"profile meta 'tiers' is {text!r}; tiers must be >= 1 and strictly increasing")
+    return tiers
+
+
+def fit_all_models(result: ProfileResult, m_bin: int | None = None) -> dict[str, CostModel]:
+    """The sps-1d, additive and (when the profile records its tiers) tier tables fitted from one profile.
+
+    `m_bin` is the additive fit's M bin width (the plan's when None). Keys are the table kinds.
+    """
+    sps, additive = fit_profile(result, m_bin)
+    models: dict[str, CostModel] = {SpsTable.kind: sps, AdditiveCostTable.kind: additive.table}
+    tiers = profile_tiers(result)
+    if tiers:
+        models[TierCostTable.kind] = fit_tier_table(result, tiers).table
+    return models
+
+
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """The profile's step seconds of one batch size, read as the evaluation reads them (module doc)."""
+
+    num_reqs: int
+    rows: tuple[int, ...]  # measured M, strictly increasing
+    seconds: tuple[float, ...]  # median of the sample medians at each M
+    tiers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.rows or len(self.rows) != len(self.seconds):
+            raise ValueError(f"B={self.num_reqs}: rows and seconds must be non-empty and of equal length, "
+                             f"got {len(self.rows)} and {len(self.seconds)}")
+        if any(b <= a for a, b in zip(self.rows, self.rows[1:], strict=False)):
+            raise ValueError(f"B={self.num_reqs}: measured rows must be strictly increasing, got "
+                             f"{self.rows}")
+        if any(not np.isfinite(s) or s <= 0 for s in self.seconds):
+            raise ValueError(f"B={self.num_reqs}: measured seconds must be finite and > 0, got "
+                             f"{self.seconds}")
+
+    def _segment(self, rows: np.ndarray) -> np.ndarray:
+        # Without tiers the whole range is one segment; above the last tier is a segment of its own.
+        if not self.tiers:
+            return np.zeros(rows.shape, dtype=np.int64)
+        return np.searchsorted(np.array(self.tiers), rows, side="left")
+
+    def seconds_at(self, num_rows: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Measured seconds at each M; NaN where M is neither measured nor between two measurements of
+        its own tier."""
+        rows = np.asarray(num_rows, dtype=np.int64)
+        measured = np.array(self.rows, dtype=np.int64)
+        values = np.array(self.seconds, dtype=np.float64)
+        hi = np.searchsorted(measured, rows, side="left")
+        out = np.full(rows.shape, np.nan)
+        exact = (hi < measured.size) & (measured[np.minimum(hi, measured.size - 1)] == rows)
+        out[exact] = values[hi[exact]]
+        inner = ~exact & (hi > 0) & (hi < measured.size)
+        lo_i, hi_i = hi[inner] - 1, hi[inner]
+        seg = self._segment(rows[inner])
+        same = (self._segment(measured[lo_i]) == seg) & (self._segment(measured[hi_i]) == seg)
+        weight = (rows[inner] - measured[lo_i]) / (measured[hi_i] - measured[lo_i])
+        blended = (1.0 - weight) * values[lo_i] + weight * values[hi_i]
+        out[np.flatnonzero(inner)[same]] = blended[same]
+        return out
+
+
+def measured_steps(result: ProfileResult, tiers: Sequence[int] = ()) -> dict[int, MeasuredSteps]:
+    """Every profiled batch size's measured step seconds; a (B, M) measured twice is pooled by median."""
+    pooled: dict[tuple[int, int], list[float]] = {}
+    for num_reqs, num_rows, seconds in result.fit_samples():
+        pooled.setdefault((num_reqs, num_rows), []).append(seconds)
+    out = {}
+    for num_reqs in sorted({b for b, _ in pooled}):
+        rows = sorted(m for b, m in pooled if b == num_reqs)
+        out[num_reqs] = MeasuredSteps(num_reqs, tuple(rows),
+                                      tuple(float(np.median(pooled[(num_reqs, m)])) for m in rows),
+                                      tuple(tiers))
+    return out
+
+
+@dataclass(frozen=True)
+class RegretStats:
+    """Regret percentages of one model over some draws."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    max: float
+
+    def __post_init__(self) -> None:
+        if self.count < 1:
+            raise ValueError(f"RegretStats needs at least one draw, got count={self.count}")
+        if not 0.0 <= self.p50 <= self.p90 <= self.max <= 100.0 or not 0.0 <= self.mean <= self.max:
+            raise ValueError(f"regret percentages must satisfy 0 <= p50 <= p90 <= max <= 100 and mean <= "
+                             f"max, got mean={self.mean} p50={self.p50} p90={self.p90} max={self.max}")
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> RegretStats:
+        array = np.asarray(values, dtype=np.float64)
+        top = float(array.max())
+        # Rounding in the mean and the percentile blend may overshoot equal values by an ulp.
+        return cls(int(array.size), min(float(array.mean()), top), min(float(np.percentile(array, 50)), top),
+                   min(float(np.percentile(array, 90)), top), top)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FitQuality:
+    """How well a model's verify step time reproduces the profile samples it can predict.
+
+    Boundary samples lie within ±BOUNDARY_RADIUS rows of a tier; the two mean |error| fields are None
+    when the profile records no tiers or a group is empty. Samples above the model's max_rows are
+    counted in `num_outside` and not predicted.
+    """
+
+    num_samples: int
+    rms_seconds: float
+    r_squared: float
+    max_relative_error: float
+    num_boundary: int
+    num_elsewhere: int
+    boundary_mean_abs_error_seconds: float | None
+    elsewhere_mean_abs_error_seconds: float | None
+    num_outside: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1 or self.num_boundary + self.num_elsewhere not in (0, self.num_samples):
+            raise ValueError(f"FitQuality counts disagree: {self.num_samples} samples, {self.num_boundary} "
+                             f"at boundaries, {self.num_elsewhere} elsewhere")
+        if self.rms_seconds < 0 or self.max_relative_error < 0:
+            raise ValueError("rms_seconds and max_relative_error are magnitudes and must be >= 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class BatchEval:
+    """One model at one batch size: its regret and the mean rows M it chose."""
+
+    num_reqs: int
+    regret: RegretStats
+    mean_rows: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_reqs": self.num_reqs, "regret": self.regret.to_json(), "mean_rows": self.mean_rows}
+
+
+@dataclass(frozen=True)
+class ModelEval:
+    """One model's regret (overall and per B; None where it could plan no draw) and fit quality."""
+
+    name: str
+    kind: str
+    regret: RegretStats | None
+    by_batch: tuple[BatchEval, ...]
+    fit: FitQuality | None
+
+    def batch(self, num_reqs: int) -> BatchEval:
+        for entry in self.by_batch:
+            if entry.num_reqs == num_reqs:
+                return entry
+        raise KeyError(f"model {self.name!r} has no evaluation at B={num_reqs}; evaluated B: "
+                       f"{[e.num_reqs for e in self.by_batch]}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind,
+                "regret": None if self.regret is None else self.regret.to_json(),
+                "by_batch": [b.to_json() for b in self.by_batch],
+                "fit": None if self.fit is None else self.fit.to_json()}
+
+
+@dataclass(frozen=True)
+class BatchRange:
+    """The rows the budgets of one batch size could use, and the mean rows of the measured optimum."""
+
+    num_reqs: int
+    min_rows: int
+    max_rows: int
+    optimal_mean_rows: float
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_rows <= self.max_rows:
+            raise ValueError(f"B={self.num_reqs}: need 1 <= min_rows <= max_rows, got {self.min_rows}, "
+                             f"{self.max_rows}")
+
+
+@dataclass(frozen=True)
+class CostEvalReport:
+    """Everything `evaluate_cost_models` found; `to_json` for machines, `format_cost_eval` for people."""
+
+    draws_per_batch: int
+    seed: int
+    tiers: tuple[int, ...]
+    batches: tuple[BatchRange, ...]
+    models: tuple[ModelEval, ...]
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be distinct, got {names}")
+
+    def model(self, name: str) -> ModelEval:
+        for entry in self.models:
+            if entry.name == name:
+                return entry
+        raise KeyError(f"no model named {name!r}; the report has {[m.name for m in self.models]}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"draws_per_batch": self.draws_per_batch, "seed": self.seed, "tiers": list(self.tiers),
+                "batches": [dataclasses.asdict(b) for b in self.batches],
+                "models": [m.to_json() for m in self.models], "notes": list(self.notes)}
+
+
+def _verify_only(model: CostModel) -> CostModel:
+    if not model.draft_bs_probes:
+        return model
+    return dataclasses.replace(model, draft_bs_probes=(), draft_seconds=())
+
+
+def _predict(model: CostModel, num_reqs: int, num_rows: int) -> float | None:
+    """The model's verify step seconds, or None where the model has no prediction (M past max_rows)."""
+    if model.max_rows is not None and num_rows > model.max_rows:
+        return None
+    if isinstance(model, SpsTable):
+        return 1.0 / model.lookup(num_rows)
+    return model.step_time(num_reqs, num_rows)
+
+
+def model_fit_quality(model: CostModel, result: ProfileResult,
+                      tiers: Sequence[int] = ()) -> FitQuality | None:
+    """Residuals (measured − predicted, verify step only) of `model` on every profile sample median;
+    None when the model predicts none of them."""
+    residuals: list[FitResidual] = []
+    outside = 0
+    for num_reqs, num_rows, seconds in result.fit_samples():
+        predicted = _predict(model, num_reqs, num_rows)
+        if predicted is None:
+            outside += 1
+        else:
+            residuals.append(FitResidual(num_reqs, num_rows, seconds, predicted))
+    if not residuals:
+        return None
+    rms, r_squared, max_relative = fit_quality(residuals)
+    boundary, elsewhere = None, None
+    num_boundary = num_elsewhere = 0
+    if tiers:
+        near = [any(abs(r.num_rows - t) <= BOUNDARY_RADIUS for t in tiers) for r in residuals]
+        at = [abs(r.residual_seconds) for r, n in zip(residuals, near, strict=True) if n]
+        away = [abs(r.residual_seconds) for r, n in zip(residuals, near, strict=True) if not n]
+        num_boundary, num_elsewhere = len(at), len(away)
+        boundary = float(np.mean(at)) if at else None
+        elsewhere = float(np.mean(away)) if away else None
+    return FitQuality(len(residuals), rms, r_squared, max_relative, num_boundary, num_elsewhere, boundary,
+                      elsewhere, outside)
+
+
+def _feasible_max(steps: MeasuredSteps, low: int, high: int) -> int | None:
+    """The largest U such that every M in [low, U] has a measured step time; None if `low` has none."""
+    readable = np.isfinite(steps.seconds_at(np.arange(low, high + 1)))
+    if not readable[0]:
+        return None
+    gaps = np.flatnonzero(~readable)
+    return high if gaps.size == 0 else low + int(gaps[0]) - 1
+
+
+def _first_best(objective: np.ndarray) -> int:
+    # The planner's tie rule, so a model equal to the measured law picks exactly the measured optimum.
+    best = objective.max()
+    return int(np.argmax(objective >= best - TIE_RTOL * best))
+
+
+def evaluate_cost_models(result: ProfileResult, models: Mapping[str, CostModel],
+                         survival: np.ndarray | torch.Tensor, cfg: ScheduleConfig,
+                         draws_per_batch: int = 64, seed: int = 0) -> CostEvalReport:
+    """Score each model by the regret of the budgets it makes the planner choose (module doc).
+
+    `survival` is [n, gamma] rows to draw batches from (with replacement, seeded by `seed`);
+    `cfg` the planner's floor, cap and survival_eps; `models` name → table.
+    """
+    if not models:
+        raise ValueError("models is empty; pass at least one cost model (e.g. fit_all_models(result))")
+    for name, model in models.items():
+        if not isinstance(model, (SpsTable, AdditiveCostTable, TierCostTable)):
+            raise TypeError(f"models[{name!r}] must be an SpsTable, AdditiveCostTable or TierCostTable, got "
+                            f"{type(model).__name__}")
+    if isinstance(draws_per_batch, bool) or not isinstance(draws_per_batch, int) or draws_per_batch < 1:
+        raise ValueError(f"draws_per_batch must be an integer >= 1, got {draws_per_batch!r}")
+    # torch cannot wrap a numpy view with negative strides (e.g. a reversed slice); copy those.
+    if isinstance(survival, np.ndarray):
+        survival = np.ascontiguousarray(survival)
+    rows_of = torch.as_tensor(survival)
+    if rows_of.dim() != 2 or rows_of.shape[0] < 1:
+        raise ValueError(f"survival must be [n, gamma] with n >= 1 rows to draw from, got shape "
+                         f"{tuple(rows_of.shape)}")
+    pool = check_survival(rows_of, cfg)  # validates once, up front, instead of inside a random draw
+    tiers = profile_tiers(result)
+    steps_by_b = measured_steps(result, tiers)
+    planners = {name: _verify_only(model) for name, model in models.items()}
+
+    notes: list[str] = []
+    if result.plan.num_draft_tokens != cfg.num_draft_tokens:
+        notes.append(f"the profile measured N={result.plan.num_draft_tokens} rows per request but the "
+                     f"survival has gamma={cfg.gamma} (N={cfg.num_draft_tokens}); budgets stay within the "
+                     "measured rows")
+    dropped = sorted(name for name, model in models.items() if model.draft_bs_probes)
+    if dropped:
+        notes.append(f"draft terms of {dropped} are left out: the profile measures the verify step only")
+
+    rng = np.random.default_rng(seed)
+    regrets: dict[str, dict[int, list[float]]] = {name: {} for name in models}
+    chosen_rows: dict[str, dict[int, list[int]]] = {name: {} for name in models}
+    batches: list[BatchRange] = []
+    for num_reqs, steps in steps_by_b.items():
+        low, high = num_reqs * cfg.floor, num_reqs * cfg.cap
+        limit = _feasible_max(steps, low, high)
+        if limit is None:
+            notes.append(f"B={num_reqs}: skipped, the floor needs M={low} rows but the profile has no step "
+                         f"time there (measured M {steps.rows[0]}..{steps.rows[-1]})")
+            continue
+        if limit < high and limit < steps.rows[-1]:
+            notes.append(f"B={num_reqs}: budgets stop at M={limit}; M={limit + 1} has no measurement and no "
+                         "two measurements of its tier around it")
+        optimal_rows: list[int] = []
+        for _ in range(draws_per_batch):
+            batch = pool[torch.from_numpy(rng.integers(0, pool.shape[0], size=num_reqs))]
+            cands = rank_candidates(batch, cfg)
+            top = min(cands.values.size, limit - low)
+            tau = num_reqs + cands.floor_sum + np.concatenate(([0.0], np.cumsum(cands.values[:top])))
+            objective = tau / steps.seconds_at(low + np.arange(top + 1))
+            best = _first_best(objective)
+            optimal_rows.append(low + best)
+            for name, model in planners.items():
+                try:
+                    decision = choose_budget(batch, model, cfg, max_rows=limit)
+                except ValueError as error:
+                    note = f"{name}: cannot plan B={num_reqs}: {error}"
+                    if note not in notes:
+                        notes.append(note)
+                    continue
+                regret = 100.0 * (1.0 - objective[decision.budget] / objective[best])
+                regrets[name].setdefault(num_reqs, []).append(min(max(regret, 0.0), 100.0))
+                chosen_rows[name].setdefault(num_reqs, []).append(decision.num_rows)
+        batches.append(BatchRange(num_reqs, low, limit, float(np.mean(optimal_rows))))
+
+    evaluations = []
+    for name, model in models.items():
+        by_batch = tuple(BatchEval(b, RegretStats.of(values), float(np.mean(chosen_rows[name][b])))
+                         for b, values in sorted(regrets[name].items()))
+        every = [v for values in regrets[name].values() for v in values]
+        evaluations.append(ModelEval(name, model.kind, RegretStats.of(every) if every else None, by_batch,
+                                     model_fit_quality(model, result, tiers)))
+    return CostEvalReport(draws_per_batch, seed, tiers, tuple(batches), tuple(evaluations), tuple(notes))
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.4f}"
+
+
+def format_cost_eval(report: CostEvalReport) -> str:
+    """Plain-text report: regret per model overall and per B, then fit quality at and away from tiers."""
+    tiers = ",".join(map(str, report.tiers)) if report.tiers else "none recorded"
+    lines = [f"cost models for the planner: {report.draws_per_batch} survival draws per batch size "
+             f"(seed {report.seed}); tiers {tiers}",
+             "regret % = 100 * (1 - measured tokens/s of the model's budget / that of the measured-optimal "
+             "budget)",
+             "",
+             f"{'model':<12} {'kind':<9} {'draws':>6} {'mean':>7} {'p50':>7} {'p90':>7} {'max':>7}"]
+    for m in report.models:
+        r = m.regret
+        stats = (f"{r.count:>6} {r.mean:>7.2f} {r.p50:>7.2f} {r.p90:>7.2f} {r.max:>7.2f}" if r
+                 else f"{0:>6} {'-':>7} {'-':>7} {'-':>7} {'-':>7}")
+        lines.append(f"{m.name:<12} {m.kind:<9} {stats}")
+
+    lines += ["", "per batch size: mean regret % (mean rows chosen); 'optimum' is the measured-optimal rows",
+              f"{'B':>5} {'rows':>9} {'optimum':>8} " + " ".join(f"{m.name:>18}" for m in report.models)]
+    for b in report.batches:
+        cells = []
+        for m in report.models:
+            entry = next((e for e in m.by_batch if e.num_reqs == b.num_reqs), None)
+            cells.append(f"{'-':>18}" if entry is None
+                         else f"{f'{entry.regret.mean:.2f} ({entry.mean_rows:.1f})':>18}")
+        lines.append(f"{b.num_reqs:>5} {f'{b.min_rows}..{b.max_rows}':>9} {b.optimal_mean_rows:>8.1f} "
+                     + " ".join(cells))
+
+    lines += ["", f"fit on the profile samples (verify step; boundary = within ±{BOUNDARY_RADIUS} rows of a "
+              "tier)",
+              f"{'model':<12} {'samples':>7} {'RMS ms':>9} {'R²':>8} {'max|err|%':>10} "
+              f"{'boundary ms (n)':>17} {'elsewhere ms (n)':>17}"]
+    for m in report.models:
+        f = m.fit
+        if f is None:
+            lines.append(f"{m.name:<12} {'0':>7}  (the model predicts none of the samples)")
+            continue
+        lines.append(f"{m.name:<12} {f.num_samples:>7} {f.rms_seconds * 1e3:>9.4f} {f.r_squared:>8.4f} "
+                     f"{f.max_relative_error * 100:>10.2f} "
+                     f"{f'{_ms(f.boundary_mean_abs_error_seconds)} ({f.num_boundary})':>17} "
+                     f"{f'{_ms(f.elsewhere_mean_abs_error_seconds)} ({f.num_elsewhere})':>17}")
+    if report.notes:
+        lines += ["", "notes:"] + [f"  - {note}" for note in report.notes]
+    return "\n".join(lines) + "\n"
+
+
+# --- `dspark cost-eval` ---------------------------------------------------------------------------------
+
+
+def add_cost_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `cost-eval` on an argparse subparsers object; run it with `run_cost_eval(args)`."""
+    parser = subparsers.add_parser(
+        "cost-eval",
+        help="score the sps-1d, additive and tier tables by the budgets they make the planner choose",
+        description="Fit every cost table from a profile and charge each the regret of its budgets "
+                    "against the measured-optimal budget, on batches drawn from recorded STS survival.")
+    parser.add_argument("profile", type=Path, help="profile.json written by `dspark profile`")
+    parser.add_argument("--sts", type=Path, nargs="+", required=True, metavar="SHARD_OR_DIR",
+                        help="STS shards (.pt with logits and prefix_mask) or directories of them")
+    parser.add_argument("--m-bin", type=int, default=16, help="M bin width of the additive fit")
+    parser.add_argument("--draws", type=int, default=64, help="survival draws per profiled batch size")
+    parser.add_argument("--min-verify-len", type=int, default=1, help="the planner's min_verify_len")
+    parser.add_argument("--max-verify-len", type=int, default=0, help="the planner's max_verify_len (0 = N)")
+    parser.add_argument("--temperatures", default=None, metavar="T1,T2,...",
+                        help="STS temperature per draft position (default 1.0 everywhere)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the survival draws")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def _temperatures(text: str | None, gamma: int) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        temps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--temperatures must be comma-separated numbers, got {text!r}") from None
+    if len(temps) != gamma:
+        raise ValueError(f"--temperatures has {len(temps)} values but the shards have gamma={gamma} "
+                         "positions; give one temperature per draft position")
+    return temps
+
+
+def run_cost_eval(args: argparse.Namespace) -> int:
+    """`dspark cost-eval`: print the report (text or --json); bad input → message on stderr, exit 2."""
+    try:
+        result = ProfileResult.load(args.profile)
+        logits = torch.tensor(load_shards(args.sts).logits, dtype=torch.float32)
+        survival = survival_from_logits(logits, _temperatures(args.temperatures, logits.shape[1]))
+        cfg = ScheduleConfig(gamma=logits.shape[1], min_verify_len=args.min_verify_len,
+                             max_verify_len=args.max_verify_len)
+        models = fit_all_models(result, args.m_bin)
+        report = evaluate_cost_models(result, models, survival, cfg, draws_per_batch=args.draws,
+                                      seed=args.seed)
+    except (OSError, KeyError, TypeError, ValueError) as error:
+        print(f"dspark: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(format_cost_eval(report), end="")
+    return 0

@@ -1,0 +1,1 @@
+"""The engine: requests, continuous-batching scheduler, and the speculative decode step."""

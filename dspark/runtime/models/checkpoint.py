@@ -1,0 +1,96 @@
+"""Checkpoint loading and saving: Hugging Face Llama layout (config.json + safetensors).
+
+`embedded:<name>` refers to a pair shipped inside dspark (`dspark/checkpoints/<name>/`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
+from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft
+from dspark.runtime.models.llama import LlamaConfig, LlamaForCausalLM
+from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def resolve_checkpoint(ref: str, role: str, base_dir: Path | None = None) -> Path:
+    """Directory of a checkpoint reference; `role` is `target` or `draft` for embedded pairs."""
+    if ref.startswith(EMBEDDED_PREFIX):
+        path = embedded_root() / ref[len(EMBEDDED_PREFIX):] / role
+    else:
+        path = Path(ref)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"{role} checkpoint {ref!r}: no config.json in {path}; point the spec's "
+            f"{'model' if role == 'target' else 'draft'}.checkpoint at a directory holding "
+            "config.json and *.safetensors, then recompile")
+    return path
+
+
+def _load_state(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        shards = sorted(p.name for p in path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(str(path / shard)))
+    return state
+
+
+def _load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    # HF checkpoints may carry buffers such as rotary inv_freq that this model recomputes.
+    unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: missing tensors {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None) -> LlamaForCausalLM:
+    path = resolve_checkpoint(ref, "target", base_dir)
+    model = LlamaForCausalLM(LlamaConfig.from_hf(read_config(path)))
+    _load_into(model, _load_state(path), path)
+    return model.to(DTYPES[dtype]).eval()
+
+
+def load_draft(ref: str, dtype: str = "float32", base_dir: Path | None = None) -> DSparkDraft:
+    path = resolve_checkpoint(ref, "draft", base_dir)
+    model = DSparkDraft(DraftConfig.from_json(read_config(path)))
+    _load_into(model, _load_state(path), path)
+    return model.to(DTYPES[dtype]).eval()
+
+
+def _save(path: Path, module: torch.nn.Module, config: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def save_target(path: Path, model: LlamaForCausalLM) -> None:
+    _save(path, model, model.cfg.to_hf())
+    tok = {"type": "byte", "bos_id": BOS_ID, "eos_id": EOS_ID, "vocab_size": VOCAB_SIZE}
+    (path / BYTE_TOKENIZER_FILE).write_text(json.dumps(tok, indent=2, sort_keys=True) + "\n")
+
+
+def save_draft(path: Path, model: DSparkDraft) -> None:
+    _save(path, model, model.cfg.to_json())

@@ -1,0 +1,148 @@
+"""Verify plans: how many rows each request verifies in a step.
+
+The generated `planner_config.py` instantiates one of these for its verify mode. A plan is an
+immutable configuration; the only per-runtime state, the lagged survival history, is owned by
+the runtime and passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dspark.runtime.layout import tier_aligned_budget
+from dspark.runtime.planner.budget import (
+    BudgetDecision,
+    ScheduleConfig,
+    allocate_verify_lens,
+    choose_budget,
+    forced_budget,
+)
+from dspark.runtime.planner.cost_models import CostModel, cost_model_from_dict
+from dspark.runtime.planner.survival import LaggedSurvival, survival_from_logits
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's decision: rows per request, and (adaptive modes) why."""
+
+    verify_lens: torch.Tensor  # int32 [B], root included
+    survival: torch.Tensor | None = None  # float32 [B, gamma]: the survival the rows were allocated by
+    decision: BudgetDecision | None = None
+    aligned_budget: int | None = None  # the budget after graph-tier alignment, when it applied
+
+    @functools.cached_property  # read by the run's counters and again by the step recorder
+    def tau(self) -> float | None:
+        """Expected committed tokens of the rows actually allocated: B + the survival of every
+        verified draft (None without a planner)."""
+        if self.decision is None or self.survival is None:
+            return None
+        lens = self.verify_lens.to(self.survival.device).long()
+        verified = torch.arange(self.survival.shape[1], device=lens.device)[None, :] < (lens - 1)[:, None]
+        return lens.shape[0] + float((self.survival * verified).sum())
+
+
+@dataclass(frozen=True)
+class StaticVerifyPlan:
+    """`static` mode: no planner, every request verifies all `N = gamma + 1` rows."""
+
+    gamma: int
+    mode: str = "static"
+    lag_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.gamma < 1:
+            raise ValueError(f"gamma must be >= 1 (N = gamma + 1 >= 2), got {self.gamma}")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.gamma + 1
+
+    def plan_step(self, confidence_logits: torch.Tensor, slots: Sequence[int] = (),
+                  generations: Sequence[int] = (), history: LaggedSurvival | None = None) -> StepPlan:
+        num_reqs = confidence_logits.shape[0]
+        return StepPlan(torch.full((num_reqs,), self.num_draft_tokens, dtype=torch.int32,
+                                   device=confidence_logits.device))
+
+
+@dataclass(frozen=True)
+class AdaptiveVerifyPlan:
+    """`cap-accept` and `compact`: confidence → survival → budget → `verify_lens`.
+
+    The budget is the argmax of expected committed tokens per second under the cost model
+    (every row when there is none); it may be chosen from confidence `lag_steps` old, as an
+    overlapped scheduler must, while the rows are allocated by this step's survival.
+    """
+
+    gamma: int
+    mode: str
+    min_verify_len: int = 1
+    max_verify_len: int = 0
+    survival_eps: float = 1e-6
+    align_to_graph_tier: bool = False
+    lag_steps: int = 0
+    temperatures: tuple[float, ...] | None = None
+    cost_model: dict[str, Any] | None = None  # the table as the compiler embedded it
+    token_tiers: tuple[int, ...] = ()  # graph tiers the compact step is padded to
+    forced_budget_fraction: float | None = None  # experiments: verify this share of candidates
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("cap-accept", "compact"):
+            raise ValueError(f"AdaptiveVerifyPlan serves cap-accept and compact, not {self.mode!r}")
+        if self.temperatures is not None and len(self.temperatures) != self.gamma:
+            raise ValueError(f"{len(self.temperatures)} temperatures for gamma {self.gamma}; "
+                             "give one per draft position")
+        if self.align_to_graph_tier and not self.token_tiers:
+            raise ValueError("align_to_graph_tier needs the graph's token_tiers")
+        if self.forced_budget_fraction is not None and not 0.0 <= self.forced_budget_fraction <= 1.0:
+            raise ValueError(f"forced_budget_fraction must be in [0, 1], got "
+                             f"{self.forced_budget_fraction}")
+        # Validate eagerly so that a bad generated config fails at import, not mid-serving.
+        object.__setattr__(self, "_config", ScheduleConfig(self.gamma, self.min_verify_len,
+                                                           self.max_verify_len, self.survival_eps))
+        table = None if self.cost_model is None else cost_model_from_dict(self.cost_model, "PLAN.cost_model")
+        object.__setattr__(self, "_table", table)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.gamma + 1
+
+    @property
+    def schedule(self) -> ScheduleConfig:
+        return self._config  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def table(self) -> CostModel | None:
+        return self._table  # type: ignore[attr-defined, no-any-return]
+
+    def with_overrides(self, **changes: Any) -> AdaptiveVerifyPlan:
+        """A copy with some fields replaced (e.g. a forced budget fraction for an experiment)."""
+        return dataclasses.replace(self, **changes)
+
+    def plan_step(self, confidence_logits: torch.Tensor, slots: Sequence[int],
+                  generations: Sequence[int], history: LaggedSurvival | None = None) -> StepPlan:
+        cfg = self.schedule
+        survival = survival_from_logits(confidence_logits, self.temperatures)
+        budget_survival = survival
+        if history is not None:
+            budget_survival = history.lagged(slots, generations, survival)
+            history.record(slots, generations, survival)
+        # compact rows must fit the largest captured tier; cap-accept always runs B x N rows.
+        max_rows = self.token_tiers[-1] if self.token_tiers and self.mode == "compact" else None
+        decision = choose_budget(budget_survival, self.table, cfg, max_rows=max_rows)
+        budget = decision.budget
+        if self.forced_budget_fraction is not None:
+            budget = forced_budget(survival, cfg, self.forced_budget_fraction)
+            if max_rows is not None:
+                budget = min(budget, max_rows - survival.shape[0] * cfg.floor)
+        aligned = None
+        if self.align_to_graph_tier and self.mode == "compact":
+            aligned = tier_aligned_budget(survival.shape[0], budget, cfg.floor, cfg.cap, self.token_tiers)
+            budget = aligned
+        verify_lens = allocate_verify_lens(survival, budget, cfg)
+        return StepPlan(verify_lens, survival, decision, aligned)

@@ -1,0 +1,121 @@
+"""Prometheus metrics of a serving runtime (`GET /metrics`).
+
+Counters are cumulative so that rates and ratios come out of PromQL over any window, e.g. the
+planner's tau bias is `rate(dspark_committed_tokens_total{planned="true"}) /
+rate(dspark_predicted_tau_total) - 1` and the mean commit_len is
+`rate(dspark_committed_tokens_total) / rate(dspark_request_steps_total)`; gauges describe the last
+step and the pool as they are now. One registry per server, so tests can run several.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from dspark.runtime.engine.runtime import Runtime
+
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ServingMetrics:
+    def __init__(self, runtime: Runtime) -> None:
+        r = self.registry = CollectorRegistry()
+        labels = {"deployment": runtime.deployment.name, "verify_mode": runtime.deployment.verify_mode}
+        names, values = list(labels), list(labels.values())
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*names, *extra], registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=r).labels(*values)
+
+        self.requests_received = counter("dspark_requests_received", "requests accepted").labels(*values)
+        finished = counter("dspark_requests_finished", "requests finished, by reason", ("reason",))
+        self.requests_finished = _Bound(finished, values)
+        self.prompt_tokens = counter("dspark_prompt_tokens", "prompt tokens of finished requests") \
+            .labels(*values)
+        self.generation_tokens = counter("dspark_generation_tokens", "tokens generated").labels(*values)
+        self.steps = counter("dspark_decode_steps", "decode steps").labels(*values)
+        self.request_steps = counter("dspark_request_steps", "request-steps (requests per step, summed)") \
+            .labels(*values)
+        committed = counter("dspark_committed_tokens", "tokens committed by decode steps; planned="
+                            "true counts only steps with a predicted tau", ("planned",))
+        self.committed = committed.labels(*values, "false")
+        self.committed_planned = committed.labels(*values, "true")
+        self.predicted_tau = counter("dspark_predicted_tau", "the planner's predicted committed tokens, "
+                                     "summed over planned steps").labels(*values)
+        self.verify_rows = counter("dspark_verify_rows", "verify rows run (tier padding included)") \
+            .labels(*values)
+        self.planned_rows = counter("dspark_planned_rows", "rows the planner chose (sum of verify_lens)") \
+            .labels(*values)
+        self.padding_rows = counter("dspark_padding_rows", "rows added to reach a graph tier").labels(*values)
+        self.step_seconds = Histogram("dspark_step_seconds", "decode step wall time", names,
+                                      buckets=STEP_BUCKETS, registry=r).labels(*values)
+        self.budget = gauge("dspark_budget_rows", "the last step's verify budget (rows)")
+        self.tier = gauge("dspark_tier_rows",
+                          "the last step's graph tier (rows; the row count without tiers)")
+        self.batch = gauge("dspark_batch_requests", "requests in the last decode step")
+        self.mean_commit_len = gauge("dspark_mean_commit_len", "committed tokens per request-step, "
+                                     "since start")
+        self.tau_bias = gauge("dspark_tau_bias_ratio", "mean(actual - tau) / mean(actual) over planned "
+                              "steps, since start")
+        self.queue_depth = gauge("dspark_queue_depth", "requests waiting for a slot or KV pages")
+        self.running = gauge("dspark_running_requests", "requests holding a slot")
+        self.free_pages = gauge("dspark_kv_free_pages", "free KV pages")
+        self.total_pages = gauge("dspark_kv_pages", "KV pages in the pool (the null page excluded)")
+        self.free_slots = gauge("dspark_free_slots", "free request slots")
+        self._committed = 0
+        self._request_steps = 0
+        self._tau = 0.0
+        self._planned_committed = 0
+        self.observe_pool(runtime)
+
+    def observe_pool(self, runtime: Runtime) -> None:
+        pool = runtime.pool_stats()
+        self.queue_depth.set(pool["waiting"])
+        self.running.set(pool["running"])
+        self.free_pages.set(pool["free_pages"])
+        self.total_pages.set(pool["total_pages"])
+        self.free_slots.set(pool["free_slots"])
+
+    def observe_step(self, runtime: Runtime) -> None:
+        step = runtime.last_step
+        if step is not None:
+            self.steps.inc()
+            self.request_steps.inc(step.num_reqs)
+            self.committed.inc(step.committed)
+            self.verify_rows.inc(step.rows)
+            self.planned_rows.inc(step.planned_rows)
+            self.padding_rows.inc(step.padding_rows)
+            self.step_seconds.observe(step.seconds)
+            self.batch.set(step.num_reqs)
+            self.tier.set(step.tier)
+            self._committed += step.committed
+            self._request_steps += step.num_reqs
+            self.mean_commit_len.set(self._committed / self._request_steps)
+            if step.budget is not None:
+                self.budget.set(step.budget)
+            if step.tau is not None:
+                self.predicted_tau.inc(step.tau)
+                self.committed_planned.inc(step.committed)
+                self._tau += step.tau
+                self._planned_committed += step.committed
+                self.tau_bias.set((self._planned_committed - self._tau) / max(self._planned_committed, 1))
+        self.observe_pool(runtime)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _Bound:
+    """A labelled counter with the deployment labels filled in: `.labels(reason).inc()`."""
+
+    def __init__(self, counter: Counter, values: list[str]) -> None:
+        self._counter = counter
+        self._values = values
+
+    def labels(self, *extra: str) -> Counter:
+        return self._counter.labels(*self._values, *extra)
