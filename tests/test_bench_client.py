@@ -32,14 +32,13 @@ from dspark.bench.client import (
     StreamError,
     _SseParser,
     _StreamTracker,
-    add_bench_parser,
     arrival_offsets,
     benchmark,
     format_result,
     percentile,
-    run_bench,
     summarize,
 )
+from dspark.cli.bench import add_bench_parser, run_bench
 
 MODEL = "fake-model"
 SLACK_S = 0.005  # asyncio timers may fire this much early on a coarse clock; never later is not assumed

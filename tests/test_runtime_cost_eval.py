@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.cli.cost_eval import add_cost_eval_parser, run_cost_eval
 from dspark.measure.cost_eval import (
     BOUNDARY_RADIUS,
     MeasuredSteps,
-    add_cost_eval_parser,
     evaluate_cost_models,
     fit_all_models,
     format_cost_eval,
     model_fit_quality,
     profile_tiers,
-    run_cost_eval,
 )
 from dspark.measure.cost_fit import fit_additive, fit_tier_table
 from dspark.measure.profiler import ProfilePlan, ProfileResult, ProfileSample

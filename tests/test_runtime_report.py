@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.cli import report as report_cli
 from dspark.measure.profiler import ProfilePlan, ProfileResult, ProfileSample
 from dspark.report import report
 from dspark.report.report import (
@@ -376,7 +377,7 @@ def test_failed_render_leaves_no_report(tmp_path: Path, runs: tuple[Path, Path],
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dspark")
-    report.add_report_parser(parser.add_subparsers(dest="command", required=True))
+    report_cli.add_report_parser(parser.add_subparsers(dest="command", required=True))
     return parser.parse_args(argv)
 
 
@@ -386,14 +387,14 @@ def test_cli_writes_report_and_reports_bad_input(tmp_path: Path, runs: tuple[Pat
     out = tmp_path / "out"
     args = parse(["report", str(runs[0]), str(runs[1]), "-o", str(out), "--profile", str(profile_path),
                   "--tables", str(additive_path), str(sps_path)])
-    assert args.handler is report.run_report
-    assert report.run_report(args) == 0
+    assert args.handler is report_cli.run_report
+    assert report_cli.run_report(args) == 0
     assert (out / "report.md").is_file() and "wrote" in capsys.readouterr().out
 
     (runs[1] / "steps.jsonl").write_text("not json\n")
-    assert report.run_report(parse(["report", str(runs[1]), "-o", str(tmp_path / "bad")])) == 2
+    assert report_cli.run_report(parse(["report", str(runs[1]), "-o", str(tmp_path / "bad")])) == 2
     err = capsys.readouterr().err
     assert f"{runs[1] / 'steps.jsonl'}:1:" in err
     assert not (tmp_path / "bad").exists()  # inputs are validated before anything is written
-    assert report.run_report(parse(["report", "-o", str(out)])) == 2
+    assert report_cli.run_report(parse(["report", "-o", str(out)])) == 2
     assert "nothing to report" in capsys.readouterr().err

@@ -95,10 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     from dspark.cli.calibrate import add_calibrate_parser
 
     add_calibrate_parser(sub)
-    from dspark.report.report import add_report_parser
+    from dspark.cli.report import add_report_parser
 
     add_report_parser(sub)
-    from dspark.measure.cost_eval import add_cost_eval_parser
+    from dspark.cli.cost_eval import add_cost_eval_parser
 
     add_cost_eval_parser(sub)
     from dspark.cli.fit_confidence import add_fit_confidence_parser
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a generated package over HTTP (OpenAI /v1/completions)")
     serve.add_argument("package", type=Path, help="generated package directory")
     add_serve_args(serve)
-    from dspark.bench.client import add_bench_parser
+    from dspark.cli.bench import add_bench_parser
 
     add_bench_parser(sub)
     train = sub.add_parser("train-tiny", help="train the embedded tiny target + draft pair")
@@ -325,17 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "profile":
         return profile_package(args)
     if args.command == "cost-eval":
-        from dspark.measure.cost_eval import run_cost_eval
+        from dspark.cli.cost_eval import run_cost_eval
 
         return run_cost_eval(args)
     if args.command == "report":
-        from dspark.report.report import run_report
+        from dspark.cli.report import run_report
 
         return run_report(args)
     if args.command == "serve":
         return serve_package(args.package, args)
     if args.command == "bench":
-        from dspark.bench.client import run_bench
+        from dspark.cli.bench import run_bench
 
         return run_bench(args)
     if args.command == "fit-confidence":

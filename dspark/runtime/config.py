@@ -55,6 +55,7 @@ class ModelRef:
     checkpoint: str
     dtype: str
     geometry: ModelGeometry
+    digest: str = ""  # content hash of the checkpoint's config and weights at compile time ("": absent)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class DraftRef:
     gamma: int
     confidence_head: bool
     markov_embedding_size: int
+    digest: str = ""  # content hash of the checkpoint's config and weights at compile time ("": absent)
 
     @property
     def num_draft_tokens(self) -> int:

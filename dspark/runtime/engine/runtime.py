@@ -10,22 +10,21 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from typing import Any
 
 import torch
 
 from dspark.measure.recording import RunRecorder
 from dspark.runtime.attention.metadata import cache_slots, prefix_slots
-from dspark.runtime.engine.requests import Request, RequestError
+from dspark.runtime.engine.requests import Request, RequestError, reserved_tokens, validate_request
 from dspark.runtime.engine.stats import RunStats, StepInfo
+from dspark.runtime.engine.step_record import step_record
 from dspark.runtime.kernels import build_verify_rows, pack_rows, scatter_rows
 from dspark.runtime.kernels.accept import greedy_accept
-from dspark.runtime.kv_cache import PagedKVCache, RequestSlots, SlotHandle
+from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.layout import RaggedVerifyLayout
 from dspark.runtime.models.checkpoint import load_draft, load_target
 from dspark.runtime.package import GeneratedPackage
 from dspark.runtime.planner.survival import LaggedSurvival
-from dspark.runtime.planner.verify_plan import StepPlan
 from dspark.runtime.sampling import (
     BatchSampling,
     Generator,
@@ -198,25 +197,11 @@ class Runtime:
 
     # -- admission ---------------------------------------------------------------------
     def _reserve_tokens(self, r: Request) -> int:
-        return len(r.prompt) + r.max_new_tokens + self.plan.num_draft_tokens
+        return reserved_tokens(r, self.plan.num_draft_tokens)
 
     def _validate(self, r: Request) -> None:
-        cap = self.deployment.serving.max_context_len
-        if not r.prompt:
-            raise RequestError(f"request {r.rid}: empty prompt", "prompt")
-        if r.max_new_tokens < 1:
-            raise RequestError(f"request {r.rid}: max_new_tokens must be >= 1", "max_new_tokens")
-        if self._reserve_tokens(r) > cap:
-            raise RequestError(
-                f"request {r.rid}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
-                f"+ N ({self.plan.num_draft_tokens}) exceeds serving.max_context_len ({cap}); "
-                "shorten the prompt or raise max_context_len in the spec", "prompt")
         pool = (self.slots.num_pages - 1) * self.page_size
-        if self._reserve_tokens(r) > pool:
-            raise RequestError(
-                f"request {r.rid}: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
-                f"+ N ({self.plan.num_draft_tokens}) exceeds the whole KV pool ({pool} tokens, "
-                "serving.max_total_tokens); shorten the request or raise max_total_tokens", "prompt")
+        validate_request(r, self.plan.num_draft_tokens, self.deployment.serving.max_context_len, pool)
 
     def _admit(self, waiting: deque[Request], running: list[Request]) -> list[Request]:
         admitted: list[Request] = []
@@ -419,26 +404,6 @@ class Runtime:
             # Labels are the acceptance event of the recorder's policy; other requests' are not.
             same_policy = torch.tensor([r.sampling == self.sampling for r in running], device=raw.device)
             self.recorder.sts.add(conf_logits, raw, (run_lens == n) & same_policy, proposal.conf_inputs)
-            self.recorder.steps.append(self._step_record(
-                handles, step, layout, lens, correct, raw.tolist(), conf_logits, seconds))
-
-    def _step_record(self, handles: list[SlotHandle], step: StepPlan, layout: RaggedVerifyLayout,
-                     lens: list[int], correct: list[int], raw: list[int], conf_logits: torch.Tensor,
-                     seconds: float) -> dict[str, Any]:
-        decision = step.decision
-        survival = step.survival.tolist() if step.survival is not None else [None] * len(lens)
-        confidence = conf_logits.float().tolist()
-        return {
-            "num_reqs": len(lens), "lag": self.plan.lag_steps, "mode": self.deployment.verify_mode,
-            "budget": decision.budget if decision else None, "aligned_budget": step.aligned_budget,
-            "decision_tau": decision.tau if decision else None,
-            "planned_rows": sum(lens), "rows": layout.total_rows, "tier": layout.graph_num_tokens,
-            "padding_rows": layout.num_padding_rows, "tau": step.tau,
-            "committed": sum(correct) + len(correct),
-            "predicted_step_seconds": decision.predicted_step_seconds if decision else None,
-            "step_seconds": seconds,
-            "requests": [{"slot": h.slot, "generation": h.generation, "verify_len": vl, "correct_len": c,
-                          "raw_correct_len": rc, "commit_len": c + 1, "confidence": z, "survival": s}
-                         for h, vl, c, rc, z, s in zip(handles, lens, correct, raw, confidence, survival,
-                                                       strict=True)],
-        }
+            self.recorder.steps.append(step_record(
+                handles, step, layout, lens, correct, raw.tolist(), conf_logits, seconds,
+                self.plan.lag_steps, self.deployment.verify_mode))
