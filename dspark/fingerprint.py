@@ -10,19 +10,33 @@ Which fields matter depends on what the file measured:
   depends on the backend and device, the dtype, the model's shapes, the draft (its own step time is
   in the table, and gamma sets N and so the rows per request), the per-rank shapes that tp and dp
   produce and the tier grid (a step is padded to its tier, so the tiers are where the cost jumps).
-  The verify mode is recorded but not compared: `dspark profile` times ragged (B, M) steps, which
-  only a compact build can run, and the same table prices the budget of a cap-accept build (as in
-  SGLang). The sampling policy does not change the cost of a step either.
+  The checkpoints' content is compared too: weights with the same shapes can still differ in what
+  a step computes (a confidence head refitted to read extra draft statistics changes the draft's
+  config and its step, not the target's geometry), and a table is only trusted for the checkpoints
+  it was measured with. A table without the draft-time term (`draft_bs_probes`) timed the verify
+  step alone, which the draft does not take part in, so its draft fields (`DRAFT_FIELDS`: the
+  draft's settings and weights; gamma stays, it sets N) are not compared. The verify mode is
+  recorded but not compared: `dspark profile` times
+  ragged (B, M) steps, which only a compact build can run, and the same table prices the budget of
+  a cap-accept build (as in SGLang). The sampling policy does not change the cost of a step either.
 - Calibrations (`CALIBRATION_FIELDS`) map confidence logits to the probability that a draft is
-  accepted. That depends on what the two models predict (the target, identified by its geometry,
-  and the draft), on gamma (one temperature per position) and on the sampling policy: the labels
-  are prefix matches under that policy, and greedy labels do not carry over to sampling. It does
+  accepted. That depends on what the two models predict (the target and the draft, each identified
+  by its geometry or settings and by the content of its checkpoint), on gamma (one temperature per
+  position) and on the sampling policy: the labels are prefix matches under that policy, and
+  greedy labels do not carry over to sampling. It does
   not depend on the hardware, the parallel layout, the tiers or the verify mode, so one
   calibration serves every build of the same model pair and policy.
 
+Checkpoints are identified by content (`model_weights`, `draft_weights`: the first 16 hex digits of
+`dspark.checkpoints.digest.checkpoint_digest` of the directory, config.json and weights), never by
+their path or name, so a copy elsewhere is the same checkpoint and a retrained one under the same
+name is not. A weights field is "" when the checkpoint was not on the machine that compiled the
+spec; `dspark.spec.staleness` then cannot compare it and says so.
+
 `fingerprint_of_spec` (compiler side, from the resolved spec) and `fingerprint_of_deployment`
-(runtime side, from a generated package's DEPLOYMENT and graph tiers) must agree for every spec;
-both go through `_build`, so they differ only in where they read each value.
+(runtime side, from a generated package's DEPLOYMENT, whose model and draft references carry the
+digests computed at compile time, and graph tiers) must agree for every spec; both go through
+`_build`, so they differ only in where they read each value.
 
 No torch and no pydantic here: the compiler and the runtime both import this module.
 """
@@ -32,22 +46,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dspark.checkpoints import EMBEDDED_PREFIX
 from dspark.modes import VerifyMode
 
 if TYPE_CHECKING:
     from dspark.runtime.config import DeploymentConfig
-    from dspark.spec.checkpoints import CheckpointRef
     from dspark.spec.models import DeploymentSpec, GeometrySpec
     from dspark.spec.resolved import ResolvedSpec
 
-COST_FIELDS = ("backend", "device", "dtype", "model_geometry", "draft", "tp", "dp", "tiers", "gamma")
-CALIBRATION_FIELDS = ("model_geometry", "draft", "gamma", "policy")
+COST_FIELDS = ("backend", "device", "dtype", "model_geometry", "model_weights", "draft", "draft_weights",
+               "tp", "dp", "tiers", "gamma")
+CALIBRATION_FIELDS = ("model_geometry", "model_weights", "draft", "draft_weights", "gamma", "policy")
+WEIGHT_FIELDS = ("model_weights", "draft_weights")  # "" = checkpoint not present when compiled
+DRAFT_FIELDS = ("draft", "draft_weights")  # what only a table that times the draft step depends on
 
 GEOMETRY_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                    "num_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "rms_norm_eps")
@@ -69,7 +83,9 @@ class Fingerprint:
     device: str
     dtype: str
     model_geometry: str  # short sha256 of the target geometry's canonical JSON
-    draft: str  # short sha256 of gamma, confidence head, Markov embedding size and the checkpoint
+    model_weights: str  # short content digest of the target checkpoint ("" = not known)
+    draft: str  # short sha256 of the draft's settings: gamma, confidence head, Markov embedding size
+    draft_weights: str  # short content digest of the draft checkpoint ("" = not known)
     tp: int
     dp: int
     tiers: tuple[int, ...]  # graph tiers; empty when graph capture is off
@@ -82,6 +98,11 @@ class Fingerprint:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise FingerprintError(f"{name} must be a non-empty string, got {value!r}")
+        for name in WEIGHT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, str) or (value and not _is_short_digest(value)):
+                raise FingerprintError(f"{name} must be {_DIGEST_CHARS} lowercase hex digits (or \"\" when "
+                                       f"the checkpoint was not present), got {value!r}")
         for name in ("tp", "dp", "gamma"):
             value = getattr(self, name)
             # bool is an int subclass; `true` for a rank count is a typo, not 1.
@@ -120,8 +141,10 @@ class Fingerprint:
         if missing:
             problems.append(f"missing keys {missing}")
         if problems:
-            raise FingerprintError(f"fingerprint has {' and '.join(problems)}; a fingerprint has exactly "
-                                   f"the keys {names}")
+            older = " (it was written by an older dspark, before checkpoints were identified by content)" \
+                if set(missing) <= set(WEIGHT_FIELDS) and not unknown else ""
+            raise FingerprintError(f"fingerprint has {' and '.join(problems)}{older}; a fingerprint has "
+                                   f"exactly the keys {names}")
         values = dict(data)
         if not isinstance(values["tiers"], list):
             raise FingerprintError(f"tiers must be a list of positive integers, got {values['tiers']!r}")
@@ -144,7 +167,13 @@ class Fingerprint:
 def _show(value: Any) -> str:
     if isinstance(value, tuple):
         return "no graph tiers ()" if not value else repr(value)
+    if value == "":
+        return "unrecorded weights ''"
     return repr(value)
+
+
+def _is_short_digest(value: str) -> bool:
+    return len(value) == _DIGEST_CHARS and all(c in "0123456789abcdef" for c in value)
 
 
 def short_digest(value: Any) -> str:
@@ -168,23 +197,20 @@ def geometry_digest(geometry: Any) -> str:
     return short_digest(values)
 
 
-def draft_identity(checkpoint: str) -> str:
-    """The draft checkpoint as fingerprints name it: `embedded:<name>`, else its directory's name.
-
-    The stored path differs between the spec (relative to the spec file), the generated package
-    (relative to the package) and machines (a copy under another root), while a table measured with
-    the same checkpoint elsewhere is still valid; the directory name is what stays the same.
-    """
-    if checkpoint.startswith(EMBEDDED_PREFIX):
-        return checkpoint
-    return os.path.basename(os.path.normpath(os.path.expanduser(checkpoint)))
+def weights_identity(digest: str) -> str:
+    """A checkpoint digest as fingerprints store it: its first 16 hex digits ("" stays "")."""
+    if not digest:
+        return ""
+    short = digest[:_DIGEST_CHARS]
+    if len(digest) < _DIGEST_CHARS or not _is_short_digest(short):
+        raise FingerprintError(f"{digest!r} is not a checkpoint digest (hex sha256)")
+    return short
 
 
-def draft_digest(*, gamma: int, confidence_head: bool, markov_embedding_size: int,
-                 checkpoint: str) -> str:
+def draft_settings_digest(*, gamma: int, confidence_head: bool, markov_embedding_size: int) -> str:
+    """Short sha256 of the draft's settings as the spec configures them (its weights are separate)."""
     return short_digest({"gamma": int(gamma), "confidence_head": bool(confidence_head),
-                         "markov_embedding_size": int(markov_embedding_size),
-                         "checkpoint": draft_identity(checkpoint)})
+                         "markov_embedding_size": int(markov_embedding_size)})
 
 
 def _number(value: float) -> str:
@@ -198,32 +224,28 @@ def sampling_policy(temperature: float, top_p: float, top_k: int) -> str:
     return f"sample:temperature={_number(temperature)},top_p={_number(top_p)},top_k={int(top_k)}"
 
 
-def _build(*, backend: str, device: str, dtype: str, geometry: Any, draft_checkpoint: str, gamma: int,
-           confidence_head: bool, markov_embedding_size: int, tp: int, dp: int,
-           tiers: Sequence[int], verify_mode: str, temperature: float, top_p: float,
+def _build(*, backend: str, device: str, dtype: str, geometry: Any, model_digest: str,
+           draft_weights_digest: str, gamma: int, confidence_head: bool, markov_embedding_size: int,
+           tp: int, dp: int, tiers: Sequence[int], verify_mode: str, temperature: float, top_p: float,
            top_k: int) -> Fingerprint:
     return Fingerprint(
         backend=backend, device=device, dtype=dtype, model_geometry=geometry_digest(geometry),
-        draft=draft_digest(gamma=gamma, confidence_head=confidence_head,
-                           markov_embedding_size=markov_embedding_size, checkpoint=draft_checkpoint),
+        model_weights=weights_identity(model_digest),
+        draft=draft_settings_digest(gamma=gamma, confidence_head=confidence_head,
+                           markov_embedding_size=markov_embedding_size),
+        draft_weights=weights_identity(draft_weights_digest),
         tp=tp, dp=dp, tiers=tuple(int(t) for t in tiers), verify_mode=str(verify_mode), gamma=gamma,
         policy=sampling_policy(temperature, top_p, top_k))
 
 
-def spec_draft_checkpoint(ref: CheckpointRef) -> str:
-    """A resolved spec checkpoint as `draft_identity` reads it (the directory, not the raw text)."""
-    if ref.embedded is not None:
-        return EMBEDDED_PREFIX + ref.embedded
-    return str(ref.directory)
-
-
-def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: GeometrySpec, draft_checkpoint: CheckpointRef,
-                              tiers: Sequence[int]) -> Fingerprint:
-    """The spec's fingerprint from its parts, for checks that run before a `ResolvedSpec` exists."""
+def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: GeometrySpec, tiers: Sequence[int], *,
+                              model_digest: str, draft_digest: str) -> Fingerprint:
+    """The spec's fingerprint from its parts, for checks that run before a `ResolvedSpec` exists
+    (`model_digest`, `draft_digest`: `checkpoint_digest` of each checkpoint, "" when absent)."""
     generation = spec.serving.generation
     return _build(
         backend=spec.backend.kind, device=spec.backend.device, dtype=spec.model.dtype, geometry=geometry,
-        draft_checkpoint=spec_draft_checkpoint(draft_checkpoint), gamma=spec.draft.gamma,
+        model_digest=model_digest, draft_weights_digest=draft_digest, gamma=spec.draft.gamma,
         confidence_head=spec.draft.confidence_head,
         markov_embedding_size=spec.draft.markov_embedding_size, tp=spec.parallelism.tp,
         dp=spec.parallelism.dp, tiers=tiers, verify_mode=spec.verify.mode,
@@ -232,17 +254,22 @@ def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: GeometrySpec, draf
 
 def fingerprint_of_spec(resolved: ResolvedSpec) -> Fingerprint:
     """Compiler side: the fingerprint of the deployment a resolved spec describes."""
-    return fingerprint_of_spec_parts(resolved.spec, resolved.geometry, resolved.draft_checkpoint,
-                                     resolved.tiers)
+    return fingerprint_of_spec_parts(resolved.spec, resolved.geometry, resolved.tiers,
+                                     model_digest=resolved.model_digest, draft_digest=resolved.draft_digest)
 
 
 def fingerprint_of_deployment(deployment: DeploymentConfig, tiers: Sequence[int]) -> Fingerprint:
-    """Runtime side: the fingerprint of a generated package (`tiers`: its graph_runner.TOKEN_TIERS)."""
+    """Runtime side: the fingerprint of a generated package (`tiers`: its graph_runner.TOKEN_TIERS).
+
+    The checkpoint digests are those the compiler recorded in the package (`ModelRef.digest`,
+    `DraftRef.digest`), i.e. of the checkpoints the package was compiled against.
+    """
     serving = deployment.serving
     return _build(
         backend=deployment.backend, device=deployment.device, dtype=deployment.model.dtype,
-        geometry=deployment.model.geometry, draft_checkpoint=deployment.draft.checkpoint,
-        gamma=deployment.draft.gamma, confidence_head=deployment.draft.confidence_head,
+        geometry=deployment.model.geometry, model_digest=deployment.model.digest,
+        draft_weights_digest=deployment.draft.digest, gamma=deployment.draft.gamma,
+        confidence_head=deployment.draft.confidence_head,
         markov_embedding_size=deployment.draft.markov_embedding_size, tp=deployment.parallel.tp,
         dp=deployment.parallel.dp, tiers=tiers, verify_mode=deployment.verify_mode,
         temperature=serving.temperature, top_p=serving.top_p, top_k=serving.top_k)

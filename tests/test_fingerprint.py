@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from dspark.checkpoints.digest import CACHE_FILE, checkpoint_digest
 from dspark.compiler import compile_spec
 from dspark.fingerprint import (
     CALIBRATION_FIELDS,
@@ -20,16 +22,46 @@ from dspark.fingerprint import (
     sampling_policy,
 )
 from dspark.spec import SpecError, load_spec
+from tests.conftest import merged
 
 REPO = Path(__file__).resolve().parents[1]
 SPS = {"sample_batch_tokens": [4, 8], "sample_steps_per_sec": [100.0, 90.0], "max_batch_tokens": 8}
+SPS_WITH_DRAFT = {**SPS, "draft_bs_probes": [1], "draft_seconds": [0.001]}  # times the draft step too
 COMPACT = {"verify": {"mode": "compact"}, "cost_model": {"type": "sps-1d", "file": "cost.json"}}
+
+
+HF_CONFIG = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
+             "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+DRAFT_CONFIG = {"gamma": 3, "markov_embedding_size": 64, "confidence_head": True, "target_hidden_size": 64,
+                "vocab_size": 256}
+
+
+@pytest.fixture(autouse=True)
+def _digest_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "digest-cache"))
 
 
 def example() -> Fingerprint:
     return Fingerprint(backend="cuda", device="h200", dtype="bfloat16", model_geometry="0" * 16,
-                       draft="1" * 16, tp=1, dp=1, tiers=(8, 16), verify_mode="compact", gamma=7,
-                       policy="greedy")
+                       model_weights="2" * 16, draft="1" * 16, draft_weights="3" * 16, tp=1, dp=1,
+                       tiers=(8, 16), verify_mode="compact", gamma=7, policy="greedy")
+
+
+def checkpoint(directory: Path, config: dict, weights: bytes) -> Path:
+    """A checkpoint directory as the digest sees it: config.json and a weights file."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "model.safetensors").write_bytes(weights)
+    return directory
+
+
+def pair(root: Path, draft_weights: bytes = b"draft" * 100) -> dict:
+    """Spec overrides naming a target and a draft checkpoint written under `root`."""
+    checkpoint(root / "target", HF_CONFIG, b"target" * 100)
+    checkpoint(root / "draft", DRAFT_CONFIG, draft_weights)
+    return {"model": {"checkpoint": str(root / "target"), "geometry": None},
+            "draft": {"checkpoint": str(root / "draft")}}
 
 
 def test_json_round_trip_and_strict_keys():
@@ -43,6 +75,16 @@ def test_json_round_trip_and_strict_keys():
         Fingerprint.from_json({**fingerprint.to_json(), "tp": True})
     with pytest.raises(FingerprintError, match="strictly increasing"):
         Fingerprint.from_json({**fingerprint.to_json(), "tiers": [16, 8]})
+    with pytest.raises(FingerprintError, match="draft_weights must be 16 lowercase hex digits"):
+        Fingerprint.from_json({**fingerprint.to_json(), "draft_weights": "tiny"})
+    assert Fingerprint.from_json({**fingerprint.to_json(), "model_weights": ""}).model_weights == ""
+
+
+def test_a_fingerprint_from_before_content_digests_says_so():
+    old = {key: value for key, value in example().to_json().items() if not key.endswith("_weights")}
+    with pytest.raises(FingerprintError, match=r"missing keys \['model_weights', 'draft_weights'\] \(it was "
+                                               r"written by an older dspark"):
+        Fingerprint.from_json(old)
 
 
 def test_differences_name_each_field_in_the_chosen_set():
@@ -70,9 +112,9 @@ def test_spec_and_generated_package_fingerprints_agree(spec, monkeypatch):
     # not on this machine, so loading stops short of it.
     monkeypatch.setattr(package_module, "resolve_checkpoint", lambda raw, role, base: Path(base))
     monkeypatch.setattr(package_module, "load_tokenizer", lambda directory: None)
-    resolved = load_spec(spec)
+    resolved = load_spec(spec, allow_stale_tables=True)  # agreement does not depend on staleness
     package = package_module.load_package(REPO / "generated" / resolved.name)
-    runtime = fingerprint_of_deployment(package.deployment, package.graph_runner.TOKEN_TIERS)
+    runtime = fingerprint_of_deployment(package.deployment, package.deployment.token_tiers)
     assert runtime == fingerprint_of_spec(resolved)
 
 
@@ -90,20 +132,144 @@ def test_relative_draft_checkpoints_agree_from_the_package(write_spec, tmp_path)
     assert fingerprint_of_spec(resolved).policy == "sample:temperature=0.7,top_p=0.9,top_k=0"
 
 
-def test_what_each_kind_of_file_compares(write_spec):
-    base = fingerprint_of_spec(load_spec(write_spec()))
+def test_what_each_kind_of_file_compares(write_spec, tmp_path):
+    checkpoints = pair(tmp_path / "ckpt")
+    base = fingerprint_of_spec(load_spec(write_spec(checkpoints)))
     for overrides, fields in (({"draft": {"gamma": 4}}, ["draft", "gamma"]),  # the draft hash has gamma
-                              ({"draft": {"checkpoint": "/elsewhere/other-draft"}}, ["draft"]),
-                              ({"model": {"geometry": {"num_layers": 3}}}, ["model_geometry"]),
+                              ({"draft": {"markov_embedding_size": 32}}, ["draft"]),
                               ({"model": {"dtype": "bfloat16"}}, ["dtype"]),
-                              ({"graph": {"enabled": True, "token_tiers": [8, 128]}}, ["tiers"]),
+                              ({"graph": {"enabled": True, "token_tiers": [4, 128]}}, ["tiers"]),
                               ({"serving": {"generation": {"temperature": 0.5}}}, ["policy"])):
-        changed = fingerprint_of_spec(load_spec(write_spec(overrides)))
-        assert [line.split(":")[0] for line in base.differences(changed, COST_FIELDS + ("policy",))] \
+        # The draft's config.json says gamma 3 and Markov size 64; a spec that says otherwise is an
+        # error, so compare those two against fingerprints of specs without checkpoints.
+        drafted = "draft" in overrides
+        reference = fingerprint_of_spec(load_spec(write_spec(name="plain.yaml"))) if drafted else base
+        changed = fingerprint_of_spec(load_spec(write_spec(overrides if drafted else merged(checkpoints,
+                                                                                            overrides))))
+        assert [line.split(":")[0] for line in reference.differences(changed, COST_FIELDS + ("policy",))] \
             == fields, overrides
-    # The same checkpoint directory under another root is the same draft.
-    moved = fingerprint_of_spec(load_spec(write_spec({"draft": {"checkpoint": "/mnt/copy/draft"}})))
-    assert moved.draft == base.draft
+
+
+def test_checkpoints_are_identified_by_content_not_by_path(write_spec, tmp_path):
+    base = fingerprint_of_spec(load_spec(write_spec(pair(tmp_path / "here"))))
+    assert len(base.model_weights) == 16 and len(base.draft_weights) == 16
+    moved = fingerprint_of_spec(load_spec(write_spec(pair(tmp_path / "copy" / "elsewhere"))))
+    assert moved == base  # the same files anywhere are the same checkpoints
+    retrained = fingerprint_of_spec(load_spec(write_spec(pair(tmp_path / "new", b"draft" * 99 + b"drafT"))))
+    assert base.differences(retrained, CALIBRATION_FIELDS) == [
+        f"draft_weights: measured on {base.draft_weights!r} but the spec has {retrained.draft_weights!r}"]
+    # Absent checkpoints (the 8B specs' /models paths) have no content to identify.
+    absent = fingerprint_of_spec(load_spec(write_spec()))
+    assert (absent.model_weights, absent.draft_weights) == ("", "")
+
+
+def test_the_generated_deployment_carries_the_checkpoint_digests(write_spec, tmp_path):
+    # deployment.py records each checkpoint's digest (ModelRef/DraftRef digest=...), so what the
+    # profiler and the recorder stamp on new tables names the weights the package was compiled for.
+    spec = write_spec(pair(tmp_path / "ckpt"))
+    resolved = load_spec(spec)
+    assert resolved.model_digest and resolved.draft_digest
+    deployment_py = tmp_path / "deployment.py"
+    deployment_py.write_bytes(compile_spec(spec, tmp_path / "out" / "demo").files["deployment.py"])
+    deployment = runpy.run_path(str(deployment_py))["DEPLOYMENT"]
+    assert deployment.model.digest == resolved.model_digest
+    assert deployment.draft.digest == resolved.draft_digest
+    assert fingerprint_of_deployment(deployment, resolved.tiers) == fingerprint_of_spec(resolved)
+
+
+def test_a_table_measured_on_other_weights_is_refused(write_spec, tmp_path):
+    # Same shapes, same settings, same directory names: only one byte of the draft's weights differs.
+    (tmp_path / "cost.json").write_text(json.dumps(SPS_WITH_DRAFT))
+    measured_on = fingerprint_of_spec(load_spec(write_spec(merged(pair(tmp_path / "old"), COMPACT))))
+    stamp(tmp_path / "cost.json", measured_on)
+    spec = write_spec(merged(pair(tmp_path / "new", b"draft" * 99 + b"drafT"), COMPACT))
+    with pytest.raises(SpecError) as info:
+        load_spec(spec)
+    (issue,) = info.value.issues
+    assert issue.path == ("cost_model", "file")
+    assert issue.location.line == next(i for i, line in enumerate(spec.read_text().splitlines(), 1)
+                                       if "cost.json" in line)
+    assert "(1 field differs)" in issue.message and "draft_weights: measured on" in issue.message
+    assert "model_weights" not in issue.message
+    # The same table is fine for the weights it was measured on, wherever they are.
+    copy = write_spec(merged(pair(tmp_path / "copy"), COMPACT), name="copy.yaml")
+    assert load_spec(copy).stale_tables == ()
+
+
+def test_a_verify_only_table_does_not_depend_on_the_draft(write_spec, tmp_path):
+    """A table without the draft-time term timed the target's verify step alone: other draft weights
+    (or draft settings) do not make it stale; other target weights and gamma still do."""
+    (tmp_path / "cost.json").write_text(json.dumps(SPS))
+    measured_on = fingerprint_of_spec(load_spec(write_spec(merged(pair(tmp_path / "old"), COMPACT))))
+    stamp(tmp_path / "cost.json", measured_on)
+    retrained_draft = write_spec(merged(pair(tmp_path / "new", b"draft" * 99 + b"drafT"), COMPACT))
+    assert load_spec(retrained_draft).stale_tables == ()
+    stamp(tmp_path / "cost.json", replace(measured_on, model_weights="4" * 16))
+    with pytest.raises(SpecError, match="model_weights: measured on"):
+        load_spec(retrained_draft)
+
+
+def test_what_is_checked_when_a_checkpoint_is_absent(write_spec, tmp_path):
+    (tmp_path / "cost.json").write_text(json.dumps(SPS_WITH_DRAFT))
+    present = fingerprint_of_spec(load_spec(write_spec(merged(pair(tmp_path / "ckpt"), COMPACT))))
+    absent_spec = write_spec(COMPACT, name="absent.yaml")  # /nonexistent checkpoints, inline geometry
+    absent = fingerprint_of_spec(load_spec(absent_spec))
+    # Weights cannot be compared with checkpoints that are not here; everything else still is.
+    stamp(tmp_path / "cost.json", replace(absent, model_weights=present.model_weights,
+                                          draft_weights=present.draft_weights))
+    assert load_spec(absent_spec).stale_tables == ()
+    stamp(tmp_path / "cost.json", replace(absent, device="h100", draft_weights=present.draft_weights))
+    with pytest.raises(SpecError, match="device: measured on 'h100'"):
+        load_spec(absent_spec)
+    # A table that recorded no weights is stale for a spec whose checkpoints are present.
+    stamp(tmp_path / "cost.json", replace(present, draft_weights=""))
+    with pytest.raises(SpecError, match="draft_weights: measured on unrecorded weights ''"):
+        load_spec(write_spec(merged(pair(tmp_path / "again"), COMPACT), name="present.yaml"))
+
+
+def test_checkpoint_digest_covers_config_and_weights_only(tmp_path):
+    one = checkpoint(tmp_path / "one", HF_CONFIG, b"w" * 1000)
+    digest = checkpoint_digest(one)
+    assert len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+    (one / "tokenizer.json").write_text("{}")  # not the model
+    assert checkpoint_digest(one) == digest
+    shard = checkpoint(tmp_path / "shard", HF_CONFIG, b"w" * 1000)
+    (shard / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    assert checkpoint_digest(shard) != digest  # the shard index is part of a sharded checkpoint
+    other = checkpoint(tmp_path / "other", {**HF_CONFIG, "rope_theta": 500000.0}, b"w" * 1000)
+    assert checkpoint_digest(other) != digest
+
+
+def test_checkpoint_digests_are_cached_and_invalidated(tmp_path):
+    directory = checkpoint(tmp_path / "ckpt", HF_CONFIG, b"w" * 4096)
+    digest = checkpoint_digest(directory)
+    cache_file = tmp_path / "digest-cache" / CACHE_FILE
+    cache = json.loads(cache_file.read_text())
+    (entry,) = cache["entries"].values()
+    assert entry["digest"] == digest
+    # The cached digest is what a second call returns (proved by planting another one) ...
+    entry["digest"] = "f" * 64
+    cache_file.write_text(json.dumps(cache))
+    assert checkpoint_digest(directory) == "f" * 64
+    # ... until a file changes: same size, one byte different, a later mtime.
+    weights = directory / "model.safetensors"
+    weights.write_bytes(b"w" * 4095 + b"x")
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    changed = checkpoint_digest(directory)
+    assert changed not in (digest, "f" * 64)
+    # A broken cache is ignored and replaced.
+    cache_file.write_text("{not json")
+    assert checkpoint_digest(directory) == changed
+    assert json.loads(cache_file.read_text())["entries"]
+
+
+def test_an_unwritable_cache_is_not_fatal(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(blocker / "cache"))
+    directory = checkpoint(tmp_path / "ckpt", HF_CONFIG, b"w")
+    assert checkpoint_digest(directory) == checkpoint_digest(directory)
 
 
 def stamp(path: Path, fingerprint: Fingerprint, **changes) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -60,11 +61,16 @@ def test_exponent_floats_parse_as_floats(write_spec):
     assert load_spec(write_spec(text=text)).spec.verify.survival_eps == pytest.approx(1e-3)
 
 
+@pytest.fixture(autouse=True)
+def _digest_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "digest-cache"))
+
+
 @pytest.mark.parametrize("spec", sorted((REPO / "specs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_repository_specs_load(spec):
-    resolved = load_spec(spec)
+    resolved = load_spec(spec)  # no committed table or calibration is stale
     assert resolved.display_path == f"specs/{spec.name}"
-    assert resolved.name == spec.stem
+    assert resolved.name == spec.stem and resolved.stale_tables == ()
 
 
 def test_unknown_key_points_at_the_key_and_suggests_the_closest(write_spec):
@@ -115,8 +121,62 @@ def test_duplicate_key_is_an_error(write_spec):
 def test_yaml_syntax_error_has_a_position(write_spec):
     error = errors_of(write_spec(text=VALID.replace("gamma: 3", "gamma: [3")))
     (issue,) = error.issues
-    assert "YAML syntax error" in issue.message and issue.location.line >= 17
-    assert str(error).startswith(f"{issue.location.file}:{issue.location.line}:")
+    # The unclosed bracket is blamed where it opens, not where the parser gave up.
+    assert "YAML syntax error" in issue.message
+    assert (issue.location.line, issue.location.column) == (17, 10)
+    assert str(error).startswith(f"{issue.location.file}:17:10:")
+
+
+def test_an_unclosed_quote_is_blamed_at_the_opening_quote(write_spec):
+    text = VALID.replace("checkpoint: /nonexistent/draft", 'checkpoint: "/nonexistent/draft')
+    (issue,) = errors_of(write_spec(text=text)).issues
+    assert (issue.location.line, issue.location.column) == (16, 15)
+    assert "quoted scalar" in issue.message and "line 21" in issue.message  # where the file ended
+
+
+def test_non_utf8_bytes_are_located(write_spec, tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(VALID.replace("kind: cpu", "kind: c\xe9u").encode("latin-1"))
+    (issue,) = errors_of(path).issues
+    assert (issue.location.line, issue.location.column) == (19, 10)
+    assert "0xe9" in issue.message and "UTF-8" in issue.hint
+
+
+def test_yaml_and_validation_problems_are_reported_together(write_spec):
+    text = VALID.replace("gamma: 3", "gamma: .nan").replace("kind: cpu", "kind: gpu") + "name: twice\n"
+    error = errors_of(write_spec(text=text))
+    assert [(i.location.line, i.path) for i in error.issues] == [
+        (17, ("draft", "gamma")), (19, ("backend", "kind")), (21, ("name",))]
+    assert "not a number" in error.issues[0].message
+
+
+def test_anchors_and_merge_keys_share_settings(write_spec):
+    text = VALID + ("verify: &v\n  mode: static\n  lag_steps: 0\n"
+                    "graph: {enabled: false}\n"
+                    "serving:\n  <<: {page_size: 16, max_context_len: 512}\n  max_context_len: 1024\n")
+    resolved = load_spec(write_spec(text=text))
+    # The mapping's own key wins over the merged one, without a duplicate-key error.
+    assert resolved.spec.serving.max_context_len == 1024 and resolved.spec.serving.page_size == 16
+    assert resolved.line_of("serving.page_size") == 26  # where the merged mapping writes it
+
+
+def test_alias_expansion_is_bounded(write_spec):
+    laughs = "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 9))
+    start = time.perf_counter()
+    (issue,) = errors_of(write_spec(text=VALID + "l0: &l0 [a, b, c, d, e, f, g, h, i]\n" + laughs)).issues
+    assert time.perf_counter() - start < 1.0
+    assert "expands to more than" in issue.message and issue.location.line == 22  # the first alias
+
+
+@pytest.mark.parametrize("tagged, path", [
+    ("name: !!python/object/apply:os.system [ls]", ("name",)),
+    ("name: !!str demo", ("name",)),
+    ("name: !custom {a: 1}", ("name",)),
+])
+def test_tags_are_refused_where_written(write_spec, tagged, path):
+    (issue,) = errors_of(write_spec(text=VALID.replace("name: demo", tagged))).issues
+    assert issue.path == path and (issue.location.line, issue.location.column) == (1, 7)
+    assert "is not allowed" in issue.message and "remove the tag" in issue.hint
 
 
 def test_every_problem_is_reported_at_once_in_source_order(write_spec):
@@ -358,3 +418,28 @@ def test_calibration_policy_must_match_the_file(write_spec, tmp_path):
     (issue,) = errors_of(write_spec({"calibration": {"file": "sts.json"}})).issues
     assert issue.path == ("calibration", "file") and "policy: fitted for" in issue.message
     assert "--allow-stale-tables" in issue.hint
+
+
+@pytest.mark.parametrize("content, fragment", [
+    ('{"temperatures": [1.0, NaN, 1.0]}', "holds NaN, which is not a finite number"),
+    ('{"temperatures": [1.0, -Infinity, 1.0]}', "holds -Infinity"),
+    ('{"temperatures": [1.0, 1e999, 1.0]}', "1e999, too large for a floating-point number"),
+    ('{"temperatures": [1.0], "temperatures": [2.0]}', "has the key 'temperatures' twice"),
+    ("[1.0, 1.0, 1.0]", "must hold a JSON object, not a list"),
+])
+def test_json_files_are_read_strictly(write_spec, tmp_path, content, fragment):
+    (tmp_path / "sts.json").write_text(content)
+    (issue,) = errors_of(write_spec({"calibration": {"file": "sts.json"}})).issues
+    assert issue.path == ("calibration", "file") and "sts.json" in issue.message
+    assert fragment in issue.message
+
+
+def test_paths_to_the_wrong_kind_of_thing(write_spec, tmp_path):
+    (tmp_path / "tables").mkdir()
+    (issue,) = errors_of(write_spec({"calibration": {"file": "tables"}})).issues
+    assert "is a directory" in issue.message
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    (issue,) = errors_of(write_spec({"model": {"checkpoint": "weights.bin"}})).issues
+    assert issue.path == ("model", "checkpoint") and "is not a directory" in issue.message
+    error = errors_of(tmp_path)
+    assert "is a directory" in error.issues[0].message

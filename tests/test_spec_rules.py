@@ -10,6 +10,7 @@ from dspark.spec import SpecError, load_spec
 from dspark.spec.facts import SpecFacts
 from dspark.spec.models import DraftSpec
 from dspark.spec.rules import check_num_draft_tokens
+from dspark.spec.tier_rules import StepShapes
 
 SPS = {"type": "sps-1d", "sample_batch_tokens": [4, 64], "sample_steps_per_sec": [100.0, 50.0],
        "max_batch_tokens": 64}
@@ -81,8 +82,9 @@ def test_tier_grid_must_cover_compact_steps(write_spec):
     overrides = {"verify": {"mode": "compact", "min_verify_len": 2, "max_verify_len": 3},
                  "cost_model": SPS, "graph": {"enabled": True, "token_tiers": [16, 90]}}
     issue = only_issue(write_spec, overrides)
-    # B*3 > 90 from B=31; the smallest overflowing count is 31*3 = 93 (B=31,l=3) vs 32*2 = 64.
-    assert "B=31..32 (93..96 tokens) exceed the largest tier 90" in issue.message
+    # B*3 > 90 from B=31; B=31 requests run anywhere from 62 to 93 packed rows, so 91 is the smallest
+    # step that overflows.
+    assert "B=31..32 (91..96 tokens) exceed the largest tier 90" in issue.message
     overrides["graph"]["token_tiers"] = [16, 96]
     assert load_spec(write_spec(overrides)).tiers == (16, 96)
 
@@ -111,7 +113,15 @@ def test_ep_is_one_for_dense_models(write_spec):
 def test_dp_attention_needs_dp(write_spec):
     issue = only_issue(write_spec, {"parallelism": {"dp_attention": True}})
     assert issue.path == ("parallelism", "dp_attention")
-    load_spec(write_spec({"parallelism": {"dp_attention": True, "dp": 2}}))
+    load_spec(write_spec({"parallelism": {"dp_attention": True, "dp": 2, "tp": 2}}))
+
+
+def test_dp_attention_splits_tp(write_spec):
+    # SGLang's attention TP size is tp / dp with DP attention: tp 2 cannot be split over dp 4.
+    issue = only_issue(write_spec, {"parallelism": {"dp_attention": True, "dp": 4, "tp": 2}})
+    assert issue.path == ("parallelism", "dp") and "tp 2 is not a multiple of dp 4" in issue.message
+    without = load_spec(write_spec({"parallelism": {"dp": 4, "tp": 2}}))  # no DP attention: fine
+    assert without.spec.parallelism.dp == 4
 
 
 def test_draft_checkpoint_must_match(write_spec, tmp_path):
@@ -138,3 +148,97 @@ def test_compact_needs_a_cost_model_unless_allowed(write_spec):
 def test_context_fits_the_model(write_spec):
     issue = only_issue(write_spec, {"serving": {"max_context_len": 4096}})
     assert issue.path == ("serving", "max_context_len") and "2048" in issue.hint
+
+
+@pytest.mark.parametrize("mode", ["static", "cap-accept", "compact"])
+def test_tiers_are_an_error_without_graph_capture(write_spec, mode):
+    overrides = {"verify": {"mode": mode}, "cost_model": SPS, "graph": {"token_tiers": [4, 8]}}
+    issue = only_issue(write_spec, overrides)
+    assert issue.path == ("graph", "token_tiers") and "graph.enabled is false" in issue.message
+    issue = only_issue(write_spec, {"graph": {"enabled": False, "capture_batch_sizes": [1, 2]}})
+    assert issue.path == ("graph", "capture_batch_sizes")
+
+
+def test_capture_batch_sizes_above_the_running_limit(write_spec):
+    issue = only_issue(write_spec, {"serving": {"max_running_requests": 8},
+                                    "graph": {"enabled": True, "capture_batch_sizes": [1, 8, 16, 32]}})
+    assert issue.path == ("graph", "capture_batch_sizes", 2)
+    assert "16, 32 exceed serving.max_running_requests (8)" in issue.message
+    assert "max_running_requests to 32" in issue.hint
+
+
+def test_capture_batch_sizes_and_token_tiers_are_exclusive(write_spec):
+    issue = only_issue(write_spec, {"graph": {"enabled": True, "capture_batch_sizes": [1, 32],
+                                              "token_tiers": [4, 128]}})
+    assert issue.path == ("graph", "capture_batch_sizes") and "ignored" in issue.message
+
+
+def test_static_tiers_hold_whole_requests(write_spec):
+    # N = 4: tiers 2 and 6 cut a request; 8 and 128 are whole.
+    issue = only_issue(write_spec, {"graph": {"enabled": True, "token_tiers": [2, 4, 6, 8, 128]}})
+    assert issue.path == ("graph", "token_tiers", 0)
+    assert "tiers 2, 6 are not multiples of 4" in issue.message and "multiples of 4" in issue.hint
+
+
+def test_unreachable_tiers_are_listed(write_spec):
+    # compact, 4 requests of 2..3 rows: steps of 2..12 rows (2..3, 4..6, 6..9, 8..12).
+    overrides = {"verify": {"mode": "compact", "min_verify_len": 2, "max_verify_len": 3},
+                 "cost_model": SPS, "serving": {"max_running_requests": 4},
+                 "graph": {"enabled": True, "token_tiers": [1, 2, 3, 12, 16, 32]}}
+    issue = only_issue(write_spec, overrides)
+    assert issue.path == ("graph", "token_tiers", 0)
+    assert "tiers 1 (no step has 1 row), 16 (above the largest step, 12 rows), 32 (above the " \
+           "largest step, 12 rows) are never used" in issue.message
+    assert "raise serving.max_running_requests (now 4)" in issue.hint
+    overrides["graph"]["token_tiers"] = [2, 3, 12]
+    assert load_spec(write_spec(overrides)).tiers == (2, 3, 12)
+
+
+def test_cap_accept_and_static_steps_are_whole_batches(write_spec):
+    # Static steps are exactly B x N: with N = 4 and 8 requests a tier of 40 is never the smallest
+    # tier >= a step (32 fits 32, nothing lies in 33..40).
+    issue = only_issue(write_spec, {"verify": {"mode": "cap-accept"}, "serving": {"max_running_requests": 8},
+                                    "graph": {"enabled": True, "token_tiers": [4, 8, 16, 32, 40]}})
+    assert issue.path == ("graph", "token_tiers", 4) and "tier 40 (above the largest step, 32 rows)" \
+        in issue.message
+
+
+def brute_force(shapes: StepShapes) -> set[int]:
+    return {rows for b in range(1, shapes.requests + 1)
+            for rows in range(b * shapes.floor, b * shapes.cap + 1)}
+
+
+@pytest.mark.parametrize("requests, floor, cap", [(1, 1, 1), (3, 2, 2), (5, 2, 3), (7, 3, 8), (9, 5, 6),
+                                                  (4, 1, 8), (6, 7, 8)])
+def test_step_shapes_match_brute_force(requests, floor, cap):
+    shapes = StepShapes("compact", requests, floor, cap)
+    feasible = brute_force(shapes)
+    assert shapes.largest == max(feasible)
+    for low in range(0, shapes.largest + 2):
+        for high in range(low + 1, shapes.largest + 3):
+            assert shapes.any_between(low, high) == any(low < m <= high for m in feasible), (low, high)
+
+
+def test_committed_grids_are_exact(write_spec):
+    # The repository's grids: every step fits and every tier is used.
+    tiers = [8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    compact = {"draft": {"gamma": 7}, "verify": {"mode": "compact"}, "cost_model": SPS,
+               "graph": {"enabled": True, "token_tiers": tiers}}
+    assert load_spec(write_spec(compact)).tiers == tuple(tiers)
+    static = {"draft": {"gamma": 7}, "graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32]}}
+    assert load_spec(write_spec(static)).tiers == (8, 16, 32, 64, 128, 256)
+
+
+def test_context_holds_one_request(write_spec):
+    issue = only_issue(write_spec, {"draft": {"gamma": 15}, "serving": {"max_context_len": 16}})
+    assert issue.path == ("serving", "max_context_len") and "need 18" in issue.message
+    assert "at least 18" in issue.hint
+    assert load_spec(write_spec({"draft": {"gamma": 13}, "serving": {"max_context_len": 16}}))  # 1 + 1 + 14
+
+
+def test_kv_pool_holds_one_full_context_request(write_spec):
+    issue = only_issue(write_spec, {"serving": {"max_total_tokens": 1000, "max_context_len": 1024}})
+    # 1000 // 16 = 62 pages, a 1024-token request needs 64.
+    assert issue.path == ("serving", "max_total_tokens") and "holds 62 pages" in issue.message
+    assert "at least 1024" in issue.hint
+    assert load_spec(write_spec({"serving": {"max_total_tokens": 1024, "max_context_len": 1024}}))

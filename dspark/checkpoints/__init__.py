@@ -1,6 +1,7 @@
 """Checkpoints shipped inside dspark, which specs name `embedded:<name>` (`tiny/`: the embedded
-model pair, with `training.json` recording how it was trained). No torch here: the compiler
-resolves these names too."""
+model pair, with `training.json` recording how it was trained), and the content digest that
+identifies any checkpoint (`dspark.checkpoints.digest`). No torch here: the compiler resolves
+these names and computes digests too."""
 
 from __future__ import annotations
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.compiler.diff import diff_files
 from dspark.compiler.emit import render_package
+from dspark.compiler.nodes import MANIFEST_FILE
 from dspark.compiler.write import GENERATED_ROOT_INIT, existing_files
 from dspark.spec import SpecError, load_spec
 
@@ -15,10 +17,11 @@ from dspark.spec import SpecError, load_spec
 class CheckReport:
     stale: tuple[str, ...]  # one unified diff or message per out-of-date package
     spec_errors: tuple[str, ...]  # formatted reports of specs that do not load
+    orphans: tuple[str, ...] = ()  # one message per package that no spec in the specs directory makes
 
     @property
     def ok(self) -> bool:
-        return not self.stale and not self.spec_errors
+        return not self.stale and not self.spec_errors and not self.orphans
 
 
 def check_generated(specs_dir: Path, generated_dir: Path, *,
@@ -46,8 +49,27 @@ def check_generated(specs_dir: Path, generated_dir: Path, *,
     if not init.is_file():
         stale.append(diff_files({}, {"__init__.py": GENERATED_ROOT_INIT.encode()},
                                 generated_dir.as_posix(), generated_dir.as_posix()))
-    for orphan in sorted(p for p in generated_dir.glob("*/") if p.is_dir()):
-        if orphan.name not in names and orphan.name != "__pycache__" and not spec_errors:
-            stale.append(f"{orphan}: no spec in {specs_dir} compiles to it; delete it or "
-                         f"restore its spec\n")
-    return CheckReport(tuple(stale), tuple(spec_errors))
+    orphans = []
+    # A spec that failed to load may be the one that makes a package, so orphans wait for it.
+    for package in sorted(p for p in generated_dir.glob("*/") if p.is_dir()):
+        if package.name not in names and package.name != "__pycache__" and not spec_errors:
+            orphans.append(_orphan_message(package, specs_dir))
+    return CheckReport(tuple(stale), tuple(spec_errors), tuple(orphans))
+
+
+def _orphan_message(package: Path, specs_dir: Path) -> str:
+    built_from = _manifest_spec(package)
+    origin = f" (its manifest says it was built from {built_from})" if built_from else ""
+    return (f"{package.as_posix()}: no spec in {specs_dir.as_posix()} compiles to it{origin}; "
+            f"building again cannot fix this: move its spec into {specs_dir.as_posix()}/ (then build "
+            f"it) or delete the package\n")
+
+
+def _manifest_spec(package: Path) -> str | None:
+    try:
+        data = json.loads((package / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    spec = data.get("spec") if isinstance(data, dict) else None
+    path = spec.get("path") if isinstance(spec, dict) else None
+    return path if isinstance(path, str) and path else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class FieldValueError(ValueError):
@@ -46,10 +46,36 @@ def same_length(values: tuple[Any, ...], info: ValidationInfo, other: str) -> No
             f"give exactly one {info.field_name} value per {other} entry")
 
 
-class Section(BaseModel):
-    """Strict (no "7" -> 7 coercion), frozen, and closed to unknown keys."""
+INT64_MAX = 2**63 - 1
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+class Section(BaseModel):
+    """Strict (no "7" -> 7 coercion), frozen, closed to unknown keys, and finite.
+
+    NaN and infinities are refused at every float field: no measured time, rate or temperature is
+    ever infinite, and a non-finite value would otherwise pass validation only to break the
+    compiler's canonical JSON (which refuses them) or poison the planner's arithmetic. Integers
+    must fit 64 bits for the same reason: Python takes any size, the tensors and arrays the
+    runtime builds from them do not.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _fits_int64(cls, value: Any) -> Any:
+        if _too_large(value):
+            raise FieldValueError("an integer here does not fit 64 bits (its magnitude is above "
+                                 f"{INT64_MAX})", "write a realistic value")
+        return value
+
+
+def _too_large(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) > INT64_MAX
+    if isinstance(value, tuple):
+        return any(_too_large(item) for item in value)
+    return False
 
 
 # A table file's record of the deployment it was measured on (`dspark.fingerprint`). Never dumped: it

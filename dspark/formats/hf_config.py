@@ -26,6 +26,13 @@ def geometry_values(cfg: dict[str, Any]) -> dict[str, Any]:
     """Geometry fields read from a Hugging Face Llama config.json, absent keys resolved."""
     values = {f: cfg[k] for f, k in HF_GEOMETRY_KEYS.items() if cfg.get(k) is not None}
     values.setdefault("num_kv_heads", values.get("num_heads"))  # absent: multi-head attention
-    if values.get("num_heads"):
-        values.setdefault("head_dim", values["hidden_size"] // values["num_heads"])
+    hidden, heads = values.get("hidden_size"), values.get("num_heads")
+    # Only derive head_dim from sizes that are integers; anything else is left for validation to
+    # report against the config key, instead of failing here on arithmetic with a string or null.
+    if _positive_int(hidden) and _positive_int(heads):
+        values.setdefault("head_dim", hidden // heads)
     return {**HF_DEFAULTS, **values}
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

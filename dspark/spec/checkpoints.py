@@ -1,4 +1,5 @@
-"""Resolve `model.checkpoint` / `draft.checkpoint` and read what their config.json says."""
+"""Resolve `model.checkpoint` / `draft.checkpoint`, read what their config.json says, and compute
+their content digest (`dspark.checkpoints.digest`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
+from dspark.checkpoints.digest import DigestError, checkpoint_digest
 from dspark.formats.fields import FieldValueError
 from dspark.formats.hf_config import HF_GEOMETRY_KEYS, HF_OPTIONAL_KEYS, geometry_values
-from dspark.spec.external import read_json, resolve_path, validate_file_data
+from dspark.spec.external import path_kind, read_json, resolve_path, validate_file_data
 from dspark.spec.models import GeometrySpec
 
 Role = Literal["target", "draft"]
@@ -27,11 +29,22 @@ class CheckpointRef:
     def config_path(self) -> Path:
         return self.directory / "config.json"
 
+    @property
+    def present(self) -> bool:
+        """Whether the checkpoint directory is on this machine (anything else at the path is an
+        error that `config` reports)."""
+        return path_kind(self.directory) != "missing"
+
     def config(self, what: str) -> dict[str, Any] | None:
         """The checkpoint's config.json, or None when the directory is not on this machine."""
-        if not self.directory.is_dir():
+        kind = path_kind(self.directory)
+        if kind == "missing":
             return None
-        if not self.config_path.is_file():
+        if kind != "directory":
+            raise FieldValueError(f"{what} checkpoint {str(self.directory)!r} is not a directory",
+                                 "point at the checkpoint directory (the one holding config.json "
+                                 "and the *.safetensors files), not at a file in it")
+        if path_kind(self.config_path) != "file":
             raise FieldValueError(f"checkpoint directory {str(self.directory)!r} has no config.json",
                                  f"add the {what} config.json or point at the right directory")
         data = read_json(self.config_path, f"{what} config")
@@ -39,6 +52,15 @@ class CheckpointRef:
             raise FieldValueError(f"{what} config {str(self.config_path)!r} is not a JSON object",
                                  "use the config.json written with the checkpoint")
         return data
+
+    def digest(self) -> str:
+        """`checkpoint_digest` of the directory; "" when it is not on this machine."""
+        if not self.present:
+            return ""
+        try:
+            return checkpoint_digest(self.directory)
+        except DigestError as exc:
+            raise FieldValueError(str(exc), "make the checkpoint's files readable") from None
 
 
 def resolve_checkpoint(raw: str, role: Role, spec_dir: Path) -> CheckpointRef:

@@ -76,10 +76,19 @@ def _hint(detail: Any, target: FieldTarget) -> str:
     if kind == "cost_model_type":
         return ("write `type: sps-1d`, `type: additive` or `type: tier`, then either `file: PATH` or "
                 "the table's fields inline")
+    if kind == "calibration_type":
+        return "write `file: PATH` (a calibration JSON file) or `temperatures: [...]` (one per draft)"
+    if kind == "finite_number":
+        return "write a finite number; no spec field takes NaN or infinity"
     if kind in _TYPE_NAMES:
         value = detail.get("input")
-        hint = f"expected {_TYPE_NAMES[kind]}, got {type(value).__name__} {value!r}"
+        hint = f"expected {_TYPE_NAMES[kind]}, got {type(value).__name__} {_short_repr(value)}"
         if isinstance(value, str) and kind in ("int_type", "float_type", "bool_type"):
             hint += " (remove the quotes)"
         return f"{hint}; {doc}" if doc else hint
     return doc or _SCHEMA_HINT
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

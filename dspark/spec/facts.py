@@ -33,6 +33,10 @@ class SpecFacts:
     cost_model: CostTable | None
     temperatures: tuple[float, ...] | None
     calibration_file: CalibrationFileContents | None = None  # all of a calibration file, when used
+    # checkpoint_digest of each checkpoint: "" when its directory is not on this machine, None when
+    # it could not be computed (that failure is already an issue).
+    model_digest: str | None = None
+    draft_digest: str | None = None
 
 
 def gather_facts(spec: DeploymentSpec, spec_dir: Path) -> tuple[SpecFacts, list[SpecIssue]]:
@@ -53,13 +57,23 @@ def gather_facts(spec: DeploymentSpec, spec_dir: Path) -> tuple[SpecFacts, list[
     draft_config = None
     if draft_ref is not None:
         draft_config = attempt(("draft", "checkpoint"), lambda: draft_ref.config("draft"))
+    model_digest = _digest(model_ref, geometry is not None, ("model", "checkpoint"), attempt)
+    draft_readable = draft_config is not None or (draft_ref is not None and not draft_ref.present)
+    draft_digest = _digest(draft_ref, draft_readable, ("draft", "checkpoint"), attempt)
     cost_model = attempt(("cost_model", "file"), lambda: _cost_model(spec, spec_dir))
     calibration = attempt(("calibration", "file"), lambda: _calibration(spec, spec_dir))
     temperatures = calibration.temperatures if calibration is not None else None
     calibration_file = calibration if isinstance(calibration, CalibrationFileContents) else None
     facts = SpecFacts(spec, geometry, model_ref, draft_ref, draft_config, cost_model, temperatures,
-                      calibration_file)
+                      calibration_file, model_digest, draft_digest)
     return facts, issues
+
+
+def _digest(ref: CheckpointRef | None, readable: bool, path: tuple[str, ...], attempt: Any) -> str | None:
+    """The checkpoint's digest, unless resolving or reading it already failed."""
+    if ref is None or not readable:
+        return None
+    return attempt(path, ref.digest)
 
 
 def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[SpecIssue],
@@ -69,7 +83,7 @@ def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[Spec
         return _with_head_dim(inline)
     config = attempt(("model", "checkpoint"), lambda: ref.config("model"))
     if config is None:
-        if ref.directory.is_dir():
+        if ref.present:
             return None  # the config could not be read; that issue is already recorded
         if inline is None:
             issues.append(SpecIssue(

@@ -113,3 +113,21 @@ def _tagged_variants(annotation: Any) -> dict[str, Any]:
 def _item_type(annotation: Any) -> Any:
     args = typing.get_args(_strip_annotated(annotation))
     return args[0] if args else None
+
+
+def leaf_values(model: BaseModel, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted path, value) of every leaf field of a validated model, in declaration order.
+
+    A nested model is walked (a union member as the variant it validated to); anything else,
+    lists and None included, is one leaf. Fields excluded from dumps (`exclude=True`) count too:
+    they are part of what the spec says.
+    """
+    out: list[tuple[str, Any]] = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(value, BaseModel):
+            out += leaf_values(value, path)
+        else:
+            out.append((path, value))
+    return out

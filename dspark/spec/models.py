@@ -105,7 +105,9 @@ class ParallelismSpec(Section):
     dp: int = Field(default=1, ge=1, description="Data-parallel replicas.")
     ep: int = Field(default=1, ge=1, description="Expert-parallel ranks (1 for dense models).")
     dp_attention: bool = Field(
-        default=False, description="Data-parallel attention across the dp replicas (needs dp > 1).")
+        default=False,
+        description="Data-parallel attention across the dp replicas (needs dp > 1 and tp a multiple "
+                    "of dp: attention runs at TP = tp / dp, as in SGLang).")
 
 
 class BackendSpec(Section):
@@ -156,14 +158,19 @@ class VerifySpec(Section):
 class GraphSpec(Section):
     """Graph capture (CUDA graphs / NPU graph mode) of the verify step."""
 
-    enabled: bool = Field(default=False, description="Capture and replay verify-step graphs.")
+    enabled: bool = Field(
+        default=False,
+        description="Capture and replay verify-step graphs (tiers given while false are an error).")
     capture_batch_sizes: IntTuple = Field(
         default=(),
-        description="Batch sizes to capture; tiers default to batch size × N. Strictly increasing.")
+        description="Batch sizes to capture, at most serving.max_running_requests; the tiers are "
+                    "batch size × N. Strictly increasing. Give this or token_tiers, not both.")
     token_tiers: IntTuple = Field(
         default=(),
-        description="Explicit token-count tiers (overrides capture_batch_sizes × N). "
-                    "Strictly increasing.")
+        description="Explicit token-count tiers instead of capture_batch_sizes × N. Strictly "
+                    "increasing. A step of M rows replays the smallest tier >= M: the largest tier "
+                    "must hold the largest step, every tier must be used by some step, and static "
+                    "and cap-accept tiers must be multiples of N.")
 
     @field_validator("capture_batch_sizes", "token_tiers")
     @classmethod
@@ -185,7 +192,9 @@ class ServingSpec(Section):
 
     max_running_requests: int = Field(
         default=32, ge=1, description="Most requests decoded together (the largest B).")
-    max_total_tokens: int = Field(default=65536, ge=1, description="KV-cache capacity in tokens.")
+    max_total_tokens: int = Field(
+        default=65536, ge=1,
+        description="KV-cache capacity in tokens; must hold at least one max_context_len request.")
     page_size: int = Field(default=16, ge=1, description="Tokens per KV-cache page.")
     chunked_prefill_tokens: int = Field(
         default=2048, ge=1,
@@ -194,8 +203,8 @@ class ServingSpec(Section):
                     "running batch.")
     max_context_len: int = Field(
         default=1024, ge=1,
-        description="Longest request (prompt + output); a multiple of page_size and at most the "
-                    "model's max_position_embeddings.")
+        description="Longest request: prompt + max_new_tokens + N (the KV slots a request reserves); "
+                    "a multiple of page_size and at most the model's max_position_embeddings.")
     generation: GenerationSpec = Field(
         default_factory=GenerationSpec, description="Default sampling parameters.")
     record_steps: int = Field(

@@ -24,6 +24,10 @@ class ResolvedSpec:
     geometry: GeometrySpec  # head_dim always set
     model_checkpoint: CheckpointRef
     draft_checkpoint: CheckpointRef
+    # dspark.checkpoints.digest.checkpoint_digest of each checkpoint at compile time: sha256 over its
+    # config.json and weights, "" only when the directory is not on this machine.
+    model_digest: str
+    draft_digest: str
     num_draft_tokens: int  # N = gamma + 1
     max_verify_len: int  # verify.max_verify_len with 0 resolved to N
     tiers: tuple[int, ...]  # graph tier grid; empty when graph capture is off

@@ -11,36 +11,12 @@ import math
 from collections.abc import Callable, Iterator
 
 from dspark.fingerprint import sampling_policy
+from dspark.spec.derived import num_draft_tokens, resolved_max_verify_len
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
-from dspark.spec.models import DeploymentSpec
+from dspark.spec.tier_rules import check_tier_coverage, check_tier_lists, check_tiers_need_graphs
 
 Rule = Callable[[SpecFacts], Iterator[SpecIssue]]
-
-
-def num_draft_tokens(spec: DeploymentSpec) -> int:
-    """N = gamma + 1: the root row plus the drafts."""
-    return spec.draft.gamma + 1
-
-
-def resolved_max_verify_len(spec: DeploymentSpec) -> int:
-    return spec.verify.max_verify_len or num_draft_tokens(spec)
-
-
-def tier_grid(spec: DeploymentSpec) -> tuple[int, ...]:
-    """Token counts captured as graphs; empty when graph capture is off."""
-    if not spec.graph.enabled:
-        return ()
-    if spec.graph.token_tiers:
-        return spec.graph.token_tiers
-    n = num_draft_tokens(spec)
-    return tuple(bs * n for bs in spec.graph.capture_batch_sizes)
-
-
-def verify_len_range(spec: DeploymentSpec) -> tuple[int, int]:
-    """Fewest and most rows one request can put into a step in the configured mode."""
-    return spec.verify.mode.rows_per_request(max(spec.verify.min_verify_len, 1),
-                                             resolved_max_verify_len(spec), num_draft_tokens(spec))
 
 
 def check_num_draft_tokens(facts: SpecFacts) -> Iterator[SpecIssue]:
@@ -86,43 +62,6 @@ def check_calibration_count(facts: SpecFacts) -> Iterator[SpecIssue]:
                     "(recalibrate after changing gamma)")
 
 
-def check_tier_coverage(facts: SpecFacts) -> Iterator[SpecIssue]:
-    spec = facts.spec
-    if not spec.graph.enabled:
-        if spec.verify.align_to_graph_tier:
-            yield SpecIssue(("verify", "align_to_graph_tier"),
-                            "tier alignment needs graph tiers, but graph.enabled is false",
-                            "set graph.enabled: true with tiers, or align_to_graph_tier: false")
-        return
-    tiers = tier_grid(spec)
-    if not tiers:
-        yield SpecIssue(("graph", "enabled"), "graph capture is enabled but defines no tiers",
-                        "set graph.capture_batch_sizes (tiers = batch size x N) or "
-                        "graph.token_tiers, or set graph.enabled: false")
-        return
-    largest, requests = tiers[-1], spec.serving.max_running_requests
-    shortest, longest = verify_len_range(spec)
-    if requests * longest <= largest:
-        return
-    # Token counts grow with B, so the requests that overflow form a suffix B = first..requests.
-    first = largest // longest + 1
-    low = min(b * length for b in range(first, requests + 1)
-              for length in range(shortest, longest + 1) if b * length > largest)
-    high = requests * longest
-    span = f"B={first}" if first == requests else f"B={first}..{requests}"
-    tokens = f"{high}" if low == high else f"{low}..{high}"
-    uses_tiers = bool(spec.graph.token_tiers)
-    field = "token_tiers" if uses_tiers else "capture_batch_sizes"
-    fix = (f"add a tier >= {high} to graph.token_tiers" if uses_tiers
-           else f"add {requests} to graph.capture_batch_sizes")
-    if first > 1:
-        fix += f", or lower serving.max_running_requests to {first - 1}"
-    yield SpecIssue(("graph", field),
-                    f"{spec.verify.mode} mode produces steps of up to {high} tokens that no "
-                    f"graph tier covers: {span} ({tokens} tokens) exceed the largest tier "
-                    f"{largest}", fix)
-
-
 def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
     geometry, tp = facts.geometry, facts.spec.parallelism.tp
     if geometry is None or (geometry.num_heads % tp == 0 and geometry.num_kv_heads % tp == 0):
@@ -146,10 +85,21 @@ def check_expert_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
 
 def check_dp_attention(facts: SpecFacts) -> Iterator[SpecIssue]:
     parallelism = facts.spec.parallelism
-    if parallelism.dp_attention and parallelism.dp < 2:
+    if not parallelism.dp_attention:
+        return
+    tp, dp = parallelism.tp, parallelism.dp
+    if dp < 2:
         yield SpecIssue(("parallelism", "dp_attention"),
                         "dp_attention shards attention across data-parallel replicas, but dp is 1",
                         "set parallelism.dp to 2 or more, or dp_attention: false")
+    elif tp % dp:
+        # As SGLang computes it: each of the dp attention groups runs attention at TP = tp / dp.
+        valid = [d for d in range(2, tp + 1) if tp % d == 0][:8]
+        yield SpecIssue(("parallelism", "dp"),
+                        f"with dp_attention the attention TP size is tp / dp, but tp {tp} is not a "
+                        f"multiple of dp {dp}",
+                        f"use a dp that divides tp ({', '.join(map(str, valid))})" if valid
+                        else "raise parallelism.tp to a multiple of dp, or set dp_attention: false")
 
 
 def check_draft_checkpoint(facts: SpecFacts) -> Iterator[SpecIssue]:
@@ -200,6 +150,32 @@ def check_context_len(facts: SpecFacts) -> Iterator[SpecIssue]:
                         f"use at most {limit} (a multiple of page_size)")
 
 
+def check_context_holds_a_request(facts: SpecFacts) -> Iterator[SpecIssue]:
+    """A request reserves prompt + max_new_tokens + N KV slots (the N verify rows of its last step),
+    so a context that cannot hold a 1-token prompt and 1 new token besides N serves nothing."""
+    spec = facts.spec
+    n, context = num_draft_tokens(spec), spec.serving.max_context_len
+    if context < n + 2:
+        yield SpecIssue(("serving", "max_context_len"),
+                        f"max_context_len {context} cannot hold one request: a 1-token prompt and 1 "
+                        f"new token plus the N = gamma + 1 = {n} rows of a verify step need {n + 2}",
+                        f"raise serving.max_context_len to at least {n + 2} (a multiple of page_size), "
+                        f"or lower draft.gamma")
+
+
+def check_kv_pool(facts: SpecFacts) -> Iterator[SpecIssue]:
+    serving = facts.spec.serving
+    pages = serving.max_total_tokens // serving.page_size
+    needed = serving.max_context_len // serving.page_size
+    if pages < needed:
+        yield SpecIssue(("serving", "max_total_tokens"),
+                        f"the KV pool holds {pages} pages of {serving.page_size} tokens "
+                        f"(max_total_tokens {serving.max_total_tokens}), fewer than the {needed} pages one "
+                        f"request of max_context_len ({serving.max_context_len}) may need",
+                        f"raise serving.max_total_tokens to at least {needed * serving.page_size}, or "
+                        f"lower serving.max_context_len")
+
+
 def check_calibration_policy(facts: SpecFacts) -> Iterator[SpecIssue]:
     calibration = facts.spec.calibration
     if calibration is None or calibration.policy is None:
@@ -226,6 +202,8 @@ RULES: tuple[Rule, ...] = (
     check_verify_lens,
     check_confidence_head,
     check_calibration_count,
+    check_tiers_need_graphs,
+    check_tier_lists,
     check_tier_coverage,
     check_tensor_parallel,
     check_expert_parallel,
@@ -233,6 +211,8 @@ RULES: tuple[Rule, ...] = (
     check_draft_checkpoint,
     check_compact_cost_model,
     check_context_len,
+    check_context_holds_a_request,
+    check_kv_pool,
     check_calibration_policy,
 )
 

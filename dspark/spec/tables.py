@@ -21,8 +21,10 @@ class CostModelFile(Section):
 def _cost_model_tag(value: Any) -> str | None:
     if isinstance(value, dict):
         kind, has_file = value.get("type"), "file" in value
-    else:
+    elif isinstance(value, Section):
         kind, has_file = getattr(value, "type", None), hasattr(value, "file")
+    else:
+        return None  # a list or a scalar: no table at all
     if has_file:
         return "file"
     return kind if isinstance(kind, str) else None
@@ -56,12 +58,19 @@ class CalibrationFile(Section):
                     "serving.generation and the file's own `policy`.")
 
 
-def _calibration_tag(value: Any) -> str:
-    has_file = "file" in value if isinstance(value, dict) else hasattr(value, "file")
-    return "file" if has_file else "inline"
+def _calibration_tag(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "file" if "file" in value else "inline"
+    if isinstance(value, (CalibrationInline, CalibrationFile)):
+        return "file" if isinstance(value, CalibrationFile) else "inline"
+    return None  # a list or a scalar: neither form
 
 
 CalibrationSpec = Annotated[
     Annotated[CalibrationInline, Tag("inline")] | Annotated[CalibrationFile, Tag("file")],
-    Discriminator(_calibration_tag),
+    Discriminator(
+        _calibration_tag,
+        custom_error_type="calibration_type",
+        custom_error_message="calibration must be a mapping with `file` or `temperatures`",
+    ),
 ]
