@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench_static import held_out_prompts
+from dspark.corpus import held_out_prompts
 
 ALL = 1 << 30  # more than any phase has
 

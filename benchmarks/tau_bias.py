@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,6 +21,8 @@ import yaml
 
 from dspark.cli.main import main as dspark_main
 from dspark.compiler.api import build
+from dspark.formats.run_info import read_run_info
+from dspark.formats.step_records import read_steps
 
 REPO = Path(__file__).resolve().parents[1]
 # A table whose row cost dwarfs its overhead: the budget then verifies about half the drafts.
@@ -44,11 +45,14 @@ def variants(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def relative_bias(run_dir: Path) -> tuple[float, float, int]:
     """(mean(actual − tau) / mean(actual), verify rows per request-step, steps) of a recorded run."""
-    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines()]
-    actual = sum(s["committed"] for s in steps)
-    tau = sum(s["tau"] for s in steps)
-    rows = sum(s["planned_rows"] for s in steps) / sum(s["num_reqs"] for s in steps)
-    return (actual - tau) / actual, rows, len(steps)
+    steps = read_steps(run_dir / "steps.jsonl", read_run_info(run_dir).gamma)
+    planned = [s for s in steps if s.tau is not None]
+    if not planned:
+        raise SystemExit(f"{run_dir}: no step has a predicted tau (a static run plans nothing)")
+    actual = sum(s.committed for s in planned)
+    tau = sum(s.tau for s in planned if s.tau is not None)
+    rows = sum(s.planned_rows for s in planned) / sum(s.num_reqs for s in planned)
+    return (actual - tau) / actual, rows, len(planned)
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dspark.cli.main import main
-from dspark.measure.calibration import CalibrationError, ece
+from dspark.formats.sts_shards import StsShardWriter
+from dspark.measure.calibration import CalibrationError
 from dspark.measure.confidence_fit import (
     BIAS,
     FIT_FILE,
@@ -22,7 +23,7 @@ from dspark.measure.confidence_fit import (
     refit_draft,
     with_draft_stats,
 )
-from dspark.measure.recording import StsRecorder
+from dspark.measure.metrics import ece
 from dspark.runtime.models.checkpoint import load_draft, save_draft
 from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft, draft_stats
 from dspark.runtime.package import load_package
@@ -51,7 +52,7 @@ def _synthetic(n: int, seed: int, true_w: torch.Tensor, true_b: float) -> tuple[
 
 
 def _record(directory, x, mask, backbone: str, policy: str = "greedy") -> None:
-    rec = StsRecorder(directory, GAMMA, policy, shard_size=700, features_backbone=backbone)
+    rec = StsShardWriter(directory, GAMMA, policy, shard_size=700, features_backbone=backbone)
     logits = torch.zeros(len(x), GAMMA)
     rec.add(logits, mask.sum(-1), torch.ones(len(x), dtype=torch.bool), x)
     rec.close()
@@ -74,13 +75,13 @@ def test_recorder_stores_features_beside_the_labels_and_names_the_backbone(tmp_p
 
 
 def test_recorder_refuses_a_step_without_features_when_it_stores_them(tmp_path) -> None:
-    rec = StsRecorder(tmp_path, GAMMA, "greedy", features_backbone="abc")
+    rec = StsShardWriter(tmp_path, GAMMA, "greedy", features_backbone="abc")
     with pytest.raises(ValueError, match="inputs"):
         rec.add(torch.zeros(2, GAMMA), torch.zeros(2), torch.ones(2, dtype=torch.bool))
 
 
 def test_shards_without_features_say_how_to_record_them(tmp_path) -> None:
-    rec = StsRecorder(tmp_path / "sts", GAMMA, "greedy")
+    rec = StsShardWriter(tmp_path / "sts", GAMMA, "greedy")
     rec.add(torch.zeros(3, GAMMA), torch.ones(3), torch.ones(3, dtype=torch.bool))
     rec.close()
     with pytest.raises(CalibrationError, match="--record-features"):

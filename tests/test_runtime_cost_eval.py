@@ -11,17 +11,16 @@ import pytest
 import torch
 
 from dspark.cli.cost_eval import add_cost_eval_parser, run_cost_eval
+from dspark.formats.profile import ProfileError, ProfilePlan, ProfileResult, ProfileSample
 from dspark.measure.cost_eval import (
-    BOUNDARY_RADIUS,
     MeasuredSteps,
     evaluate_cost_models,
     fit_all_models,
     format_cost_eval,
-    model_fit_quality,
-    profile_tiers,
 )
 from dspark.measure.cost_fit import fit_additive, fit_tier_table
-from dspark.measure.profiler import ProfilePlan, ProfileResult, ProfileSample
+from dspark.measure.residuals import model_fit_quality
+from dspark.measure.tiers import TIER_RADIUS
 from dspark.runtime.planner.budget import ScheduleConfig
 from dspark.runtime.planner.cost_models import AdditiveCostTable, TierCostTable
 
@@ -61,7 +60,7 @@ def synthetic_survival(n: int = 400, gamma: int = 7, seed: int = 1) -> np.ndarra
 
 
 def near_a_tier(num_rows: int) -> bool:
-    return any(abs(num_rows - t) <= BOUNDARY_RADIUS for t in TIERS)
+    return any(abs(num_rows - t) <= TIER_RADIUS for t in TIERS)
 
 
 # --- fit_tier_table --------------------------------------------------------------------------------------
@@ -78,7 +77,7 @@ def test_tier_fit_recovers_the_tier_law_where_the_additive_fit_misses_the_cliffs
     assert additive.r_squared < 0.99
     worst = max(additive.residuals, key=lambda r: abs(r.residual_seconds))
     assert near_a_tier(worst.num_rows), (worst.num_reqs, worst.num_rows)
-    quality = model_fit_quality(additive.table, TIERED, TIERS)
+    quality = model_fit_quality(additive.table, TIERED.fit_samples(), TIERS)
     assert quality.boundary_mean_abs_error_seconds > 1.5 * quality.elsewhere_mean_abs_error_seconds
     assert quality.num_boundary == sum(near_a_tier(m) for _, m, _ in TIERED.fit_samples())
 
@@ -129,13 +128,13 @@ def test_measured_steps_never_interpolate_across_a_tier_boundary() -> None:
         MeasuredSteps(2, (8, 4), (1.0, 1.0))
 
 
-def test_profile_tiers_reads_the_meta() -> None:
-    assert profile_tiers(TIERED) == TIERS
-    assert profile_tiers(profile_of(linear_law, dense_rows)) == ()
-    with pytest.raises(ValueError, match="profile meta 'tiers' is '8,x'; expected comma-separated"):
-        profile_tiers(profile_of(linear_law, dense_rows, {"tiers": "8,x"}))
-    with pytest.raises(ValueError, match="strictly increasing"):
-        profile_tiers(profile_of(linear_law, dense_rows, {"tiers": "16,8"}))
+def test_a_profile_reads_its_tiers_from_the_meta() -> None:
+    assert TIERED.tiers == TIERS
+    assert profile_of(linear_law, dense_rows).tiers == ()
+    with pytest.raises(ProfileError, match="meta.tiers is '8,x'; expected comma-separated"):
+        profile_of(linear_law, dense_rows, {"tiers": "8,x"})
+    with pytest.raises(ProfileError, match="strictly increasing"):
+        profile_of(linear_law, dense_rows, {"tiers": "16,8"})
 
 
 # --- evaluate_cost_models --------------------------------------------------------------------------------
@@ -167,7 +166,10 @@ def test_regret_is_zero_when_the_model_equals_the_measured_law_between_measureme
                                   ScheduleConfig(gamma=7), draws_per_batch=16)
     assert report.model("exact").regret.max < 1e-9
     assert report.model("wrong").regret.mean > 1.0
-    assert report.tiers == () and report.model("exact").fit.boundary_mean_abs_error_seconds is None
+    # Without tiers no sample is near one: the whole fit error is "elsewhere".
+    fit = report.model("exact").fit
+    assert report.tiers == () and fit.boundary_mean_abs_error_seconds is None and fit.num_boundary == 0
+    assert fit.num_elsewhere == fit.num_samples and fit.elsewhere_mean_abs_error_seconds < 1e-12
 
 
 def test_budgets_stop_where_the_measurements_cannot_be_read() -> None:
@@ -217,7 +219,7 @@ def test_the_real_cpu_profile_gives_a_well_formed_report() -> None:
     report = evaluate_cost_models(result, models, torch.from_numpy(synthetic_survival()),
                                   ScheduleConfig(gamma=result.plan.num_draft_tokens - 1), draws_per_batch=6)
     assert [m.name for m in report.models] == ["sps-1d", "additive", "tier"]
-    assert report.tiers == profile_tiers(result) and len(report.batches) == len(result.plan.batch_sizes)
+    assert report.tiers == result.tiers and len(report.batches) == len(result.plan.batch_sizes)
     for model in report.models:
         assert 0.0 <= model.regret.p50 <= model.regret.p90 <= model.regret.max <= 100.0
         assert all(0.0 <= entry.regret.mean <= 100.0 for entry in model.by_batch)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dspark.formats.cost_tables import CostTableError, write_cost_table
 from dspark.runtime.planner.cost_models import (
     AdditiveCostTable,
     CostModelError,
@@ -13,14 +14,18 @@ from dspark.runtime.planner.cost_models import (
     TierCostTable,
     cost_model_from_dict,
     load_cost_model,
-    save_cost_model,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 # A tier cliff: rows 1..64 replay in the 64-row graph, 65..96 in the 96-row one.
 CLIFF = SpsTable(sample_batch_tokens=(8, 64, 65, 96), sample_steps_per_sec=(900.0, 800.0, 500.0, 480.0),
                  max_batch_tokens=96)
 ADDITIVE = AdditiveCostTable(bias_seconds=0.001, bs_probes=(1, 8), alpha_seconds=(0.0, 0.0007),
                              m_probes=(4, 64), theta_seconds=(0.0002, 0.0032))
+# Tiers 8 / 16 / 32; B probes 1 and 5. Every step in (8, 16] replays the 16-row graph.
+TIER = TierCostTable(tiers=(8, 16, 32), bs_probes=(1, 5),
+                     step_seconds=((0.001, 0.002, 0.004), (0.003, 0.006, 0.012)))
 
 
 def test_sps_floor_lookup_keeps_the_tier_cliff_exact() -> None:
@@ -80,63 +85,35 @@ def test_constructor_accepts_lists_and_stays_hashable() -> None:
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: AdditiveCostTable(0.0, (1,), (0.0,), (64, 192, 128), (0.1, 0.2, 0.3)),
-     r"m_probes must be strictly increasing: item 2 \(128\) follows 192; sort the probes"),
     (lambda: SpsTable((4, 4), (1.0, 1.0), 8),
-     r"sample_batch_tokens must be strictly increasing: item 1 \(4\) follows 4"),
-    (lambda: SpsTable((0, 4), (1.0, 1.0), 8), "sample_batch_tokens item 0 is 0; .* must be >= 1"),
-    (lambda: SpsTable((), (), 8), "sample_batch_tokens is empty; a table needs at least one probe"),
-    (lambda: SpsTable((4, 8), (1.0,), 8),
-     "sample_steps_per_sec has 1 values but sample_batch_tokens has 2 probes; give exactly one"),
-    (lambda: SpsTable((4, 8), (1.0, 0.0), 8),
-     r"sample_steps_per_sec item 1 is 0.0; steps per second must be > 0"),
-    (lambda: SpsTable((4, 8), (1.0, -2.0), 8), r"sample_steps_per_sec item 1 is -2.0"),
-    (lambda: SpsTable((4,), (1.0,), 0), "max_batch_tokens is 0; .* must be >= 1"),
-    (lambda: SpsTable((4,), (float("nan"),), 8), "sample_steps_per_sec item 0 is nan"),
-    (lambda: SpsTable((4.5,), (1.0,), 8), "sample_batch_tokens item 0 must be an integer, got 4.5"),
-    (lambda: SpsTable((True,), (1.0,), 8), "sample_batch_tokens item 0 must be an integer, got True"),
-    (lambda: AdditiveCostTable(-0.1, (1,), (0.0,), (1,), (0.1,)),
-     r"bias_seconds is -0.1; seconds must be >= 0"),
-    (lambda: AdditiveCostTable(0.0, (1, 2), (0.0, -1e-3), (1,), (0.1,)), r"alpha_seconds item 1 is -0.001"),
-    (lambda: AdditiveCostTable(0.0, (1, 2), (0.0,), (1,), (0.1,)),
-     "alpha_seconds has 1 values but bs_probes has 2 probes"),
+     r"sps-1d table: sample_batch_tokens: .* strictly increasing, but item 1 \(4\) follows 4"),
+    (lambda: SpsTable((4, 16), (1.0, 1.0), 8), "max_batch_tokens: is 8 but sample_batch_tokens reaches 16"),
     (lambda: AdditiveCostTable(0.0, (1,), (0.0,), (1, 2), (0.0, 0.5)),
      r"bias_seconds \+ min\(alpha_seconds\) \+ min\(theta_seconds\) is 0"),
-    (lambda: SpsTable((4,), (1.0,), 8, draft_bs_probes=(1,)),
-     "draft_bs_probes is given but draft_seconds is empty; give both draft lists or neither"),
-    (lambda: SpsTable((4,), (1.0,), 8, draft_bs_probes=(1, 2), draft_seconds=(0.1,)),
-     "draft_seconds has 1 values but draft_bs_probes has 2 probes"),
-    (lambda: SpsTable((4,), (1.0,), 8, draft_bs_probes=(2, 1), draft_seconds=(0.1, 0.1)),
-     "draft_bs_probes must be strictly increasing: item 1 \\(1\\) follows 2"),
+    (lambda: TierCostTable((8, 16), (1,), ((1.0, 0.0),)), "step_seconds: row 0 has a step time ≤ 0"),
 ])
-def test_validation_errors_name_the_field_and_the_fix(make, message: str) -> None:
-    with pytest.raises(CostModelError, match=message):
+def test_a_table_built_in_code_passes_the_format_validation(make, message: str) -> None:
+    # The same rules as a table file (dspark.formats.cost_tables; tests/test_formats_cost_tables.py).
+    with pytest.raises(CostTableError, match=message):
         make()
 
 
-def test_cost_model_error_is_a_value_error() -> None:
-    assert issubclass(CostModelError, ValueError)
+def test_evaluation_errors_are_value_errors_apart_from_format_errors() -> None:
+    assert issubclass(CostModelError, ValueError) and not issubclass(CostModelError, CostTableError)
+    with pytest.raises(CostModelError, match="num_reqs must be an integer >= 0, got -1"):
+        ADDITIVE.step_time(-1, 4)
 
 
-def test_json_round_trip_is_exact(tmp_path: Path) -> None:
+def test_format_round_trip_is_exact(tmp_path: Path) -> None:
     with_draft = AdditiveCostTable(0.0013, (1, 8, 32), (0.0, 1 / 3, 0.7), (4, 64), (0.1, 0.2),
                                    draft_bs_probes=(1, 32), draft_seconds=(0.002, 0.004))
-    for table in (CLIFF, ADDITIVE, with_draft):
-        path = save_cost_model(table, tmp_path / f"{table.kind}.json")
+    for table in (CLIFF, ADDITIVE, with_draft, TIER):
+        assert type(table).from_format(table.to_format()) == table
+        path = write_cost_table(tmp_path / f"{table.kind}.json", table.to_format())
         assert load_cost_model(path) == table
-        assert "type" not in json.loads(path.read_text())
-    assert "draft_bs_probes" not in CLIFF.to_json()
-    assert with_draft.to_json()["draft_seconds"] == [0.002, 0.004]
-    assert isinstance(CLIFF.to_json()["sample_batch_tokens"], list)
-    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # no temp files left
-
-
-def test_save_replaces_an_existing_file(tmp_path: Path) -> None:
-    path = tmp_path / "cost.json"
-    path.write_text("stale")
-    save_cost_model(ADDITIVE, path)
-    assert load_cost_model(path) == ADDITIVE
-    assert path.read_text().startswith('{\n  "bias_seconds"')  # indent=2
+        assert cost_model_from_dict(json.loads(path.read_text()), "x") == table
+    with pytest.raises(TypeError, match="SpsTable is built from a Sps1dCostModel, got AdditiveCostModel"):
+        SpsTable.from_format(ADDITIVE.to_format())  # type: ignore[arg-type]
 
 
 def test_a_file_in_the_sglang_format_loads(tmp_path: Path) -> None:
@@ -153,54 +130,25 @@ def test_a_file_in_the_sglang_format_loads(tmp_path: Path) -> None:
     assert isinstance(loaded, AdditiveCostTable) and loaded.step_time(4, 96) == pytest.approx(0.0028)
 
 
-def test_type_key_is_accepted_when_it_agrees() -> None:
-    table = cost_model_from_dict({"type": "sps-1d", **CLIFF.to_json()}, "spec cost_model")
-    assert table == CLIFF
-    assert cost_model_from_dict({"type": "additive", **ADDITIVE.to_json()}, "x") == ADDITIVE
+def test_cost_model_from_dict_names_the_place() -> None:
+    # The generated planner config embeds the table and builds it at import, naming PLAN.cost_model.
+    embedded = {"type": "sps-1d", "sample_batch_tokens": (4, 8), "sample_steps_per_sec": (100.0, 90.0),
+                "max_batch_tokens": 8}
+    assert cost_model_from_dict(embedded, "PLAN.cost_model") == SpsTable((4, 8), (100.0, 90.0), 8)
+    with pytest.raises(CostTableError, match=r"^PLAN.cost_model: sps-1d table: max_batch_tokens: is 6 but "):
+        cost_model_from_dict({**embedded, "max_batch_tokens": 6}, "PLAN.cost_model")
+    with pytest.raises(CostTableError, match="^PLAN.cost_model: type is 'additive' but the keys"):
+        cost_model_from_dict({**embedded, "type": "additive"}, "PLAN.cost_model")
 
 
-@pytest.mark.parametrize("data, message", [
-    ({**CLIFF.to_json(), "max_tokens": 3, "file": "x"},
-     r"cost.json: unknown cost-model keys \['file', 'max_tokens'\]; sps-1d tables use"),
-    ({"type": "additive", **CLIFF.to_json()},
-     r"cost.json: type is 'additive' but the keys \['sample_batch_tokens', .*\] are those of an 'sps-1d' "
-     "table; fix the type or the keys"),
-    ({"type": "linear", **CLIFF.to_json()},
-     "cost.json: type must be 'sps-1d', 'additive' or 'tier', got 'linear'"),
-    ({**CLIFF.to_json(), "bias_seconds": 0.1}, r"cost.json: mixes sps-1d keys .* and additive keys \['bias_"),
-    ({}, "cost.json: cannot tell the cost-model kind"),
-    ({"type": "sps-1d"}, r"cost.json: the sps-1d table is missing \['sample_batch_tokens', "),
-    ({"sample_batch_tokens": [4], "sample_steps_per_sec": [1.0]},
-     r"cost.json: the sps-1d table is missing \['max_batch_tokens'\]"),
-    ({**CLIFF.to_json(), "sample_steps_per_sec": [1.0, 0.0, 1.0, 1.0]},
-     "cost.json: sample_steps_per_sec item 1 is 0.0"),
-    ({**ADDITIVE.to_json(), "m_probes": "64"}, "cost.json: m_probes must be a list of integers"),
-    ([1, 2], "cost.json: a cost model must be a JSON object, got list"),
-])
-def test_dict_errors_name_the_place_and_the_keys(data, message: str) -> None:
-    with pytest.raises(CostModelError, match=message):
-        cost_model_from_dict(data, "cost.json")
-
-
-def test_load_errors_name_the_file(tmp_path: Path) -> None:
-    missing = tmp_path / "missing.json"
-    with pytest.raises(CostModelError, match=f"{missing}: cannot read the cost-model file"):
-        load_cost_model(missing)
-    broken = tmp_path / "broken.json"
-    broken.write_text('{"sample_batch_tokens": [4,\n')
-    with pytest.raises(CostModelError, match=f"{broken}: not valid JSON at line 2"):
-        load_cost_model(broken)
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({**CLIFF.to_json(), "extra": 1}))
-    with pytest.raises(CostModelError, match=f"{bad}: unknown cost-model keys \\['extra'\\]"):
-        load_cost_model(bad)
+def test_the_committed_tables_load() -> None:
+    for path in sorted(REPO.glob("specs/tables/*/*.json")):
+        if path.name in ("sps_1d.json", "additive.json", "tier.json"):
+            assert load_cost_model(path).kind == {"sps_1d": "sps-1d"}.get(path.stem, path.stem)
 
 
 # --- tier table ------------------------------------------------------------------------------------------
 
-# Tiers 8 / 16 / 32; B probes 1 and 5. Every step in (8, 16] replays the 16-row graph.
-TIER = TierCostTable(tiers=(8, 16, 32), bs_probes=(1, 5),
-                     step_seconds=((0.001, 0.002, 0.004), (0.003, 0.006, 0.012)))
 
 
 def test_tier_lookup_is_flat_within_a_tier_and_jumps_at_the_boundary() -> None:
@@ -231,55 +179,9 @@ def test_tier_rows_past_the_last_tier_are_infeasible() -> None:
         TIER.step_time(1, -1)
 
 
-def test_tier_json_round_trip_with_and_without_a_draft_term(tmp_path: Path) -> None:
+def test_tier_lists_become_tuples_and_the_draft_term_interpolates() -> None:
     with_draft = TierCostTable([16, 64], [1, 8], [[0.001, 0.002], [0.003, 0.004]],  # type: ignore[arg-type]
                                draft_bs_probes=(1, 8), draft_seconds=(0.0005, 0.0009))
     assert with_draft.step_seconds == ((0.001, 0.002), (0.003, 0.004))  # lists became tuples
     assert with_draft.draft_time(8) == 0.0009 and TIER.draft_time(3) == 0.0
-    for table in (TIER, with_draft):
-        path = save_cost_model(table, tmp_path / f"{len(table.tiers)}.json")
-        data = json.loads(path.read_text())
-        assert data["step_seconds"][0] == list(table.step_seconds[0]) and "type" not in data
-        assert load_cost_model(path) == table
-    assert cost_model_from_dict({"type": "tier", **TIER.to_json()}, "spec") == TIER
-    assert hash(TIER) == hash(cost_model_from_dict(TIER.to_json(), "x"))
-
-
-@pytest.mark.parametrize("make, message", [
-    (lambda: TierCostTable((8, 8), (1,), ((1.0, 1.0),)), r"tiers must be strictly increasing: item 1 \(8\)"),
-    (lambda: TierCostTable((), (1,), ((),)), "tiers is empty"),
-    (lambda: TierCostTable((8,), (2, 1), ((1.0,), (1.0,))), "bs_probes must be strictly increasing"),
-    (lambda: TierCostTable((8, 16), (1, 2), ((1.0, 1.0),)),
-     "step_seconds has 1 rows but bs_probes has 2 probes; give one row"),
-    (lambda: TierCostTable((8, 16), (1, 2), ((1.0, 1.0), (1.0,))),
-     r"step_seconds row 1 \(B=2\) has 1 values but tiers has 2; give one value per tier"),
-    (lambda: TierCostTable((8, 16), (1,), ((1.0, 0.0),)),
-     r"step_seconds row 0 \(B=1\) item 1 \(tier 16\) is 0.0; step seconds must be > 0"),
-    (lambda: TierCostTable((8,), (1,), ((float("inf"),),)), "step_seconds row 0 item 0 is inf"),
-    (lambda: TierCostTable((8,), (1,), (1.0,)), "step_seconds row 0 must be a list of numbers"),
-    (lambda: TierCostTable((8,), (1,), "x"), "step_seconds must be a list of rows"),
-    (lambda: TierCostTable((8,), (1,), ((1.0,),), draft_bs_probes=(1,)),
-     "draft_bs_probes is given but draft_seconds is empty"),
-])
-def test_tier_validation_errors_name_the_field_and_the_fix(make, message: str) -> None:
-    with pytest.raises(CostModelError, match=message):
-        make()
-
-
-@pytest.mark.parametrize("data, message", [
-    ({"type": "additive", **TIER.to_json()},
-     r"type is 'additive' but the keys \['tiers', 'step_seconds'\] are those of a 'tier' table"),
-    ({**TIER.to_json(), "m_probes": [1]}, r"mixes additive keys \['m_probes'\] and tier keys \['tiers', "),
-    ({"bs_probes": [1], "step_seconds": [[1.0]]}, r"the tier table is missing \['tiers'\]"),
-    ({"bs_probes": [1]}, "cannot tell the cost-model kind; give one of .* the tier keys"),
-    ({"type": "tier", "bs_probes": [1]}, r"the tier table is missing \['tiers', 'step_seconds'\]"),
-    ({**TIER.to_json(), "tier_seconds": 1},
-     r"unknown cost-model keys \['tier_seconds'\]; .* tier tables use"),
-])
-def test_tier_dict_errors(data, message: str) -> None:
-    with pytest.raises(CostModelError, match=message):
-        cost_model_from_dict(data, "cost.json")
-
-
-def test_shared_bs_probes_key_still_detects_an_additive_table() -> None:
-    assert cost_model_from_dict(ADDITIVE.to_json(), "x") == ADDITIVE
+    assert hash(TIER) == hash(TierCostTable.from_format(TIER.to_format()))

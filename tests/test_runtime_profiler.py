@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dspark.formats.profile import ProfileError
 from dspark.measure.profiler import (
     ProfilePlan,
     ProfileResult,
@@ -312,7 +313,7 @@ def test_profile_result_load_errors(tmp_path: Path) -> None:
     path.write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         ProfileResult.load(path)
-    with pytest.raises(ValueError, match="unknown ProfilePlan fields"):
+    with pytest.raises(ProfileError, match=r"plan: unknown field\(s\) \['gamma'\]"):
         ProfilePlan.from_json({**plan().to_json(), "gamma": 3})
     with pytest.raises(ValueError, match="no measurements"):
         ProfileSample(1, 8, ())

@@ -1,19 +1,41 @@
-"""`dspark run --record`: calibration shards and the step ring agree with what the run did."""
+"""`dspark run --record`: calibration shards and the step ring agree with what the run did, and
+`dspark report` reads what was recorded."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import torch
 
 from dspark.cli.main import main
+from dspark.corpus import held_out_text
+from dspark.formats.run_info import read_run_info
+from dspark.formats.step_records import read_steps
 from dspark.measure.recording import RunRecorder
+from dspark.report.inputs import load_inputs
+from dspark.report.markdown import write_report
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
 
 from .runtime_helpers import compile_variant
-from .test_runtime_lossless import _prompts
 from .test_runtime_modes import COSTLY_ROWS
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    """Varied held-out prompts: different lengths, starting mid-line, one of a single byte."""
+    texts = held_out_text(200_000)
+    prompts = [texts[i][(97 * i) % 400:][: 5 + 23 * i] for i in range(7)] + ["x"]
+    return [tokenizer.encode(p) for p in prompts]
+
+
+def _run_info(pkg, stats) -> dict[str, Any]:
+    """What `dspark run` passes to `RunRecorder.close` (`dspark.formats.run_info`)."""
+    dep = pkg.deployment
+    return {"deployment": dep.name, "verify_mode": dep.verify_mode, "backend": dep.backend,
+            "device": dep.device, "gamma": pkg.plan.gamma, "lag_steps": pkg.plan.lag_steps,
+            "policy": "greedy", "tiers": [], "target_only": False, "fingerprint": None,
+            "stats": None if stats is None else stats.to_json()}
 
 
 def _shards(directory):
@@ -32,7 +54,7 @@ def test_cap_accept_records_every_request_with_labels_from_the_uncapped_match(tm
     recorder = RunRecorder(tmp_path / "run", pkg.plan.gamma, "greedy", record_steps=1000, shard_size=16)
     runtime = Runtime(pkg, recorder=recorder)
     _, stats = runtime.generate(_prompts(pkg.tokenizer), 32)
-    recorder.close({"deployment": pkg.deployment.name, "stats": stats.to_json()})
+    recorder.close(_run_info(pkg, stats))
 
     logits, mask = _shards(tmp_path / "run" / "sts")
     steps = _steps(tmp_path / "run" / "steps.jsonl")
@@ -52,6 +74,7 @@ def test_cap_accept_records_every_request_with_labels_from_the_uncapped_match(tm
     assert meta["num_samples"] == stats.request_steps and meta["skipped_requests"] == 0
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["format"] == "dspark-run" and run["total_steps"] == stats.steps
+    assert read_steps(tmp_path / "run" / "steps.jsonl", pkg.plan.gamma)[-1].step == stats.steps - 1
 
 
 def test_compact_records_only_fully_verified_requests_and_says_why(tmp_path) -> None:
@@ -61,7 +84,7 @@ def test_compact_records_only_fully_verified_requests_and_says_why(tmp_path) -> 
     recorder = RunRecorder(tmp_path / "run", pkg.plan.gamma, "greedy", record_steps=3)
     runtime = Runtime(pkg, recorder=recorder)
     _, stats = runtime.generate(_prompts(pkg.tokenizer), 32)
-    recorder.close({"deployment": pkg.deployment.name})
+    recorder.close(_run_info(pkg, None))
     meta = json.loads((tmp_path / "run" / "sts" / "meta.json").read_text())
     assert meta["skipped_requests"] > 0 and "cap-accept" in meta["skip_reason"]
     assert meta["num_samples"] + meta["skipped_requests"] == stats.request_steps
@@ -120,8 +143,10 @@ def test_a_recording_stopped_with_sigterm_still_writes_its_metadata(tmp_path) ->
     out = tmp_path / "rec"
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):\n"] * 64))
-    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run",
-                             str(REPO / "generated" / "tiny_cpu_cap_accept"), "--prompts-file", str(prompts),
+    package = compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                              {"verify": {"mode": "cap-accept"}, "cost_model": COSTLY_ROWS}, "rec_sigterm")
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli.main", "run", str(package),
+                             "--prompts-file", str(prompts),
                              "--max-new-tokens", "900", "--record", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=dict(os.environ))
     deadline = time.monotonic() + 120
@@ -135,3 +160,21 @@ def test_a_recording_stopped_with_sigterm_still_writes_its_metadata(tmp_path) ->
     assert meta["num_samples"] == sum(
         torch.load(p, weights_only=True)["logits"].shape[0] for p in (out / "sts").glob("shard-*.pt"))
     assert run["format"] == "dspark-run"
+
+
+def test_a_static_recording_carries_survival_and_reports(tmp_path) -> None:
+    # A static build whose draft has a confidence head records its confidence and survival per request,
+    # though no planner ran (so no tau); the report shows what that allows and says what it does not.
+    pkg = load_package(compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                                       {"serving": {"max_running_requests": 4}}, "rec_static"))
+    recorder = RunRecorder(tmp_path / "run", pkg.plan.gamma, "greedy", record_steps=1000)
+    _, stats = Runtime(pkg, recorder=recorder).generate(_prompts(pkg.tokenizer)[:4], 24)
+    recorder.close(_run_info(pkg, stats))
+    info = read_run_info(tmp_path / "run")
+    steps = read_steps(tmp_path / "run" / "steps.jsonl", info.gamma)
+    assert info.verify_mode == "static" and len(steps) == stats.steps
+    assert all(s.tau is None and s.mode == "static" for s in steps)
+    assert all(r.survival is not None and r.confidence is not None for s in steps for r in s.requests)
+    text = write_report(load_inputs([tmp_path / "run"]), tmp_path / "report").read_text()
+    assert "## Calibration" in text and "## Predicted tau" not in text
+    assert "no planner ran (static verification)" in text and "no survival" not in text

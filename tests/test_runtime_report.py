@@ -14,31 +14,28 @@ import pytest
 import torch
 
 from dspark.cli import report as report_cli
-from dspark.measure.profiler import ProfilePlan, ProfileResult, ProfileSample
-from dspark.report import report
-from dspark.report.report import (
-    ReportError,
-    bias_by_batch_and_lag,
-    bias_tables,
-    calibration_groups,
-    load_inputs,
-    load_run,
-    oracle_rows,
-    reliability,
-    residual_table,
-    run_summaries,
-    write_report,
-)
-from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, save_cost_model
+from dspark.formats.cost_tables import write_cost_table
+from dspark.formats.profile import ProfilePlan, ProfileResult, ProfileSample
+from dspark.formats.sts_calibration import read_calibration
+from dspark.report.cost import residual_table
+from dspark.report.inputs import ReportError, load_inputs, load_run
+from dspark.report.markdown import TERMINOLOGY, write_report
+from dspark.report.oracle import oracle_rows
+from dspark.report.reliability import calibration_groups, reliability
+from dspark.report.runs import missing_figures, run_summaries
+from dspark.report.tau_bias import bias_by_batch_and_lag, bias_tables
+from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, TierCostTable
 
 GAMMA = 3
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def request(verify_len: int, correct_len: int, raw: int | None = None, slot: int = 0) -> dict[str, Any]:
+def request(verify_len: int, correct_len: int, raw: int | None = None, slot: int = 0, *,
+            confidence: bool = True, survival: bool = True) -> dict[str, Any]:
     return {"slot": slot, "generation": 1, "verify_len": verify_len, "correct_len": correct_len,
             "raw_correct_len": correct_len if raw is None else raw, "commit_len": correct_len + 1,
-            "confidence": [1.0, 0.5, -0.5], "survival": [0.7, 0.5, 0.3]}
+            "confidence": [1.0, 0.5, -0.5] if confidence else None,
+            "survival": [0.7, 0.5, 0.3] if survival else None}
 
 
 def step(i: int, reqs: list[dict[str, Any]], tau: float | None, committed: int, tier: int | None = None,
@@ -114,9 +111,9 @@ def write_profile(tmp_path: Path) -> tuple[Path, Path, Path]:
     result = ProfileResult(plan=plan, static=static, grid=grid, meta={"tiers": "8,16"})
     profile_path = tmp_path / "profile.json"
     result.save(profile_path)
-    sps = SpsTable(sample_batch_tokens=(4, 16), sample_steps_per_sec=(400.0, 200.0), max_batch_tokens=12)
-    return (profile_path, save_cost_model(additive, tmp_path / "additive.json"),
-            save_cost_model(sps, tmp_path / "sps_1d.json"))
+    sps = SpsTable(sample_batch_tokens=(4, 8), sample_steps_per_sec=(400.0, 200.0), max_batch_tokens=12)
+    return (profile_path, write_cost_table(tmp_path / "additive.json", additive.to_format()),
+            write_cost_table(tmp_path / "sps_1d.json", sps.to_format()))
 
 
 def write_bench(tmp_path: Path) -> Path:
@@ -270,7 +267,7 @@ def test_calibration_conditional_uses_reached_rows_and_temperatures(tmp_path: Pa
 
     cal.write_text(json.dumps({"temperatures": [1.0, 1.0]}))
     with pytest.raises(ReportError, match=re.escape(str(cal)) + ".*2 temperatures.*gamma=3"):
-        calibration_groups(load_inputs([run_dir], calibration=cal).runs, report.load_calibration(cal))
+        calibration_groups(load_inputs([run_dir]).runs, read_calibration(cal), calibration_name=str(cal))
 
 
 def test_residual_table_separates_tier_error(tmp_path: Path) -> None:
@@ -278,22 +275,19 @@ def test_residual_table_separates_tier_error(tmp_path: Path) -> None:
     inputs = load_inputs(profile=profile_path, tables=[additive_path, sps_path])
     samples = inputs.profile.fit_samples()
 
-    class TierModel:  # a third kind: anything with step_time(B, M)
-        def step_time(self, num_reqs: int, num_rows: int) -> float:
-            return 0.5
-
-    rows = {r.model: r for r in residual_table(samples, [*inputs.tables, ("tier", TierModel())], (8, 16))}
-    additive = rows["additive"]
-    assert additive.count == len(samples) and additive.out_of_range == 0
-    assert additive.elsewhere_mean_abs == pytest.approx(0.0, abs=1e-12)
+    flat = TierCostTable(tiers=(64,), bs_probes=(1,), step_seconds=((0.5,),))  # far too slow everywhere
+    rows = {r.model: r for r in residual_table(samples, [*inputs.tables, ("tier", flat)], (8, 16))}
+    additive = rows["additive"].fit
+    assert additive.num_samples == len(samples) and rows["additive"].out_of_range == 0
+    assert additive.elsewhere_mean_abs_error_seconds == pytest.approx(0.0, abs=1e-12)
     # Near-tier samples are M in 6..10 and 14..18; only M=16 (B=4) is off, by 1 ms.
     near = [m for _, m, _ in samples if abs(m - 8) <= 2 or abs(m - 16) <= 2]
-    assert additive.near_tier_count == len(near)
-    assert additive.near_tier_mean_abs == pytest.approx(0.001 / len(near))
+    assert additive.num_boundary == len(near)
+    assert additive.boundary_mean_abs_error_seconds == pytest.approx(0.001 / len(near))
     assert additive.rms_seconds == pytest.approx(math.sqrt(0.001**2 / len(samples)))
     # The SPS table stops at max_batch_tokens=12: larger M cannot be predicted.
     assert rows["sps_1d"].out_of_range == sum(m > 12 for _, m, _ in samples)
-    assert rows["tier"].r_squared < 0
+    assert rows["tier"].fit.r_squared < 0
 
 
 # -------------------------------------------------------------------------------------- the report
@@ -341,7 +335,7 @@ def test_acceptance_rate_never_describes_tau(tmp_path: Path, runs: tuple[Path, P
     assert "tau" in text
     assert "acceptance rate" not in text.lower()
     # The terminology note is stated once.
-    assert text.count(report.TERMINOLOGY) == 1
+    assert text.count(TERMINOLOGY) == 1
 
 
 def test_missing_inputs_drop_their_sections(tmp_path: Path) -> None:
@@ -358,6 +352,41 @@ def test_missing_inputs_drop_their_sections(tmp_path: Path) -> None:
     text = write_report(load_inputs([compact]), tmp_path / "out2").read_text()
     assert "## Predicted tau" in text and "## Throughput" in text and "oracle rows / step" in text
     assert "## Calibration" not in text and "## Cost model" not in text and "tokens/s by package" not in text
+
+
+def test_a_static_recording_without_survival_reports_what_it_can_and_says_why(tmp_path: Path) -> None:
+    # As static runs recorded before they computed survival: confidence and STS shards, no survival, no tau.
+    static = write_run(tmp_path, "static", [
+        step(i, [request(4, 3, survival=False), request(4, 1, slot=1, survival=False)], None, 6,
+             mode="static") for i in range(3)], mode="static", sts=sts_samples())
+    assert load_run(static).steps[0].requests[0].survival is None
+    text = write_report(load_inputs([static]), tmp_path / "out").read_text()
+    assert "## Runs" in text and "## Calibration" in text and "calibration_cumulative_greedy-g3.png" in text
+    assert "## Predicted tau" not in text
+    assert "`static`: no planner ran (static verification), so its steps have no predicted tau" in text
+    assert "`static`: the steps record confidence but no survival" in text
+
+
+def test_a_draft_without_a_confidence_head_reports_what_it_can_and_says_why(tmp_path: Path) -> None:
+    # No confidence head: no confidence or survival per request, no STS shards, no planner.
+    plain = write_run(tmp_path, "plain", [
+        step(0, [request(4, 2, confidence=False, survival=False)], None, 3, mode="static")], mode="static")
+    inputs = load_inputs([plain])
+    assert missing_figures(inputs.runs) == [
+        "`plain`: no planner ran (static verification), so its steps have no predicted tau and it is not in "
+        "the tau-vs-actual figures.",
+        "`plain`: the draft has no confidence head, so the steps record no confidence or survival and the "
+        "run has no calibration figures.",
+        "`plain`: no STS samples (`sts/` is missing or holds no shards), so it adds nothing to the "
+        "reliability diagrams."]
+    text = write_report(inputs, tmp_path / "out").read_text()
+    assert "What these recordings cannot show:" in text and "the draft has no confidence head" in text
+    # What the steps do show: drafts 1 and 2 of 3 accepted, all three verified.
+    assert "| plain | 1 1 1 | 1 1 0 | 1.00 1.00 0.00 |" in text
+
+
+def test_a_complete_recording_has_nothing_missing(runs: tuple[Path, Path]) -> None:
+    assert missing_figures([load_run(runs[0])]) == []
 
 
 def test_failed_render_leaves_no_report(tmp_path: Path, runs: tuple[Path, Path],

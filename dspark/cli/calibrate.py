@@ -1,29 +1,25 @@
-"""`dspark calibrate`: fit STS temperatures from recorder shards and write the calibration JSON.
-
-Wired into `dspark` by `cli.py` through `add_calibrate_parser` and `run_calibrate`; kept apart so that the
-other subcommands do not pay for (or depend on) the calibration code.
-"""
+"""`dspark calibrate`: fit STS temperatures from recorder shards and write the calibration JSON."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from dspark.formats.json_io import FormatError
+from dspark.formats.sts_shards import StsMeta, read_shards, read_sts_meta
 from dspark.measure.calibration import (
     DEFAULT_GRID_POINTS,
-    DEFAULT_NUM_BINS,
     DEFAULT_T_MAX,
     DEFAULT_T_MIN,
     CalibrationError,
     default_grid,
     fit_sts,
     format_fit_report,
-    load_shards,
     save_calibration,
 )
+from dspark.measure.metrics import DEFAULT_NUM_BINS
 
 
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -38,11 +34,15 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", type=Path, required=True, help="calibration JSON to write, e.g. sts.json")
     p.add_argument("--dataset", default=None,
                    help="name of the recorded load (default: the shard directory names)")
-    p.add_argument("--bins", type=int, default=DEFAULT_NUM_BINS, help="equal-width ECE bins over [0, 1]")
+    p.add_argument("--bins", type=int, default=DEFAULT_NUM_BINS,
+                   help="equal-width ECE bins over [0, 1] (default: %(default)s)")
     p.add_argument("--grid-points", type=int, default=DEFAULT_GRID_POINTS,
-                   help="temperatures tried per position, log-spaced from --t-min to --t-max")
-    p.add_argument("--t-min", type=float, default=DEFAULT_T_MIN, help="smallest temperature tried")
-    p.add_argument("--t-max", type=float, default=DEFAULT_T_MAX, help="largest temperature tried")
+                   help="temperatures tried per position, log-spaced from --t-min to --t-max "
+                        "(default: %(default)s)")
+    p.add_argument("--t-min", type=float, default=DEFAULT_T_MIN,
+                   help="smallest temperature tried (default: %(default)s)")
+    p.add_argument("--t-max", type=float, default=DEFAULT_T_MAX,
+                   help="largest temperature tried (default: %(default)s)")
     return p
 
 
@@ -62,19 +62,17 @@ def default_dataset_name(shards: list[Path]) -> str:
 def recorded_under(shards: list[Path]) -> dict[str, Any]:
     """The policy and fingerprint the recorder wrote beside the shards (`meta.json`), which the
     calibration file carries so the compiler can refuse it for another deployment or policy."""
-    seen: dict[str, dict[str, Any]] = {}
+    seen: dict[Path, StsMeta] = {}
     for shard in shards:
-        meta_path = (shard if shard.is_dir() else shard.parent) / "meta.json"
-        if meta_path.is_file() and str(meta_path) not in seen:
-            try:
-                meta = json.loads(meta_path.read_text())
-            except json.JSONDecodeError as err:
-                raise CalibrationError(f"{meta_path}: not valid JSON ({err})") from err
-            seen[str(meta_path)] = {k: meta[k] for k in ("policy", "fingerprint") if k in meta}
-    values = list(seen.values())
+        directory = shard if shard.is_dir() else shard.parent
+        if directory not in seen and (meta := read_sts_meta(directory)) is not None:
+            seen[directory] = meta
+    values = [{k: v for k, v in (("policy", m.policy), ("fingerprint", m.fingerprint)) if v is not None}
+              for m in seen.values()]
     if any(v != values[0] for v in values[1:]):
         raise CalibrationError("the shards were recorded under different policies or deployments ("
-                               + "; ".join(f"{p}: {v}" for p, v in seen.items())
+                               + "; ".join(f"{directory / 'meta.json'}: {v}"
+                                           for directory, v in zip(seen, values, strict=True))
                                + "); calibrate each policy and deployment separately")
     return values[0] if values else {}
 
@@ -85,13 +83,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
         if args.bins < 1:
             raise CalibrationError(f"--bins must be >= 1, got {args.bins}")
         grid = default_grid(args.grid_points, args.t_min, args.t_max)
-        data = load_shards(args.shards)
+        data = read_shards(args.shards)
         fit = fit_sts(data, grid=grid, num_bins=args.bins)
         dataset = args.dataset if args.dataset is not None else default_dataset_name(args.shards)
         recorded = recorded_under(args.shards)
         print(format_fit_report(fit, recorded.get("policy")), end="")
         path = save_calibration(args.out, fit, dataset, extra=recorded)
-    except (CalibrationError, OSError) as err:
+    except (CalibrationError, FormatError, OSError) as err:
         print(f"dspark calibrate: error: {err}", file=sys.stderr)
         return 2
     print(f"wrote STS calibration ({fit.num_samples} rows from {len(data.sources)} shard(s), "

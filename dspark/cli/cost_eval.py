@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from dspark.measure.calibration import load_shards
+from dspark.formats.profile import ProfileResult
+from dspark.formats.sts_shards import read_shards
 from dspark.measure.cost_eval import evaluate_cost_models, fit_all_models, format_cost_eval
-from dspark.measure.profiler import ProfileResult
 from dspark.runtime.planner.budget import ScheduleConfig
 from dspark.runtime.planner.survival import survival_from_logits
 
@@ -27,13 +27,18 @@ def add_cost_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("profile", type=Path, help="profile.json written by `dspark profile`")
     parser.add_argument("--sts", type=Path, nargs="+", required=True, metavar="SHARD_OR_DIR",
                         help="STS shards (.pt with logits and prefix_mask) or directories of them")
-    parser.add_argument("--m-bin", type=int, default=16, help="M bin width of the additive fit")
-    parser.add_argument("--draws", type=int, default=64, help="survival draws per profiled batch size")
-    parser.add_argument("--min-verify-len", type=int, default=1, help="the planner's min_verify_len")
-    parser.add_argument("--max-verify-len", type=int, default=0, help="the planner's max_verify_len (0 = N)")
+    parser.add_argument("--m-bin", type=int, default=16,
+                        help="M bin width of the additive fit (default: %(default)s)")
+    parser.add_argument("--draws", type=int, default=64,
+                        help="survival draws per profiled batch size (default: %(default)s)")
+    parser.add_argument("--min-verify-len", type=int, default=1,
+                        help="the planner's min_verify_len (default: %(default)s)")
+    parser.add_argument("--max-verify-len", type=int, default=0,
+                        help="the planner's max_verify_len (0 = N) (default: %(default)s)")
     parser.add_argument("--temperatures", default=None, metavar="T1,T2,...",
                         help="STS temperature per draft position (default 1.0 everywhere)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the survival draws")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the survival draws (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
@@ -55,7 +60,7 @@ def run_cost_eval(args: argparse.Namespace) -> int:
     """`dspark cost-eval`: print the report (text or --json); bad input → message on stderr, exit 2."""
     try:
         result = ProfileResult.load(args.profile)
-        logits = torch.tensor(load_shards(args.sts).logits, dtype=torch.float32)
+        logits = torch.tensor(read_shards(args.sts).logits, dtype=torch.float32)
         survival = survival_from_logits(logits, _temperatures(args.temperatures, logits.shape[1]))
         cfg = ScheduleConfig(gamma=logits.shape[1], min_verify_len=args.min_verify_len,
                              max_verify_len=args.max_verify_len)

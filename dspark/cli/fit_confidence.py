@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dspark.formats.json_io import FormatError
 from dspark.measure.calibration import CalibrationError
 from dspark.measure.confidence_fit import HeadFitSettings, format_head_fit, refit_draft
 
@@ -28,14 +29,16 @@ def add_fit_confidence_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", type=Path, required=True,
                    help="new draft checkpoint directory to write (must not exist)")
     p.add_argument("--holdout", type=float, default=defaults.holdout_fraction,
-                   help="share of request-steps held out of the fit and reported")
+                   help="share of request-steps held out of the fit and reported (default: %(default)s)")
     p.add_argument("--l2", type=float, default=defaults.l2,
-                   help="pull of the weights towards the current head")
-    p.add_argument("--max-iter", type=int, default=defaults.max_iter, help="L-BFGS iterations")
+                   help="pull of the weights towards the current head (default: %(default)s)")
+    p.add_argument("--max-iter", type=int, default=defaults.max_iter,
+                   help="L-BFGS iterations (default: %(default)s)")
     p.add_argument("--add-draft-stats", action="store_true",
                    help="widen the head to also read the draft distribution's top log-probability, "
                         "top-2 margin and entropy (new weights start at zero)")
-    p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the held-out split")
+    p.add_argument("--seed", type=int, default=defaults.seed,
+                   help="seed of the held-out split (default: %(default)s)")
     return p
 
 
@@ -44,7 +47,7 @@ def run_fit_confidence(args: argparse.Namespace) -> int:
         settings = HeadFitSettings(holdout_fraction=args.holdout, l2=args.l2, max_iter=args.max_iter,
                                    seed=args.seed)
         fit, out = refit_draft(args.shards, args.draft, args.out, settings, args.add_draft_stats)
-    except (CalibrationError, OSError) as err:
+    except (CalibrationError, FormatError, OSError) as err:
         print(f"dspark fit-confidence: error: {err}", file=sys.stderr)
         return 2
     print(format_head_fit(fit), end="")

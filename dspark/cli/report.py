@@ -7,13 +7,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dspark.report.report import load_inputs, write_report
+from dspark.report.inputs import load_inputs
+from dspark.report.markdown import write_report
 
 
 def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `report` to a `dspark` subparsers object; dispatch the parsed args to `run_report`."""
-    p = subparsers.add_parser("report", help="write a Markdown report with plots from recorded runs, "
-                                             "calibration, profiles and benches")
+    p = subparsers.add_parser(
+        "report",
+        help="write a Markdown report with plots from recorded runs, calibration, profiles and benches",
+        description="Summarise recorded runs (acceptance by draft position, reliability of the calibrated "
+                    "survival, actual minus predicted tokens by batch size, lag, policy and tier), cost "
+                    "models against measured step times, and throughput, as report.md with PNG plots.")
     p.add_argument("run_dirs", type=Path, nargs="*", metavar="RUN_DIR",
                    help="directories written by `dspark run ... --record RUN_DIR`")
     p.add_argument("-o", "--out", type=Path, required=True, metavar="REPORT_DIR",
@@ -23,7 +28,7 @@ def add_report_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tables", type=Path, nargs="+", default=[], metavar="TABLE_JSON",
                    help="cost-model tables to compare with the profile (sps_1d.json, additive.json, ...)")
     p.add_argument("--bench", type=Path, nargs="+", default=[], metavar="BENCH_JSON",
-                   help="outputs of `benchmarks/bench_modes.py --json`")
+                   help="throughput results, the JSON that benchmarks/bench_modes.py --json writes")
     p.set_defaults(handler=run_report)
     return p
 
@@ -41,7 +46,7 @@ def run_report(args: argparse.Namespace) -> int:
     try:
         inputs = load_inputs(args.run_dirs, args.calibration, args.profile, args.tables, args.bench)
         path = write_report(inputs, args.out)
-    except ValueError as err:  # ReportError, CostModelError and the profile's own errors
+    except ValueError as err:  # ReportError, and a calibration that does not fit the runs
         print(f"dspark: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:

@@ -1,15 +1,20 @@
 """Step-cost tables (`sps-1d`, `additive`, `tier`): the one definition of their JSON format.
 
 The spec validates an inline table or a table file with these models, `dspark profile` writes
-them, the planner prices steps with them (`dspark.runtime.planner.cost_models`) and the report
-reads them. Field names follow SGLang's tables.
+them, the planner prices steps with tables built from them (`dspark.runtime.planner.cost_models`)
+and the report and `dspark cost-eval` read them. Field names follow SGLang's tables; a table file
+holds the table's fields (without `type`: the kind follows from the keys only one kind uses) plus
+an optional `fingerprint` of the deployment it was measured on. docs/formats.md describes the files.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, ValidationInfo, field_validator
+from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dspark.formats.fields import (
     FieldValueError,
@@ -20,10 +25,15 @@ from dspark.formats.fields import (
     same_length,
     strictly_increasing,
 )
+from dspark.formats.json_io import FormatError, read_json_file, validation_message, write_json_file
 
 # Rows of per-tier seconds; the outer list becomes a tuple here, each row through FloatTuple.
 FloatRows = Annotated[tuple[FloatTuple, ...],
                       BeforeValidator(lambda value: tuple(value) if isinstance(value, list) else value)]
+
+
+class CostTableError(FormatError):
+    """A cost table (a file, or the object a generated config embeds) is malformed; names where and why."""
 
 
 def _draft_probes_field() -> Any:
@@ -53,6 +63,17 @@ class _DraftCostTerm(Section):
             raise FieldValueError("draft times must be ≥ 0", "re-measure the draft step")
         return value
 
+    @model_validator(mode="after")
+    def _draft_both_or_neither(self) -> _DraftCostTerm:
+        # A default is not validated field by field, so one list given without the other lands here.
+        probes, seconds = getattr(self, "draft_bs_probes", ()), getattr(self, "draft_seconds", ())
+        if bool(probes) != bool(seconds):
+            given, missing = (("draft_bs_probes", "draft_seconds") if probes
+                              else ("draft_seconds", "draft_bs_probes"))
+            raise FieldValueError(f"{given} is given but {missing} is empty",
+                                  "give both draft lists (one time per probe) or neither")
+        return self
+
 
 class Sps1dCostModel(_DraftCostTerm):
     """Steps-per-second table over the step's token count, looked up by floor."""
@@ -64,7 +85,7 @@ class Sps1dCostModel(_DraftCostTerm):
     sample_steps_per_sec: FloatTuple = Field(
         min_length=1, description="Measured steps per second at each probed M (> 0).")
     max_batch_tokens: int = Field(
-        ge=1, description="Largest token count the table may be used for.")
+        ge=1, description="Largest token count the table may be used for (at least the last probe).")
 
     @field_validator("sample_batch_tokens")
     @classmethod
@@ -78,6 +99,17 @@ class Sps1dCostModel(_DraftCostTerm):
         if any(rate <= 0 for rate in value):
             raise FieldValueError("steps per second must all be > 0",
                                  "re-measure or drop the probes with a zero rate")
+        return value
+
+    @field_validator("max_batch_tokens")
+    @classmethod
+    def _covers_the_probes(cls, value: int, info: ValidationInfo) -> int:
+        # A probe past the limit was measured but could never be looked up: the table contradicts itself.
+        tokens = info.data.get("sample_batch_tokens")
+        if tokens and tokens[-1] > value:
+            raise FieldValueError(f"is {value} but sample_batch_tokens reaches {tokens[-1]}",
+                                  "raise max_batch_tokens to the largest probe (or beyond), or drop "
+                                  "the probes above it")
         return value
 
     draft_bs_probes: IntTuple = _draft_probes_field()
@@ -109,6 +141,15 @@ class AdditiveCostModel(_DraftCostTerm):
         if any(seconds < 0 for seconds in value):
             raise FieldValueError("times must be ≥ 0", "check the fit; negative times are invalid")
         return value
+
+    @model_validator(mode="after")
+    def _some_time_per_step(self) -> AdditiveCostModel:
+        # Interpolation never leaves [min, max] of the probe values, so this bounds every T(B, M) below;
+        # a zero-second step would make every budget's objective infinite.
+        if self.bias_seconds + min(self.alpha_seconds) + min(self.theta_seconds) <= 0:
+            raise FieldValueError("bias_seconds + min(alpha_seconds) + min(theta_seconds) is 0, so some "
+                                  "steps would be predicted to take no time", "re-fit the table")
+        return self
 
     draft_bs_probes: IntTuple = _draft_probes_field()
     draft_seconds: FloatTuple = _draft_seconds_field()
@@ -158,3 +199,75 @@ CostTable = Sps1dCostModel | AdditiveCostModel | TierCostModel
 COST_TABLE_MODELS: dict[str, type[Sps1dCostModel] | type[AdditiveCostModel] | type[TierCostModel]] = {
     "sps-1d": Sps1dCostModel, "additive": AdditiveCostModel, "tier": TierCostModel,
 }
+
+DRAFT_KEYS = ("draft_bs_probes", "draft_seconds")
+# Each kind's own fields, in file order (the draft term and the fingerprint follow them).
+TABLE_KEYS: dict[str, tuple[str, ...]] = {
+    kind: tuple(name for name in model.model_fields if name not in ("type", "fingerprint", *DRAFT_KEYS))
+    for kind, model in COST_TABLE_MODELS.items()
+}
+# A key two kinds share (bs_probes) says nothing about which kind a table is; only these do.
+_DISTINCT_KEYS: dict[str, tuple[str, ...]] = {
+    kind: tuple(key for key in keys if not any(key in other for k, other in TABLE_KEYS.items() if k != kind))
+    for kind, keys in TABLE_KEYS.items()
+}
+
+
+def cost_table_kind(data: Mapping[str, Any], where: str) -> str:
+    """The kind of a table object: from the keys only one kind uses; an optional `type` must agree."""
+    declared = data.get("type")
+    if declared is not None and declared not in COST_TABLE_MODELS:
+        raise CostTableError(f"{where}: type must be 'sps-1d', 'additive' or 'tier', got {declared!r}")
+    present = {kind: [key for key in keys if key in data] for kind, keys in _DISTINCT_KEYS.items()}
+    found = [kind for kind, keys in present.items() if keys]
+    if len(found) > 1:
+        mixed = " and ".join(f"{kind} keys {present[kind]}" for kind in found)
+        raise CostTableError(f"{where}: mixes {mixed}; a table is one kind, keep one set of keys")
+    if not found:
+        if declared is not None:
+            return str(declared)
+        options = ", ".join(f"the {kind} keys {list(keys)}" for kind, keys in TABLE_KEYS.items())
+        raise CostTableError(f"{where}: cannot tell the cost-model kind; give one of {options}")
+    if declared is not None and declared != found[0]:
+        raise CostTableError(f"{where}: type is {declared!r} but the keys {present[found[0]]} are those "
+                             f"of the {found[0]!r} kind; fix the type or the keys")
+    return found[0]
+
+
+def cost_table_from_json(data: Any, where: str) -> CostTable:
+    """Validate a table object (a file's contents or an embedded dict); `where` prefixes every error."""
+    if not isinstance(data, Mapping):
+        raise CostTableError(f"{where}: a cost model must be a JSON object, got {type(data).__name__}")
+    kind = cost_table_kind(data, where)
+    try:
+        return COST_TABLE_MODELS[kind].model_validate({**data, "type": kind})
+    except ValidationError as error:
+        raise CostTableError(f"{where}: {kind} table: {validation_message(error)}") from None
+
+
+def read_cost_table(path: str | os.PathLike[str]) -> CostTable:
+    """A table file, validated; errors start with the path."""
+    data = read_json_file(path, "cost-model file", "pass a table `dspark profile` wrote", CostTableError)
+    return cost_table_from_json(data, str(path))
+
+
+def cost_table_json(table: CostTable, fingerprint: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The file's object: the table's own fields (SGLang's names), the draft term when there is one,
+    then `fingerprint` when given. `type` is left out, as SGLang's files do."""
+    data = table.model_dump(include=set(TABLE_KEYS[table.type]))
+    out: dict[str, Any] = {key: _as_json(data[key]) for key in TABLE_KEYS[table.type]}
+    if table.draft_bs_probes:
+        out.update({key: _as_json(getattr(table, key)) for key in DRAFT_KEYS})
+    if fingerprint is not None:
+        out["fingerprint"] = dict(fingerprint)
+    return out
+
+
+def _as_json(value: Any) -> Any:
+    return [_as_json(item) for item in value] if isinstance(value, tuple) else value
+
+
+def write_cost_table(path: str | os.PathLike[str], table: CostTable,
+                     fingerprint: Mapping[str, Any] | None = None) -> Path:
+    """Write a table file atomically, so a reader never sees a half-written table. Returns the path."""
+    return write_json_file(path, cost_table_json(table, fingerprint))

@@ -1,15 +1,21 @@
-"""The contents of a calibration JSON file, as `dspark calibrate` writes it.
+"""STS calibration files: the one definition of their JSON format, with its reader and writer.
 
 The spec's inline `calibration: {temperatures: [...]}` is only the temperatures; the file also
 records how they were fitted (data set, sample count, ECE/Brier/AUC before and after, the grid), and
 optionally the fingerprint of the deployment and the sampling policy it was fitted for. Every known
 key is typed, so a damaged file fails here instead of being half-read, and unknown keys are still
-rejected so a typo in a hand-edited file is not silently ignored.
+rejected so a typo in a hand-edited file is not silently ignored. `dspark calibrate` writes the file
+(`write_calibration`), the spec validates it with `CalibrationFileContents`, the report reads it
+(`read_calibration`); the first five fields are the ones SGLang's runtime reads (docs/formats.md).
 """
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from dspark.formats.fields import (
     FieldValueError,
@@ -18,12 +24,13 @@ from dspark.formats.fields import (
     Section,
     TableFingerprint,
 )
+from dspark.formats.json_io import FormatError, read_json_file, validation_message, write_json_file
 
 
 class StsTemperatures(Section):
     """Per-position STS temperatures T_1..T_gamma and the policy they were fitted for."""
 
-    temperatures: FloatTuple = Field(description="One temperature (> 0) per draft position.")
+    temperatures: FloatTuple = Field(min_length=1, description="One temperature (> 0) per draft position.")
     policy: str | None = Field(
         default=None, min_length=1,
         description="Optional: the sampling policy the temperatures were fitted for, `greedy` or "
@@ -75,3 +82,46 @@ class CalibrationFileContents(StsTemperatures):
                                  "give one value per draft position (rewrite the file with "
                                  "`dspark calibrate`)")
         return self
+
+
+class CalibrationFileError(FormatError):
+    """A calibration file is unreadable or malformed; the message starts with its path."""
+
+
+# The file's key order: SGLang's five fields first (its reader needs only these), then how the fit went.
+FILE_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after", "brier_before",
+             "brier_after", "auc_before", "auc_after", "mean_survival_before", "mean_survival_after",
+             "reach_rate", "num_bins", "grid", "policy", "fingerprint")
+
+
+def calibration_from_json(data: Any, where: str) -> CalibrationFileContents:
+    """Validate a calibration object; `where` (usually the file) starts every error."""
+    if not isinstance(data, dict):
+        raise CalibrationFileError(f"{where}: a calibration must be a JSON object with 'temperatures', got "
+                                   f"{type(data).__name__}")
+    try:
+        return CalibrationFileContents.model_validate(data)
+    except ValidationError as error:
+        raise CalibrationFileError(f"{where}: {validation_message(error)}") from None
+
+
+def read_calibration(path: str | os.PathLike[str]) -> CalibrationFileContents:
+    """A calibration file, validated."""
+    data = read_json_file(path, "STS calibration file", "write it with `dspark calibrate`",
+                          CalibrationFileError)
+    return calibration_from_json(data, str(path))
+
+
+def calibration_json(contents: CalibrationFileContents) -> dict[str, Any]:
+    """The file's object in `FILE_KEYS` order; fields that are not set are left out (SGLang omits them)."""
+    out: dict[str, Any] = {}
+    for key in FILE_KEYS:
+        value = getattr(contents, key)
+        if value is not None:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def write_calibration(path: str | os.PathLike[str], contents: CalibrationFileContents) -> Path:
+    """Write the file atomically (strict JSON: a NaN metric is refused, not written)."""
+    return write_json_file(path, calibration_json(contents))

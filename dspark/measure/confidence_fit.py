@@ -38,16 +38,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.measure.calibration import (
-    CalibrationError,
-    brier,
-    ece,
+from dspark.formats.sts_shards import (
     read_shard,
-    roc_auc,
+    read_sts_meta,
     shard_arrays,
+    shard_features,
     shard_files,
 )
-from dspark.measure.recording import FEATURES_KEY
+from dspark.measure.calibration import CalibrationError
+from dspark.measure.metrics import brier, ece, roc_auc
+from dspark.measure.scores import survival
 from dspark.runtime.models.dspark_draft import NUM_DRAFT_STATS, draft_stats
 
 HEAD_PREFIX = "confidence_head."
@@ -96,47 +96,38 @@ class FeatureData:
         return int(self.features.shape[0])
 
 
-def _read_meta(directory: Path) -> dict[str, Any]:
-    path = directory / "meta.json"
-    if not path.is_file():
+def _features_meta(directory: Path) -> tuple[str, str | None]:
+    """The draft backbone and policy the features beside these shards were recorded with."""
+    meta = read_sts_meta(directory)
+    if meta is None:
         raise CalibrationError(f"{directory}: no meta.json beside the shards; record them with "
                                f"`dspark run --record DIR --record-features`")
-    try:
-        meta = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CalibrationError(f"{path}: not valid JSON ({err})") from None
-    info = meta.get(FEATURES_KEY) if isinstance(meta, dict) else None
-    if not isinstance(info, dict) or not isinstance(info.get("draft_backbone"), str):
-        raise CalibrationError(f"{path}: the run did not record features; record it again with "
-                               f"`dspark run --record DIR --record-features`")
-    return meta
+    if meta.features_backbone is None:
+        raise CalibrationError(f"{directory / 'meta.json'}: the run did not record features; record it "
+                               f"again with `dspark run --record DIR --record-features`")
+    return meta.features_backbone, meta.policy
 
 
 def load_feature_shards(paths: Sequence[str | os.PathLike[str]]) -> FeatureData:
     """Recorder shards with features (validated like `dspark calibrate`'s), from one draft backbone
     and one policy; each shard is read once."""
     files = shard_files(paths)
-    metas = {p.parent: _read_meta(p.parent) for p in files}
-    backbones = {m[FEATURES_KEY]["draft_backbone"] for m in metas.values()}
-    policies = {m.get("policy") for m in metas.values()}
+    metas = {p.parent: _features_meta(p.parent) for p in files}
+    backbones = {backbone for backbone, _ in metas.values()}
+    policies = {policy for _, policy in metas.values()}
     if len(backbones) > 1 or len(policies) > 1:
         raise CalibrationError(
             "the shards were recorded with different drafts or policies ("
-            + "; ".join(f"{d}: backbone {m[FEATURES_KEY]['draft_backbone']}, policy {m.get('policy')}"
-                        for d, m in metas.items()) + "); fit each draft and policy separately")
+            + "; ".join(f"{d}: backbone {backbone}, policy {policy}"
+                        for d, (backbone, policy) in metas.items())
+            + "); fit each draft and policy separately")
     parts, masks = [], []
     gamma: int | None = None
     for path in files:
         payload = read_shard(path)
         _, mask = shard_arrays(payload, path, gamma)  # validates logits / prefix_mask and prefix rows
         n, gamma = mask.shape
-        feats = payload.get(FEATURES_KEY)
-        if not isinstance(feats, torch.Tensor) or feats.dim() != 3 or tuple(feats.shape[:2]) != (n, gamma) \
-                or not feats.is_floating_point():
-            shape = tuple(feats.shape) if isinstance(feats, torch.Tensor) else None
-            raise CalibrationError(f"{path}: {FEATURES_KEY!r} must be a float tensor [n, gamma, F] = "
-                                   f"[{n}, {gamma}, F], got {shape}")
-        parts.append(feats.float())
+        parts.append(shard_features(payload, path, n, gamma))
         masks.append(torch.from_numpy(mask))
     if len({p.shape[-1] for p in parts}) > 1:
         raise CalibrationError("the shards hold features of different widths; fit one draft at a time")
@@ -186,7 +177,7 @@ def _cumulative_bce(z: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _metrics(z: torch.Tensor, mask: torch.Tensor) -> dict[str, list[Any]]:
-    s = torch.sigmoid(z.double()).cumprod(-1).numpy()
+    s = survival(z.double().numpy())
     m = mask.numpy()
     gamma = m.shape[1]
     return {"ece": [round(ece(s[:, k], m[:, k]), 4) for k in range(gamma)],

@@ -1,4 +1,4 @@
-"""How good is each cost model for the planner, judged against the measured profile (DESIGN §6).
+"""How good is each cost model for the planner, judged against the measured profile (docs/planner.md).
 
 A cost model only matters through the budget it makes the planner choose, so it is scored the way it is
 used: for every profiled batch size B, batches of B requests are drawn from recorded survival; for each
@@ -13,8 +13,9 @@ meta records its tiers): one step of M rows costs what its tier costs, so interp
 boundary would invent the smoothing under test. Budgets stop at the first M that cannot be read this
 way, for the optimum and for every model alike.
 
-Fit quality on the profile samples is reported next to the regret, with the mean error split into
-samples within ±2 rows of a tier boundary and the rest: where an additive fit misprices a cliff.
+Fit quality on the profile samples (`dspark.measure.residuals`) is reported next to the regret, with the
+mean error split into samples within `TIER_RADIUS` rows of a tier boundary and the rest: where an additive
+fit misprices a cliff.
 
 Draft terms are left out on both sides: the profile measures the verify step only, so a model's draft
 term would tilt its choice by a cost the measured objective cannot see.
@@ -30,8 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark.measure.cost_fit import FitResidual, fit_quality, fit_tier_table
-from dspark.measure.profiler import ProfileResult, fit_profile
+from dspark.formats.profile import ProfileResult
+from dspark.measure.cost_fit import fit_tier_table
+from dspark.measure.profiler import fit_profile
+from dspark.measure.residuals import FitQuality, model_fit_quality
+from dspark.measure.tiers import TIER_RADIUS
 from dspark.runtime.planner.budget import (
     TIE_RTOL,
     ScheduleConfig,
@@ -41,30 +45,6 @@ from dspark.runtime.planner.budget import (
 )
 from dspark.runtime.planner.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
 
-__all__ = [
-    "BOUNDARY_RADIUS", "BatchEval", "BatchRange", "CostEvalReport", "FitQuality", "MeasuredSteps",
-    "ModelEval", "RegretStats", "evaluate_cost_models", "fit_all_models",
-    "format_cost_eval", "model_fit_quality", "profile_tiers",
-]
-
-BOUNDARY_RADIUS = 2
-"""Samples with |M − tier| <= this many rows count as "at a tier boundary" (the profiler's rows_around)."""
-
-
-def profile_tiers(result: ProfileResult) -> tuple[int, ...]:
-    """The graph tiers recorded in the profile's meta ("8,16,24"), or () when it records none."""
-    text = result.meta.get("tiers", "").strip()
-    if not text:
-        return ()
-    try:
-        tiers = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise ValueError(f"profile meta 'tiers' is {text!r}; expected comma-separated integers such as "
-                         "'8,16,32'") from None
-    if any(t < 1 for t in tiers) or any(b <= a for a, b in zip(tiers, tiers[1:], strict=False)):
-        raise ValueError(f"profile meta 'tiers' is {text!r}; tiers must be >= 1 and strictly increasing")
-    return tiers
-
 
 def fit_all_models(result: ProfileResult, m_bin: int | None = None) -> dict[str, CostModel]:
     """The sps-1d, additive and (when the profile records its tiers) tier tables fitted from one profile.
@@ -73,9 +53,8 @@ def fit_all_models(result: ProfileResult, m_bin: int | None = None) -> dict[str,
     """
     sps, additive = fit_profile(result, m_bin)
     models: dict[str, CostModel] = {SpsTable.kind: sps, AdditiveCostTable.kind: additive.table}
-    tiers = profile_tiers(result)
-    if tiers:
-        models[TierCostTable.kind] = fit_tier_table(result, tiers).table
+    if result.tiers:
+        models[TierCostTable.kind] = fit_tier_table(result, result.tiers).table
     return models
 
 
@@ -169,36 +148,6 @@ class RegretStats:
 
 
 @dataclass(frozen=True)
-class FitQuality:
-    """How well a model's verify step time reproduces the profile samples it can predict.
-
-    Boundary samples lie within ±BOUNDARY_RADIUS rows of a tier; the two mean |error| fields are None
-    when the profile records no tiers or a group is empty. Samples above the model's max_rows are
-    counted in `num_outside` and not predicted.
-    """
-
-    num_samples: int
-    rms_seconds: float
-    r_squared: float
-    max_relative_error: float
-    num_boundary: int
-    num_elsewhere: int
-    boundary_mean_abs_error_seconds: float | None
-    elsewhere_mean_abs_error_seconds: float | None
-    num_outside: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_samples < 1 or self.num_boundary + self.num_elsewhere not in (0, self.num_samples):
-            raise ValueError(f"FitQuality counts disagree: {self.num_samples} samples, {self.num_boundary} "
-                             f"at boundaries, {self.num_elsewhere} elsewhere")
-        if self.rms_seconds < 0 or self.max_relative_error < 0:
-            raise ValueError("rms_seconds and max_relative_error are magnitudes and must be >= 0")
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
 class BatchEval:
     """One model at one batch size: its regret and the mean rows M it chose."""
 
@@ -283,43 +232,6 @@ def _verify_only(model: CostModel) -> CostModel:
     return dataclasses.replace(model, draft_bs_probes=(), draft_seconds=())
 
 
-def _predict(model: CostModel, num_reqs: int, num_rows: int) -> float | None:
-    """The model's verify step seconds, or None where the model has no prediction (M past max_rows)."""
-    if model.max_rows is not None and num_rows > model.max_rows:
-        return None
-    if isinstance(model, SpsTable):
-        return 1.0 / model.lookup(num_rows)
-    return model.step_time(num_reqs, num_rows)
-
-
-def model_fit_quality(model: CostModel, result: ProfileResult,
-                      tiers: Sequence[int] = ()) -> FitQuality | None:
-    """Residuals (measured − predicted, verify step only) of `model` on every profile sample median;
-    None when the model predicts none of them."""
-    residuals: list[FitResidual] = []
-    outside = 0
-    for num_reqs, num_rows, seconds in result.fit_samples():
-        predicted = _predict(model, num_reqs, num_rows)
-        if predicted is None:
-            outside += 1
-        else:
-            residuals.append(FitResidual(num_reqs, num_rows, seconds, predicted))
-    if not residuals:
-        return None
-    rms, r_squared, max_relative = fit_quality(residuals)
-    boundary, elsewhere = None, None
-    num_boundary = num_elsewhere = 0
-    if tiers:
-        near = [any(abs(r.num_rows - t) <= BOUNDARY_RADIUS for t in tiers) for r in residuals]
-        at = [abs(r.residual_seconds) for r, n in zip(residuals, near, strict=True) if n]
-        away = [abs(r.residual_seconds) for r, n in zip(residuals, near, strict=True) if not n]
-        num_boundary, num_elsewhere = len(at), len(away)
-        boundary = float(np.mean(at)) if at else None
-        elsewhere = float(np.mean(away)) if away else None
-    return FitQuality(len(residuals), rms, r_squared, max_relative, num_boundary, num_elsewhere, boundary,
-                      elsewhere, outside)
-
-
 def _feasible_max(steps: MeasuredSteps, low: int, high: int) -> int | None:
     """The largest U such that every M in [low, U] has a measured step time; None if `low` has none."""
     readable = np.isfinite(steps.seconds_at(np.arange(low, high + 1)))
@@ -359,7 +271,7 @@ def evaluate_cost_models(result: ProfileResult, models: Mapping[str, CostModel],
         raise ValueError(f"survival must be [n, gamma] with n >= 1 rows to draw from, got shape "
                          f"{tuple(rows_of.shape)}")
     pool = check_survival(rows_of, cfg)  # validates once, up front, instead of inside a random draw
-    tiers = profile_tiers(result)
+    tiers = result.tiers
     steps_by_b = measured_steps(result, tiers)
     planners = {name: _verify_only(model) for name, model in models.items()}
 
@@ -414,7 +326,7 @@ def evaluate_cost_models(result: ProfileResult, models: Mapping[str, CostModel],
                          for b, values in sorted(regrets[name].items()))
         every = [v for values in regrets[name].values() for v in values]
         evaluations.append(ModelEval(name, model.kind, RegretStats.of(every) if every else None, by_batch,
-                                     model_fit_quality(model, result, tiers)))
+                                     model_fit_quality(model, result.fit_samples(), tiers)))
     return CostEvalReport(draws_per_batch, seed, tiers, tuple(batches), tuple(evaluations), tuple(notes))
 
 
@@ -448,7 +360,7 @@ def format_cost_eval(report: CostEvalReport) -> str:
         lines.append(f"{b.num_reqs:>5} {f'{b.min_rows}..{b.max_rows}':>9} {b.optimal_mean_rows:>8.1f} "
                      + " ".join(cells))
 
-    lines += ["", f"fit on the profile samples (verify step; boundary = within ±{BOUNDARY_RADIUS} rows of a "
+    lines += ["", f"fit on the profile samples (verify step; boundary = within ±{TIER_RADIUS} rows of a "
               "tier)",
               f"{'model':<12} {'samples':>7} {'RMS ms':>9} {'R²':>8} {'max|err|%':>10} "
               f"{'boundary ms (n)':>17} {'elsewhere ms (n)':>17}"]

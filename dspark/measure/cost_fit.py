@@ -1,6 +1,6 @@
 """Fit step-cost tables from measured verify step times (pure numpy, no model needed).
 
-Three tables come out of one profile (DESIGN §6):
+Three tables come out of one profile (docs/planner.md):
 
 * the 1D SPS table, `steps/s` at `M = B·N` for each profiled batch size, looked up by floor, which
   reproduces the measured static sweep exactly (a tier cliff included);
@@ -16,21 +16,14 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from dspark.formats.profile import DEFAULT_M_BIN, ProfileResult, Sample
+from dspark.measure.residuals import FitResidual, fit_quality
 from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, TierCostTable
-
-if TYPE_CHECKING:  # the profiler imports this module; a runtime import would be circular
-    from dspark.measure.profiler import ProfileResult
-
-Sample = tuple[int, int, float]
-"""One measurement: `(num_reqs B, num_rows M, seconds)`."""
-
-DEFAULT_M_BIN = 64
 
 
 def nnls(a: np.ndarray, b: np.ndarray, *, tol: float | None = None,
@@ -142,24 +135,6 @@ def fit_sps_table(static_samples: Iterable[Sample], max_batch_tokens: int) -> Sp
 
 
 @dataclass(frozen=True)
-class FitResidual:
-    """One sample against the fitted table, predicted at the unbinned `M` as the runtime evaluates it."""
-
-    num_reqs: int
-    num_rows: int
-    measured_seconds: float
-    predicted_seconds: float
-
-    @property
-    def residual_seconds(self) -> float:
-        return self.measured_seconds - self.predicted_seconds
-
-    @property
-    def relative_error(self) -> float:
-        return self.residual_seconds / self.measured_seconds
-
-
-@dataclass(frozen=True)
 class AdditiveFit:
     """The fitted additive table and how well it reproduces the samples it was fitted on."""
 
@@ -214,19 +189,6 @@ def fit_additive(samples: Iterable[Sample], m_bin: int = DEFAULT_M_BIN) -> Addit
     rms, r_squared, max_relative = fit_quality(residuals)
     return AdditiveFit(table=table, m_bin=m_bin, residuals=residuals, rms_seconds=rms,
                        r_squared=r_squared, max_relative_error=max_relative)
-
-
-def fit_quality(residuals: Sequence[FitResidual]) -> tuple[float, float, float]:
-    """RMS seconds, R² and max |relative error| of a table over the samples it was fitted on."""
-    if not residuals:
-        raise ValueError("no residuals to summarise; the table predicted none of the samples")
-    measured = np.array([r.measured_seconds for r in residuals])
-    res = np.array([r.residual_seconds for r in residuals])
-    ss_res = float(res @ res)
-    ss_tot = float(((measured - measured.mean()) ** 2).sum())
-    # Constant measurements leave R² undefined; a fit that reproduces them exactly is called perfect.
-    r_squared = 1.0 - ss_res / ss_tot if ss_tot > 0.0 else (1.0 if ss_res == 0.0 else 0.0)
-    return float(np.sqrt(ss_res / len(res))), r_squared, float(np.max(np.abs(res / measured)))
 
 
 def largest_residuals(fit: AdditiveFit, count: int) -> list[FitResidual]:

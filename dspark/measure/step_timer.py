@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark.runtime.engine.runtime import Runtime
-from dspark.runtime.layout import RaggedVerifyLayout
+from dspark.runtime.sampling import sample, warp
 
 
 class ProfileError(ValueError):
@@ -85,22 +85,25 @@ class VerifyStepTimer:
         prefix = torch.full((num_reqs,), self.context_len, dtype=torch.long, device=rt.device)
         _synchronize(rt.device)
         start = time.perf_counter()
-        rt.draft.propose(roots, prefix, rt.draft_context(self.page_table[:num_reqs], prefix), prefix,
-                         None if rt.sampling.greedy else rt.pick_token)
+        context = rt.models.draft_context(self.page_table[:num_reqs], prefix)
+        rt.draft.propose(roots, prefix, context, prefix, None if rt.sampling.greedy else self._pick_token)
         _synchronize(rt.device)
         return time.perf_counter() - start
 
+    def _pick_token(self, logits: torch.Tensor) -> torch.Tensor:
+        # A sampled deployment's draft step samples under the runtime's default policy, as serving does.
+        return sample(warp(logits, self.runtime.sampling), self.runtime.models.generator)
+
     def __call__(self, num_reqs: int, num_rows: int) -> float:
         rt = self.runtime
-        lens = spread_rows(num_rows, num_reqs, self.floor, self.cap)
-        layout = RaggedVerifyLayout.from_verify_lens(torch.tensor(lens, dtype=torch.int32,
-                                                                  device=rt.device), rt.tiers)
+        lens = tuple(spread_rows(num_rows, num_reqs, self.floor, self.cap))
         vocab = rt.target.cfg.vocab_size
         ids = torch.randint(vocab, (num_rows,), generator=self.generator).to(rt.device)
-        prefix = torch.full((num_reqs,), self.context_len, dtype=torch.int32, device=rt.device)
         _synchronize(rt.device)
         start = time.perf_counter()
-        hidden = rt.verify_runner.run(ids, prefix, self.page_table[:num_reqs], layout)
+        # Laying the step out is part of every verify step, so it is timed with the forward.
+        layout = rt.verify_runner.plan(lens, lens, [self.context_len] * num_reqs, self.page_table[:num_reqs])
+        hidden = rt.verify_runner.run(layout, ids)
         rt.target.compute_logits(hidden).argmax(-1)
         _synchronize(rt.device)
         return time.perf_counter() - start

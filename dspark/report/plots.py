@@ -1,4 +1,5 @@
-"""PNG plots of `dspark report`. Each function draws data `report` already computed and writes one file.
+"""PNG plots of `dspark report`. Each function draws data a section module already computed and writes
+one file.
 
 Agg backend: reports are drawn on servers and in CI, where no display exists.
 """
@@ -16,7 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen befor
 import numpy as np  # noqa: E402
 
 if TYPE_CHECKING:
-    from dspark.report.report import CostPanel, Reliability
+    from dspark.report.cost import CostPanel
+    from dspark.report.reliability import Reliability
 
 DPI = 110
 COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -1,33 +1,55 @@
-"""The record of one speculative decode step that a recording run keeps (`steps.jsonl`)."""
+"""The record of one speculative decode step that a recording run keeps (`steps.jsonl`).
+
+The record's fields and JSON are `dspark.formats.step_records`; this module only reads them off the
+step the engine just ran. The ring that keeps the records numbers them (`StepRecord.step`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
+from dspark.formats.step_records import RequestRecord, StepRecord
 from dspark.runtime.kv_cache import SlotHandle
-from dspark.runtime.layout import RaggedVerifyLayout
 from dspark.runtime.planner.verify_plan import StepPlan
 
 
-def step_record(handles: list[SlotHandle], step: StepPlan, layout: RaggedVerifyLayout, lens: list[int],
-                correct: list[int], raw: list[int], conf_logits: torch.Tensor, seconds: float,
-                lag_steps: int, mode: str) -> dict[str, Any]:
+class StepRows(Protocol):
+    """What the record reads off the step's layout: the rows run for real requests, the rows run in all
+    (the graph tier, padding included), and the padding."""
+
+    @property
+    def total_rows(self) -> int: ...
+
+    @property
+    def tier(self) -> int: ...
+
+    @property
+    def num_padding_rows(self) -> int: ...
+
+
+def step_record(handles: Sequence[SlotHandle], step: StepPlan, layout: StepRows, lens: Sequence[int],
+                correct: Sequence[int], raw: Sequence[int], conf_logits: torch.Tensor | None, seconds: float,
+                lag_steps: int, mode: str) -> StepRecord:
+    """The step's record: `lens` the planned verify_lens, `correct` the accepted drafts, `raw` the uncapped
+    match, `conf_logits` the draft's confidence logits (None without a confidence head)."""
     decision = step.decision
-    survival = step.survival.tolist() if step.survival is not None else [None] * len(lens)
-    confidence = conf_logits.float().tolist()
-    return {
-        "num_reqs": len(lens), "lag": lag_steps, "mode": str(mode),
-        "budget": decision.budget if decision else None, "aligned_budget": step.aligned_budget,
-        "decision_tau": decision.tau if decision else None,
-        "planned_rows": sum(lens), "rows": layout.total_rows, "tier": layout.graph_num_tokens,
-        "padding_rows": layout.num_padding_rows, "tau": step.tau,
-        "committed": sum(correct) + len(correct),
-        "predicted_step_seconds": decision.predicted_step_seconds if decision else None,
-        "step_seconds": seconds,
-        "requests": [{"slot": h.slot, "generation": h.generation, "verify_len": vl, "correct_len": c,
-                      "raw_correct_len": rc, "commit_len": c + 1, "confidence": z, "survival": s}
-                     for h, vl, c, rc, z, s in zip(handles, lens, correct, raw, confidence, survival,
-                                                   strict=True)],
-    }
+    num_reqs = len(lens)
+    survival = step.survival.tolist() if step.survival is not None else [None] * num_reqs
+    confidence = conf_logits.float().tolist() if conf_logits is not None else [None] * num_reqs
+    requests = tuple(
+        RequestRecord(slot=h.slot, generation=h.generation, verify_len=int(vl), correct_len=int(c),
+                      raw_correct_len=int(rc), commit_len=int(c) + 1,
+                      confidence=None if z is None else tuple(z), survival=None if s is None else tuple(s))
+        for h, vl, c, rc, z, s in zip(handles, lens, correct, raw, confidence, survival, strict=True))
+    return StepRecord(
+        num_reqs=num_reqs, lag=lag_steps, mode=str(mode),
+        budget=decision.budget if decision else None, aligned_budget=step.aligned_budget,
+        decision_tau=decision.tau if decision else None,
+        planned_rows=int(sum(lens)), rows=layout.total_rows, tier=layout.tier,
+        padding_rows=layout.num_padding_rows, tau=step.tau,
+        committed=int(sum(correct)) + num_reqs,
+        predicted_step_seconds=decision.predicted_step_seconds if decision else None,
+        step_seconds=seconds, requests=requests)
