@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
 from dspark import corpus as prompt_sets
 from dspark.bench.client import (
@@ -30,17 +30,17 @@ from dspark.bench.client import (
     BenchResult,
     RequestOutcome,
     StreamError,
-    _SseParser,
-    _StreamTracker,
     arrival_offsets,
     benchmark,
     format_result,
     percentile,
     summarize,
 )
+from dspark.bench.stream import SseParser, StreamTracker
 from dspark.cli.bench import add_bench_parser, run_bench
 
 MODEL = "fake-model"
+OTHER_MODEL = "other-model"
 SLACK_S = 0.005  # asyncio timers may fire this much early on a coarse clock; never later is not assumed
 
 
@@ -123,7 +123,12 @@ def build_app(server: FakeServer) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         server.models_at.append(time.monotonic())
-        return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "test"}]}
+        return {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "test"}
+                                           for m in (MODEL, OTHER_MODEL)]}
+
+    @app.get("/html/v1/models")
+    async def html_page() -> HTMLResponse:  # something that is not an OpenAI server, at a base URL
+        return HTMLResponse("<html><body>hello</body></html>")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -266,11 +271,11 @@ def test_run_bench_json_cli(server: FakeServer, tmp_path: Path, capsys: pytest.C
 def test_run_bench_text_with_held_out_prompts(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     server.reset(report_steps=False)
     assert run_bench(_parse(["--url", server.url, "--num-prompts", "2", "--max-tokens", "3",
-                             "--model", "named", "--no-progress"])) == 0
+                             "--model", OTHER_MODEL, "--no-progress"])) == 0
     out = capsys.readouterr().out
     assert "successful requests" in out and "TTFT" in out and "inter-chunk gap" in out
     assert "n/a (no usage.dspark.decode_steps)" in out
-    assert not server.models_at and {b["model"] for b in server.bodies} == {"named"}
+    assert len(server.models_at) == 1 and {b["model"] for b in server.bodies} == {OTHER_MODEL}
     assert sorted(b["prompt"] for b in server.bodies) == sorted(prompt_sets.held_out_prompts(2))
 
 
@@ -290,13 +295,31 @@ def test_unreachable_server_exits_nonzero(tmp_path: Path, capsys: pytest.Capture
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     prompts_file = tmp_path / "p.txt"
     prompts_file.write_text("x\n")
-    assert run_bench(_parse(["--url", url, "--num-prompts", "1", "--no-progress",
-                             "--prompts-file", str(prompts_file)])) == 1
-    assert "no model from /v1/models" in capsys.readouterr().err
-    assert run_bench(_parse(["--url", url, "--model", "m", "--num-prompts", "2", "--no-progress", "--json",
-                             "--prompts-file", str(prompts_file)])) == 1
-    out = json.loads(capsys.readouterr().out)
-    assert out["failed"] == 2 and "ConnectError" in out["errors"][0]
+    for model in ([], ["--model", "m"]):  # a named model does not skip the check
+        assert run_bench(_parse(["--url", url, "--num-prompts", "1", "--no-progress",
+                                 "--prompts-file", str(prompts_file), *model])) == 1
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"dspark bench: error: cannot reach a server at {url} (")
+        assert captured.err.count("\n") == 1 and "Traceback" not in captured.err and not captured.out
+
+
+@pytest.mark.parametrize(("path", "says"), [("/nothing", "answered HTTP 404"),
+                                            ("/html", "did not return a model list")])
+def test_a_url_that_is_not_an_openai_server_exits_nonzero(server: FakeServer, path: str, says: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_bench(_parse(["--url", server.url + path, "--num-prompts", "1", "--no-progress"])) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"dspark bench: error: {server.url + path} does not look like an "
+                          "OpenAI-compatible server") and says in err
+    assert not server.bodies  # nothing was sent
+
+
+def test_a_model_the_server_does_not_list_exits_nonzero(server: FakeServer,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_bench(_parse(["--url", server.url, "--model", "gpt-4", "--no-progress"])) == 1
+    err = capsys.readouterr().err
+    assert f"'gpt-4' is not served at {server.url}; it serves '{MODEL}', '{OTHER_MODEL}'" in err
+    assert not server.bodies
 
 
 def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -305,7 +328,11 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert run_bench(_parse(["--url", "http://x", "--prompts-file", str(bad)])) == 2
     assert run_bench(_parse(["--url", "http://x", "--concurrency", "0"])) == 2
     assert run_bench(_parse(["--url", "http://x", "--request-rate", "0"])) == 2
-    assert capsys.readouterr().err.count("dspark bench: error:") == 3
+    assert run_bench(_parse(["--url", "localhost:8000"])) == 2
+    assert run_bench(_parse(["--url", "http://x", "--prompts-file", str(tmp_path / "missing.json")])) == 2
+    err = capsys.readouterr().err
+    assert err.count("dspark bench: error:") == 5 and "Traceback" not in err
+    assert "--url must be an http:// or https:// URL" in err and "missing.json not found" in err
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -324,12 +351,12 @@ def test_arrival_offsets_are_seeded_poisson() -> None:
 
 
 def test_sse_parser_and_tracker() -> None:
-    parser = _SseParser()
+    parser = SseParser()
     lines = [": comment", "event: x", 'data: {"choices": [{"text": "a"}],', 'data:  "usage": null}', "", "",
              "data:[DONE]", ""]
     events = [e for line in lines if (e := parser.feed(line)) is not None]
     assert events == ['{"choices": [{"text": "a"}],\n "usage": null}', "[DONE]"]
-    tracker = _StreamTracker()
+    tracker = StreamTracker()
     tracker.on_event(events[0], 0.5)
     with pytest.raises(StreamError, match="before `data: \\[DONE\\]`"):
         tracker.outcome(0)
@@ -342,7 +369,7 @@ def test_sse_parser_and_tracker() -> None:
     assert (outcome.completion_tokens, outcome.decode_steps) == (1, None)
     assert outcome.tpot is None  # one token: no time per output token
     with pytest.raises(StreamError, match="error event: boom"):
-        _StreamTracker().on_event(json.dumps({"error": {"message": "boom"}}), 0.0)
+        StreamTracker().on_event(json.dumps({"error": {"message": "boom"}}), 0.0)
 
 
 def test_summary_of_outcomes() -> None:

@@ -93,6 +93,16 @@ def test_byte_stream_holds_back_a_split_character_until_flush() -> None:
     assert _stream(tok, ids[:2]) == ["", "", "\ufffd"] and tok.decode(ids[:2]) == "\ufffd"
 
 
+@pytest.mark.parametrize("kind", ["byte", "hf"])
+@pytest.mark.parametrize(("text", "at"), [("\ud800", 0), ("ab\udfffc", 2), ("🙂 \ud83d", 2)])
+def test_a_lone_surrogate_is_a_tokenizer_error_naming_its_position(hf: HFTokenizer, kind: str, text: str,
+                                                                   at: int) -> None:
+    tok = ByteTokenizer() if kind == "byte" else hf
+    with pytest.raises(TokenizerError, match=f"lone surrogate U\\+D[89A-F][0-9A-F]{{2}} at character {at}"):
+        tok.encode(text)
+    assert tok.encode("🙂") == tok.encode(json.loads('"\\ud83d\\ude42"'))  # JSON joins a whole pair
+
+
 # -- Hugging Face ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text", ["", "def main(argv):\n", "héllo 漢字 🙂 e\u0301\r\n\t  x", "👩‍👩‍👧🇫🇷"])

@@ -248,7 +248,8 @@ def test_kv_exhaustion_queues_requests_instead_of_failing(tmp_path) -> None:
     # A pool that holds one request at a time (each reserves ~90 tokens of a 128-token pool).
     package = compile_variant(tmp_path, "tiny_cpu_static.yaml",
                               {"verify": {"mode": "compact", "allow_no_cost_model": True},
-                               "serving": {"max_running_requests": 8, "max_total_tokens": 128}}, "tiny_pool")
+                               "serving": {"max_running_requests": 8, "max_total_tokens": 128,
+                                           "max_context_len": 128}}, "tiny_pool")
     server = ServerProcess(package, tmp_path / "server.log")
     try:
         prompts = held_out_prompts(6, 40, phase=10)
@@ -280,10 +281,12 @@ def test_kv_exhaustion_queues_requests_instead_of_failing(tmp_path) -> None:
         texts = [r["choices"][0]["text"] for r in responses]
         assert texts == [pkg.tokenizer.decode(ids) for ids in reference]
         assert max(depths) >= 1  # requests waited for pages rather than failing
-        # a request that could never fit the pool is refused up front
+        # a request that could never fit is refused up front, with the largest max_tokens that would
         r = httpx.post(f"{server.url}/v1/completions", timeout=30,
                        json={"model": "tiny_pool", "prompt": "x" * 100, "max_tokens": 100})
-        assert r.status_code == 400 and "max_total_tokens" in r.json()["error"]["message"]
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "max_tokens"
+        assert error["code"] == "context_length_exceeded" and "at most 19" in error["message"]  # 128-101-8
     finally:
         server.stop()
 

@@ -7,8 +7,10 @@ end-to-end latency and the gaps between text chunks; token counts come from the 
 (`stream_options.include_usage`). A dspark server also reports `usage.dspark.decode_steps`, from which the
 mean accepted tokens per step (accepted drafts + the bonus token) follows.
 
-Wired into `dspark` by `cli.py` through `add_bench_parser` and `run_bench`. httpx and tqdm are imported only
-when a benchmark runs, so that the other subcommands do not pay for them.
+Before any request it asks the server for `/v1/models`: an address where nothing listens, or where something
+other than an OpenAI-compatible server answers, or a `--model` the server does not list, is a
+`BenchSetupError` naming the URL rather than a run of failed requests. httpx and tqdm are imported only when
+a benchmark runs, so that the other subcommands do not pay for them.
 """
 
 from __future__ import annotations
@@ -16,38 +18,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import math
 import random
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dspark.bench.stream import RequestOutcome, SseParser, StreamError, StreamTracker, error_message
+
 if TYPE_CHECKING:
     import httpx
 
 __all__ = [
-    "BenchConfig", "BenchResult", "BenchSetupError", "LatencyStats", "RequestOutcome",
-    "arrival_offsets", "benchmark", "format_result", "summarize",
+    "BenchConfig", "BenchResult", "BenchSetupError", "LatencyStats", "RequestOutcome", "StreamError",
+    "arrival_offsets", "benchmark", "format_result", "probe_server", "summarize",
 ]
 
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
 MAX_REPORTED_ERRORS = 5
 CONNECT_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 30.0  # /v1/models needs no decode step: a server that is up answers it at once
 # A request queued behind a full batch may wait long for its first byte: only a stuck server should
 # time out, never a busy one.
 READ_TIMEOUT_S = 600.0
 
 
 class BenchSetupError(Exception):
-    """The benchmark could not start (server unreachable, no model to name)."""
-
-
-class StreamError(Exception):
-    """A failed response: an HTTP error status, malformed SSE, an error event, no usage chunk."""
+    """The benchmark could not start (server unreachable, not an OpenAI server, no such model)."""
 
 
 @dataclass(frozen=True)
@@ -72,40 +73,18 @@ class BenchConfig:
             raise ValueError(f"--request-rate must be positive, got {self.request_rate}")
         if self.max_tokens < 1:
             raise ValueError(f"--max-tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:
             raise ValueError(f"--temperature must be non-negative, got {self.temperature}")
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"--url must be an http:// or https:// URL such as http://127.0.0.1:8000, "
+                             f"got {self.url!r}")
 
     @property
     def base_url(self) -> str:
         """The server root: a trailing `/` or `/v1` (as OpenAI clients take it) is dropped."""
         url = self.url.rstrip("/")
         return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-@dataclass(frozen=True)
-class RequestOutcome:
-    """One request. Times are seconds from sending it; `error` is None when it succeeded."""
-
-    index: int
-    error: str | None = None
-    latency: float = 0.0  # to the end of the stream, or to the failure
-    ttft: float | None = None  # None when no chunk carried text
-    chunk_gaps: tuple[float, ...] = ()
-    text_chunks: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    decode_steps: int | None = None  # None when the server does not report usage.dspark
-    finish_reason: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-    @property
-    def tpot(self) -> float | None:
-        if not self.ok or self.ttft is None or self.completion_tokens < 2:
-            return None
-        return (self.latency - self.ttft) / (self.completion_tokens - 1)
 
 
 @dataclass(frozen=True)
@@ -190,101 +169,6 @@ def select_prompts(pool: Sequence[str], count: int) -> list[str]:
 
 
 # -- one request --------------------------------------------------------------------------------
-@dataclass
-class _StreamTracker:
-    """Accumulates one streamed response; times are seconds since the request was sent."""
-
-    first_text: float | None = None
-    last_text: float | None = None
-    end: float | None = None  # when `data: [DONE]` arrived
-    gaps: list[float] = field(default_factory=list)
-    text_chunks: int = 0
-    usage: dict[str, Any] | None = None
-    finish_reason: str | None = None
-
-    def on_event(self, data: str, now: float) -> None:
-        if data == "[DONE]":
-            self.end = now
-            return
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError:
-            raise StreamError(f"malformed SSE data: {data[:80]!r}") from None
-        if not isinstance(chunk, dict):
-            raise StreamError(f"malformed SSE data: {data[:80]!r}")
-        if "error" in chunk:  # a server may fail a request after the 200 status went out
-            raise StreamError(f"error event: {_error_message(chunk)}")
-        if chunk.get("usage") is not None:  # some servers send "usage": null on every chunk
-            self.usage = chunk["usage"]
-        choices = chunk.get("choices")
-        if not isinstance(choices, list):
-            raise StreamError(f"chunk without a choices list: {data[:80]!r}")
-        for choice in choices:
-            if not isinstance(choice, dict):
-                raise StreamError(f"malformed choice: {choice!r:.80}")
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-            if choice.get("text"):
-                self._on_text(now)
-
-    def _on_text(self, now: float) -> None:
-        if self.first_text is None:
-            self.first_text = now
-        else:
-            self.gaps.append(now - self.last_text)
-        self.last_text = now
-        self.text_chunks += 1
-
-    def outcome(self, index: int) -> RequestOutcome:
-        if self.end is None:
-            raise StreamError("stream ended before `data: [DONE]`")
-        if self.usage is None:
-            raise StreamError("no usage chunk (does the server honour stream_options.include_usage?)")
-        completion = _int_field(self.usage, "completion_tokens")
-        prompt = _int_field(self.usage, "prompt_tokens")
-        dspark = self.usage.get("dspark")
-        reports_steps = isinstance(dspark, dict) and "decode_steps" in dspark
-        steps = _int_field(dspark, "decode_steps") if reports_steps else None
-        return RequestOutcome(index=index, latency=self.end, ttft=self.first_text,
-                              chunk_gaps=tuple(self.gaps), text_chunks=self.text_chunks,
-                              prompt_tokens=prompt, completion_tokens=completion, decode_steps=steps,
-                              finish_reason=self.finish_reason)
-
-
-def _int_field(obj: dict[str, Any], key: str) -> int:
-    value = obj.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise StreamError(f"usage.{key} is not a count: {value!r}")
-    return value
-
-
-def _error_message(body: Any) -> str:
-    """The `error.message` of an OpenAI error body, else the body itself (shortened)."""
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message", body["error"]))
-    return str(body)[:200]
-
-
-class _SseParser:
-    """Incremental SSE parsing: `data:` lines accumulate until the blank line that ends an event."""
-
-    def __init__(self) -> None:
-        self._data: list[str] = []
-
-    def feed(self, line: str) -> str | None:
-        """The event's data when `line` completes one, else None. Comments and other fields are ignored."""
-        if not line:
-            return self.flush()
-        if line.startswith("data:"):
-            value = line[5:]
-            self._data.append(value[1:] if value.startswith(" ") else value)
-        return None
-
-    def flush(self) -> str | None:
-        if not self._data:
-            return None
-        data, self._data = "\n".join(self._data), []
-        return data
 
 
 def _describe(err: BaseException) -> str:
@@ -299,8 +183,8 @@ async def send_request(client: httpx.AsyncClient, payload: dict[str, Any], index
     """Send one streaming completion and time it. Never raises (but for cancellation): a failure of any
     kind becomes an outcome with `error` set, so that one bad request cannot end the run."""
     sent = time.perf_counter()
-    tracker = _StreamTracker()
-    parser = _SseParser()
+    tracker = StreamTracker()
+    parser = SseParser()
     try:
         async with client.stream("POST", COMPLETIONS_PATH, json=payload) as response:
             if response.status_code >= 400:
@@ -309,7 +193,7 @@ async def send_request(client: httpx.AsyncClient, payload: dict[str, Any], index
                     body: Any = response.json()
                 except ValueError:
                     body = response.text
-                raise StreamError(f"HTTP {response.status_code}: {_error_message(body)}")
+                raise StreamError(f"HTTP {response.status_code}: {error_message(body)}")
             async for line in response.aiter_lines():
                 data = parser.feed(line)
                 if data is not None:
@@ -350,15 +234,38 @@ def _payload(config: BenchConfig, model: str, prompt: str) -> dict[str, Any]:
     return payload
 
 
-async def fetch_model(client: httpx.AsyncClient) -> str:
-    """The first model id the server lists."""
+async def probe_server(client: httpx.AsyncClient, base_url: str, requested: str | None) -> str:
+    """The model to request: `requested`, or the first the server lists. Raises `BenchSetupError` when
+    nothing answers at `base_url`, when what answers is not an OpenAI-compatible server, or when it does
+    not serve `requested`."""
+    import httpx
+
+    url = base_url + MODELS_PATH
     try:
-        response = await client.get(MODELS_PATH)
-        response.raise_for_status()
-        models = response.json()["data"]
-        return str(models[0]["id"])
-    except Exception as err:
-        raise BenchSetupError(f"no model from {MODELS_PATH} ({_describe(err)}); pass --model") from err
+        response = await client.get(MODELS_PATH, timeout=PROBE_TIMEOUT_S)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+        raise BenchSetupError(f"cannot reach a server at {base_url} ({_describe(err)}); check that the "
+                              "server is running and the URL is right") from None
+    except httpx.HTTPError as err:
+        raise BenchSetupError(f"the server at {base_url} did not answer GET {url} "
+                              f"({_describe(err)})") from None
+    not_openai = f"{base_url} does not look like an OpenAI-compatible server: GET {url}"
+    if response.status_code != 200:
+        kind = response.headers.get("content-type", "no content type").split(";")[0]
+        raise BenchSetupError(f"{not_openai} answered HTTP {response.status_code} ({kind}); pass the "
+                              "server's base URL, e.g. http://127.0.0.1:8000")
+    try:
+        served = [str(model["id"]) for model in response.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise BenchSetupError(f"{not_openai} did not return a model list") from None
+    if requested is None:
+        if not served:
+            raise BenchSetupError(f"the server at {base_url} lists no model; pass --model")
+        return served[0]
+    if requested not in served:
+        raise BenchSetupError(f"model {requested!r} is not served at {base_url}; it serves "
+                              f"{', '.join(map(repr, served)) or 'no model'}")
+    return requested
 
 
 async def run_requests(client: httpx.AsyncClient, config: BenchConfig, model: str, prompts: Sequence[str]
@@ -402,7 +309,7 @@ async def benchmark_async(config: BenchConfig, prompts: Sequence[str]) -> BenchR
     # trust_env=False: a proxy from the environment would be measured along with the server.
     async with httpx.AsyncClient(base_url=config.base_url, limits=limits, timeout=timeout,
                                  trust_env=False) as client:
-        model = config.model or await fetch_model(client)
+        model = await probe_server(client, config.base_url, config.model)
         outcomes, duration, peak = await run_requests(client, config, model, prompts)
     return summarize(config, model, outcomes, duration, peak)
 
@@ -484,4 +391,3 @@ def format_result(r: BenchResult) -> str:
     return "\n".join(lines)
 
 
-# -- CLI ----------------------------------------------------------------------------------------

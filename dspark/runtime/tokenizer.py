@@ -27,7 +27,18 @@ HF_MODEL_CONFIGS = ("config.json", "generation_config.json")
 
 
 class TokenizerError(ValueError):
-    pass
+    """A tokenizer file that cannot be used, or text that cannot be encoded (the message says which)."""
+
+
+def utf8_bytes(text: str) -> bytes:
+    """The UTF-8 bytes of `text`; `TokenizerError` when it holds a lone surrogate (U+D800..U+DFFF):
+    Python strings may (JSON's `"\\ud800"` decodes to one), UTF-8 cannot, so no tokenizer can encode it."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise TokenizerError(
+            f"the text is not valid Unicode: it holds a lone surrogate U+{ord(text[err.start]):04X} at "
+            f"character {err.start} (a UTF-16 surrogate half without its pair)") from None
 
 
 class IncrementalDecoder(Protocol):
@@ -52,7 +63,8 @@ class Tokenizer(Protocol):
     def vocab_size(self) -> int: ...
 
     def encode(self, text: str) -> list[int]:
-        """Prompt ids, with BOS prepended when this tokenizer's convention says so."""
+        """Prompt ids, with BOS prepended when this tokenizer's convention says so; `TokenizerError`
+        for text that is not valid Unicode (a lone surrogate)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -69,8 +81,8 @@ class ByteTokenizer:
     vocab_size = VOCAB_SIZE
 
     def encode(self, text: str) -> list[int]:
-        """BOS followed by the UTF-8 bytes of `text`."""
-        return [BOS_ID, *text.encode("utf-8")]
+        """BOS followed by the UTF-8 bytes of `text`; `TokenizerError` for text UTF-8 cannot hold."""
+        return [BOS_ID, *utf8_bytes(text)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes back to text; special tokens are dropped, broken UTF-8 is replaced."""
@@ -179,6 +191,7 @@ class HFTokenizer:
         return cls(tok, frozenset(eos_ids), bos_id, add_bos)
 
     def encode(self, text: str) -> list[int]:
+        utf8_bytes(text)  # the tokenizers library would fail on a lone surrogate with a bare TypeError
         # The post-processor is bypassed so BOS is added exactly once whatever tokenizer.json says.
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids

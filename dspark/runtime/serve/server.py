@@ -1,196 +1,72 @@
 """`dspark serve`: an OpenAI-compatible HTTP server over one generated runtime.
 
-One engine thread owns the `Runtime` (and so every tensor and the KV pool) and runs its
-continuous-batching loop: it takes new requests and aborts from a thread-safe queue between
-steps, runs a step, and hands each request's new tokens to the asyncio side, where they are
-detokenized incrementally, checked for stop strings and streamed. The HTTP side never touches the
-runtime except through that queue, so a slow client cannot stall a decode step, and a client
-that goes away only enqueues an abort: its slot and KV pages are freed before the next step.
+One engine thread owns the runtime (`engine_thread.py`); the asyncio side validates requests,
+detokenizes what the engine delivers incrementally, cuts it at stop strings and sends it.
+
+Errors (shapes in `errors.py`, accepted fields in `openai_protocol.py`): a request is validated in
+full — its JSON, fields, model, prompt encoding and context length — before anything is sent, so a
+refused request, streaming or not, is an ordinary JSON error response with a 4xx status. Once a
+stream has begun its status (200) cannot change: if the request then fails (the engine stopped, a
+server fault), the stream ends with a `data: {"error": {...}}` event followed by `data: [DONE]`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import queue
-import threading
+import logging
+import socket
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
 
 from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.serve.engine_thread import ENGINE_FAILED, EngineStopped, EngineThread, Stream
+from dspark.runtime.serve.errors import SERVER_ERROR, ApiError, install_error_handlers, server_fault
 from dspark.runtime.serve.metrics import ServingMetrics
 from dspark.runtime.serve.openai_protocol import (
-    ApiError,
     CompletionRequest,
-    StreamOptions,
     completion_body,
     completion_id,
+    parse_completion_request,
     usage,
     usage_chunk,
 )
+from dspark.runtime.serve.request_body import body_limit, read_json_object
+from dspark.runtime.serve.streaming import StopMatcher, sse
+from dspark.runtime.tokenizer import TokenizerError
+
+log = logging.getLogger("uvicorn.error")
+
+ROUTES = "POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
+# A temperature this small samples the argmax anyway, and in float32 it overflows the scaled logits
+# (a NaN distribution): such a request decodes greedily, as vLLM does below the same bound.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# top_p rounds to 0 in float32 below ~1e-45 and would then drop every token; any top_p at or below
+# the top token's probability (>= 1 / vocabulary size) keeps that token alone, so this bound changes
+# nothing for vocabularies up to a million tokens.
+MIN_TOP_P = 1e-6
+# The engine speaks of max_new_tokens; this API's field is max_tokens.
+API_FIELDS = {"max_new_tokens": "max_tokens"}
 
 
-@dataclass
-class Delivery:
-    """What the engine thread hands to a request's stream after a step."""
-
-    tokens: list[int]
-    finish_reason: str | None  # "stop" / "length" when the engine finished the request
-    decode_steps: int
+def engine_stopped() -> ApiError:
+    return ApiError(503, "the engine has stopped after an internal failure (see the server log); the "
+                         "server must be restarted", kind=SERVER_ERROR, code="engine_stopped")
 
 
-@dataclass
-class Stream:
-    """The asyncio side of one request."""
-
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[Delivery] = field(default_factory=asyncio.Queue)
-    sent: int = 0  # output tokens already delivered (engine thread only)
-
-    def push(self, delivery: Delivery) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, delivery)
-
-
-class EngineThread:
-    """Runs the runtime's scheduler loop; everything else talks to it through `submit`/`abort`."""
-
-    def __init__(self, runtime: Runtime, metrics: ServingMetrics) -> None:
-        self.runtime = runtime
-        self.metrics = metrics
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[int, tuple[Request, Stream]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
-        self.error: BaseException | None = None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._commands.put(lambda: None)
-        self._thread.join(timeout=30)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
-
-    def submit(self, request: Request, stream: Stream) -> None:
-        def add() -> None:
-            self.runtime.enqueue(request)
-            self._streams[request.rid] = (request, stream)
-            self.metrics.requests_received.inc()
-        self._commands.put(add)
-
-    def abort(self, request: Request, reason: str = "abort") -> None:
-        """Stop a request: "abort" (the client went away) or "stop" (a stop string matched)."""
-        def drop() -> None:
-            if self._streams.pop(request.rid, None) is not None:
-                request.finish_reason = reason
-                self.runtime.abort(request)
-                self._count_finished(request, reason)
-        self._commands.put(drop)
-
-    def _count_finished(self, request: Request, reason: str) -> None:
-        self.metrics.requests_finished.labels(reason).inc()
-        self.metrics.prompt_tokens.inc(len(request.prompt))
-
-    def _drain(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        command()
-        while True:
-            try:
-                self._commands.get_nowait()()
-            except queue.Empty:
-                return
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain(block=not self.runtime.has_work)
-                if not self.runtime.has_work:
-                    self.metrics.observe_pool(self.runtime)
-                    continue
-                touched = self.runtime.step()
-                self.metrics.observe_step(self.runtime)
-                for r in touched:
-                    self._deliver(r)
-        except BaseException as err:  # surface a crashed engine to every waiting request
-            self.error = err
-            for r, stream in self._streams.values():
-                stream.push(Delivery([], "error", r.decode_steps))
-            raise
-
-    def _deliver(self, r: Request) -> None:
-        entry = self._streams.get(r.rid)
-        if entry is None:
-            return
-        stream = entry[1]
-        new = r.output[stream.sent:]
-        stream.sent = len(r.output)
-        reason = r.finish_reason if r.done else None
-        if reason is not None:
-            del self._streams[r.rid]
-            self._count_finished(r, reason)
-        if new:
-            self.metrics.generation_tokens.inc(len(new))
-        if new or reason is not None:
-            stream.push(Delivery(new, reason, r.decode_steps))
-
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string, holding back a possible stop-string prefix."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.pending = ""
-
-    def feed(self, text: str, final: bool) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was hit)."""
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[:min(hits)], ""
-            return out, True
-        if final or not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        cut = max(len(self.pending) - self.hold, 0)
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-
-def _sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-def _validation_error(err: ValidationError | RequestValidationError) -> ApiError:
-    first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    # The field, not pydantic's union-member tags ("temperature.float"); nested models keep their path.
-    param = loc[0] if loc else None
-    if param == "stream_options" and len(loc) > 1 and loc[1] in StreamOptions.model_fields:
-        param = f"{param}.{loc[1]}"
-    if first.get("type") == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {first.get('msg')}", None)
-    where = f"'{param}'" if param else "the request body"
-    return ApiError(400, f"{where}: {first.get('msg')}", param)
+def request_refused(err: RequestError) -> ApiError:
+    """A request the engine cannot serve, in the API's field names."""
+    message = str(err)
+    for engine_name, api_name in API_FIELDS.items():
+        message = message.replace(engine_name, api_name)
+    return ApiError(400, message, API_FIELDS.get(err.field or "", err.field), code=err.code)
 
 
 class CompletionServer:
@@ -200,6 +76,7 @@ class CompletionServer:
         self.runtime = runtime
         self.tokenizer = runtime.package.tokenizer
         self.model_name = model_name or runtime.deployment.name
+        self.max_body_bytes = body_limit(runtime.deployment.serving.max_context_len)
         self.metrics = ServingMetrics(runtime)
         self.engine = EngineThread(runtime, self.metrics)
         self.started = time.time()
@@ -208,39 +85,45 @@ class CompletionServer:
     # -- request handling ---------------------------------------------------------------
     def _prompt_ids(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
-            return self.tokenizer.encode(req.prompt)
-        vocab = self.tokenizer.vocab_size
+            try:
+                return self.tokenizer.encode(req.prompt)
+            except TokenizerError as err:
+                raise ApiError(400, f"`prompt`: {err}", "prompt") from None
+        # An id the model has no embedding for would fail inside the engine's step, not here.
+        vocab = min(self.tokenizer.vocab_size, self.runtime.deployment.model.geometry.vocab_size)
         bad = [t for t in req.prompt if not 0 <= t < vocab]
         if bad:
-            raise ApiError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab}): "
+            raise ApiError(400, f"`prompt` holds token ids outside the vocabulary [0, {vocab}): "
                                 f"{bad[:5]}", "prompt")
         return list(req.prompt)
 
     def _sampling(self, req: CompletionRequest) -> SamplingParams:
         s = self.runtime.deployment.serving
-        try:
-            return SamplingParams(s.temperature if req.temperature is None else float(req.temperature),
-                                  s.top_p if req.top_p is None else float(req.top_p),
-                                  s.top_k if req.top_k is None else req.top_k)
-        except ValueError as err:
-            raise ApiError(400, str(err), "temperature") from None
+        temperature = s.temperature if req.temperature is None else req.temperature
+        top_p = s.top_p if req.top_p is None else req.top_p
+        return SamplingParams(0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
+                              max(top_p, MIN_TOP_P), s.top_k if req.top_k is None else req.top_k)
 
     def _make_request(self, req: CompletionRequest) -> Request:
         if req.model != self.model_name:
-            raise ApiError(404, f"model '{req.model}' is not served here; this server serves "
-                                f"'{self.model_name}' (GET /v1/models)", "model", "invalid_request_error",
-                           "model_not_found")
+            raise ApiError(404, f"model `{req.model}` is not served here; this server serves "
+                                f"`{self.model_name}` (GET /v1/models)", "model", code="model_not_found")
         prompt = self._prompt_ids(req)
         max_new = req.max_tokens or self.runtime.deployment.serving.max_new_tokens
         try:
             return self.runtime.new_request(prompt, max_new, self._sampling(req), ignore_eos=req.ignore_eos,
                                             seed=req.seed)
         except RequestError as err:
-            # The engine speaks of max_new_tokens; this API's field is max_tokens.
-            message = str(err).replace("max_new_tokens", "max_tokens")
-            param = "max_tokens" if err.field == "max_new_tokens" else err.field
-            code = "context_length_exceeded" if "exceeds" in message else None
-            raise ApiError(400, message, param, code=code) from None
+            raise request_refused(err) from None
+
+    def _submit(self, req: CompletionRequest) -> tuple[Request, Stream]:
+        request = self._make_request(req)
+        stream = Stream(asyncio.get_running_loop())
+        try:
+            self.engine.submit(request, stream)
+        except EngineStopped:
+            raise engine_stopped() from None
+        return request, stream
 
     async def _events(self, request: Request, stream: Stream, stops: list[str]
                       ) -> AsyncIterator[tuple[str, str | None, int]]:
@@ -251,8 +134,9 @@ class CompletionServer:
         try:
             while True:
                 delivery = await stream.events.get()
-                if delivery.finish_reason == "error":
-                    raise ApiError(500, f"the engine stopped: {self.engine.error!r}", kind="server_error")
+                if delivery.finish_reason == ENGINE_FAILED:
+                    finished = True  # the engine is gone: nothing to abort
+                    raise engine_stopped()
                 text = "".join(decoder.step(t) for t in delivery.tokens)
                 final = delivery.finish_reason is not None
                 if final:
@@ -274,9 +158,7 @@ class CompletionServer:
                 self.engine.abort(request)
 
     async def _complete(self, req: CompletionRequest, http: HttpRequest) -> JSONResponse:
-        request = self._make_request(req)
-        stream = Stream(asyncio.get_running_loop())
-        self.engine.submit(request, stream)
+        request, stream = self._submit(req)
         cid = completion_id()
         parts: list[str] = []
         events = self._events(request, stream, req.stop_strings())
@@ -300,9 +182,7 @@ class CompletionServer:
             await asyncio.sleep(0.1)
 
     async def _stream(self, req: CompletionRequest) -> StreamingResponse:
-        request = self._make_request(req)
-        stream = Stream(asyncio.get_running_loop())
-        self.engine.submit(request, stream)
+        request, stream = self._submit(req)  # refusals happen here, before the 200 goes out
         cid = completion_id()
         include_usage = req.stream_options is not None and req.stream_options.include_usage
 
@@ -313,47 +193,38 @@ class CompletionServer:
                 async for text, reason, decode_steps in events:
                     steps = decode_steps
                     if text or reason is not None:
-                        yield _sse(completion_body(cid, self.model_name, text, reason, None))
+                        yield sse(completion_body(cid, self.model_name, text, reason, None))
             except ApiError as err:
-                yield _sse(err.body())
+                yield sse(err.body())
+                yield sse("[DONE]")
+                return
+            except Exception:  # a fault after the 200: say so in the stream, keep the connection
+                log.exception("server fault while streaming request %s", cid)
+                yield sse(server_fault().body())
+                yield sse("[DONE]")
+                return
             finally:
                 await events.aclose()
             if include_usage:
-                yield _sse(usage_chunk(cid, self.model_name,
-                                       usage(len(request.prompt), len(request.output), steps)))
-            yield _sse("[DONE]")
+                yield sse(usage_chunk(cid, self.model_name,
+                                      usage(len(request.prompt), len(request.output), steps)))
+            yield sse("[DONE]")
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     # -- app ----------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="dspark", lifespan=self._lifespan)
-
-        @app.exception_handler(ApiError)
-        async def api_error(_: HttpRequest, err: ApiError) -> JSONResponse:
-            return JSONResponse(err.body(), status_code=err.status)
-
-        @app.exception_handler(RequestValidationError)
-        async def invalid(_: HttpRequest, err: RequestValidationError) -> JSONResponse:
-            api = _validation_error(err)
-            return JSONResponse(api.body(), status_code=api.status)
+        # No generated API docs: the completions route reads its body itself, so they would be empty.
+        app = FastAPI(title="dspark", lifespan=self._lifespan, docs_url=None, redoc_url=None,
+                      openapi_url=None)
+        install_error_handlers(app, ROUTES)
 
         @app.post("/v1/completions", response_model=None)
         async def completions(http: HttpRequest) -> JSONResponse | StreamingResponse:
-            raw = await http.body()
-            try:
-                payload = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ApiError(400, f"the request body is not valid JSON: {err}") from None
-            if not isinstance(payload, dict):
-                raise ApiError(400, "the request body must be a JSON object")
-            try:
-                req = CompletionRequest.model_validate(payload)
-            except ValidationError as err:
-                raise _validation_error(err) from None
+            req = parse_completion_request(await read_json_object(http, self.max_body_bytes))
             if not self.engine.alive:
-                raise ApiError(503, "the engine is not running", kind="server_error")
+                raise engine_stopped()
             return await (self._stream(req) if req.stream else self._complete(req, http))
 
         @app.get("/v1/models")
@@ -384,9 +255,15 @@ class CompletionServer:
             self.engine.stop()
 
 
-def serve(runtime: Runtime, host: str, port: int, model_name: str | None = None,
+def serve(runtime: Runtime, sock: socket.socket, host: str, port: int, model_name: str | None = None,
           log_level: str = "info") -> None:
+    """Serve on `sock`, already bound to host:port (which only name it in the log), until interrupted."""
     import uvicorn
 
     server = CompletionServer(runtime, model_name)
-    uvicorn.run(server.app, host=host, port=port, log_level=log_level)
+    port = sock.getsockname()[1]  # the port the system chose for --port 0
+    config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level)
+    # uvicorn names the address only when it binds the socket itself; this one was bound earlier.
+    shown = f"[{host}]" if ":" in host else host
+    log.info("serving %s on http://%s:%d (press CTRL+C to quit)", server.model_name, shown, port)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,138 @@
+"""`dspark profile`: time a generated package's verify step and write the planner's cost tables."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dspark.cli.common import CliError, load_package_or_fail, require_non_negative, require_positive
+
+
+def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `profile` to a `dspark` subparsers object; the parsed args carry their handler."""
+    p = subparsers.add_parser(
+        "profile", help="measure verify step times and fit the planner's cost tables",
+        description="Time the deployment's own verify step on its backend over batch sizes B and verify "
+                    "row counts M, fit the cost tables the planner reads (sps_1d.json, additive.json and, "
+                    "with graph tiers, tier.json) and write them with the raw samples (profile.json). "
+                    "Name a table in a spec with `cost_model: {type: additive, file: ...}`.")
+    p.add_argument("package", type=Path, help="a compact generated package, e.g. generated/tiny_cpu_compact")
+    p.add_argument("-o", "--out", type=Path, required=True,
+                   help="directory for the tables and profile.json (created if missing)")
+    p.add_argument("--batch-sizes", type=int_list, default=None, metavar="B1,B2,...",
+                   help="comma-separated batch sizes (default: powers of two up to the deployment's "
+                        "serving.max_running_requests)")
+    p.add_argument("--grid-density", type=int, default=8,
+                   help="row counts measured per batch size in the (B, M) grid (default: 8)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed steps per point; the median is kept (default: 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each point (default: 2)")
+    p.add_argument("--m-bin", type=int, default=64,
+                   help="row-count bin width of the additive fit (default: 64)")
+    p.add_argument("--context-len", type=int, default=128,
+                   help="tokens already cached per request while timing (default: 128)")
+    p.add_argument("--no-draft-time", action="store_true",
+                   help="leave the draft's step time out of the tables (by default it is measured per "
+                        "batch size and the planner adds it to the verify time)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=profile_package)
+    return p
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def check_profile_args(args: argparse.Namespace) -> None:
+    for flag, value in (("--grid-density", args.grid_density), ("--repeats", args.repeats),
+                        ("--m-bin", args.m_bin), ("--context-len", args.context_len)):
+        require_positive(flag, value)
+    require_non_negative("--warmup", args.warmup)
+    if args.batch_sizes is not None:
+        if not args.batch_sizes:
+            raise CliError("--batch-sizes is empty; give comma-separated batch sizes, e.g. 1,2,4")
+        for b in args.batch_sizes:
+            require_positive("every --batch-sizes value", b)
+    if args.out.exists() and not args.out.is_dir():
+        raise CliError(f"-o {args.out} is a file; pass a directory for the tables")
+
+
+def median_seconds(measure: Callable[[], float], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        measure()
+    return statistics.median(measure() for _ in range(repeats))
+
+
+def profile_package(args: argparse.Namespace) -> int:
+    """Profile, print the fit report, write the tables. Raises `CliError` for anything the user can fix."""
+    check_profile_args(args)
+    pkg = load_package_or_fail(args.package)
+    from dspark.fingerprint import fingerprint_of_deployment
+    from dspark.measure.cost_fit import fit_tier_table
+    from dspark.measure.profiler import (
+        ProfilePlan,
+        fit_profile,
+        format_fit_report,
+        rows_around,
+        run_profile,
+        write_tables,
+    )
+    from dspark.measure.step_timer import ProfileError, VerifyStepTimer
+    from dspark.runtime.engine.requests import RequestError
+    from dspark.runtime.engine.runtime import Runtime
+
+    try:
+        runtime = Runtime(pkg)
+        timer = VerifyStepTimer(runtime, context_len=args.context_len)
+        tiers = runtime.tiers
+        plan = ProfilePlan(batch_sizes=timer.batch_sizes(args.batch_sizes),
+                           num_draft_tokens=timer.cap, min_verify_len=timer.floor,
+                           grid_density=args.grid_density, repeats=args.repeats, warmup=args.warmup,
+                           m_bin=args.m_bin, max_rows=tiers[-1] if tiers else None,
+                           extra_rows=rows_around(tiers))
+    except (RequestError, ProfileError, ValueError) as err:
+        raise CliError(str(err)) from None
+    dep = pkg.deployment
+    meta = {"deployment": dep.name, "backend": dep.backend, "device": dep.device,
+            "dtype": dep.model.dtype, "verify_mode": dep.verify_mode, "tiers": ",".join(map(str, tiers)),
+            "context_len": str(args.context_len)}
+    result = run_profile(timer, plan, progress=not args.no_progress, meta=meta)
+    sps, fit = fit_profile(result)
+    print(format_fit_report(result, sps, fit), end="")
+    additive = fit.table
+    draft: tuple[float, ...] = ()
+    probes = plan.batch_sizes
+    if not args.no_draft_time:
+        draft = tuple(median_seconds(lambda b=b: timer.draft_seconds(b), args.warmup, args.repeats)
+                      for b in probes)
+        sps = dataclasses.replace(sps, draft_bs_probes=probes, draft_seconds=draft)
+        additive = dataclasses.replace(additive, draft_bs_probes=probes, draft_seconds=draft)
+        print("\ndraft step (added to the verify time by the planner)\n" + "  ".join(
+            f"B={b}:{s * 1e3:.4f}" for b, s in zip(probes, draft, strict=True)) + "  (ms)")
+    tier = None
+    if tiers:  # graph replay: a step costs its tier, which the tier table keeps exact
+        try:
+            tier_fit = fit_tier_table(result, tiers)
+        except ValueError as err:  # e.g. batch sizes too small to reach the largest tier
+            print(f"\ntier table not written: {err}")
+        else:
+            tier = tier_fit.table
+            print(f"\ntier table: RMS {tier_fit.rms_seconds * 1e3:.4f} ms   R² {tier_fit.r_squared:.5f}"
+                  + "".join(f"\n  note: {note}" for note in tier_fit.notes))
+            if not args.no_draft_time:
+                tier = dataclasses.replace(tier, draft_bs_probes=probes, draft_seconds=draft)
+    fingerprint = fingerprint_of_deployment(dep, tiers).to_json()
+    try:
+        written = write_tables(args.out, sps, additive, result, tier, fingerprint)
+    except OSError as err:
+        raise CliError(f"cannot write the tables into {args.out}: {err.strerror or err}") from None
+    for name, path in written.items():
+        print(f"wrote {name}: {path}")
+    return 0

@@ -1,0 +1,89 @@
+"""`dspark serve`: serve a generated package over HTTP with the OpenAI completions API."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import socket
+from pathlib import Path
+from typing import Any
+
+from dspark.cli.common import CliError, load_package_or_fail
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `serve` to a `dspark` subparsers object; the parsed args carry their handler."""
+    p = subparsers.add_parser(
+        "serve", help="serve a generated package over HTTP (OpenAI /v1/completions)",
+        description="Serve a compiled deployment over HTTP: POST /v1/completions (OpenAI shapes, "
+                    "streaming with server-sent events), GET /v1/models, GET /health and GET /metrics "
+                    "(Prometheus). Requests are batched continuously and decoded speculatively.")
+    p.add_argument("package", type=Path, help="generated package directory, e.g. generated/tiny_cpu_static")
+    add_serve_args(p)
+    p.set_defaults(handler=lambda args: serve_package(args.package, args))
+    return p
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The options of `serve`, shared by `dspark serve` and `python -m generated.<name> serve`."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; 0.0.0.0 listens on every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default: 8000)")
+    p.add_argument("--model-name", default=None,
+                   help="the model id clients send and GET /v1/models lists (default: the deployment name)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of sampled requests that do not send their own seed (default: 0)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="server log verbosity (default: info)")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, or a `CliError` saying why it cannot be. Binding before the model
+    loads makes a taken port fail at once rather than after the weights are read."""
+    if not 0 <= port <= 65535:
+        raise CliError(f"--port must be between 0 and 65535, got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror:
+        raise CliError(f"cannot listen on {host!r}: not an address or a known host name; pass an IP "
+                       "address to --host, e.g. 127.0.0.1") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restart at once
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        where = f"{host}:{port}"
+        if err.errno == errno.EADDRINUSE:
+            raise CliError(f"cannot listen on {where}: the port is already in use; stop the process "
+                           "that holds it or pass another --port") from None
+        if err.errno == errno.EACCES:
+            raise CliError(f"cannot listen on {where}: permission denied (ports below 1024 need "
+                           "privileges); pass a port above 1023") from None
+        if err.errno == errno.EADDRNOTAVAIL:
+            raise CliError(f"cannot listen on {where}: {host} is not an address of this machine") from None
+        raise CliError(f"cannot listen on {where}: {err.strerror or err}") from None
+    return sock
+
+
+def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
+    """Load the package and serve it until interrupted. Raises `CliError` for anything the user can fix."""
+    from dspark.runtime.engine.requests import RequestError
+    from dspark.runtime.engine.runtime import Runtime
+
+    sock = listen_socket(args.host, args.port)
+    try:
+        pkg = load_package_or_fail(package_dir)
+        try:
+            runtime = Runtime(pkg, seed=args.seed)
+        except RequestError as err:  # e.g. a CUDA build without a GPU, checkpoints of another shape
+            raise CliError(str(err)) from None
+        from dspark.runtime.serve.server import serve
+
+        serve(runtime, sock, args.host, args.port, args.model_name, args.log_level)
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,35 @@
+"""Pieces of streamed text: cutting at stop strings, and server-sent events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back a possible stop-string prefix."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, bool]:
+        """(text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        if final or not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        cut = max(len(self.pending) - self.hold, 0)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event: `data: <JSON>` (or a bare string such as `[DONE]`) and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
