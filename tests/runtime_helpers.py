@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,3 +35,17 @@ def import_file(path: Path, name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def import_package_module(directory: Path, module: str) -> ModuleType:
+    """`directory/<module>.py` of a generated package, imported as part of its package (the
+    generated modules import each other relatively)."""
+    name = f"_test_pkg_{directory.name}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, directory / "__init__.py",
+                                                      submodule_search_locations=[str(directory)])
+        assert spec is not None and spec.loader is not None
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"{name}.{module}")

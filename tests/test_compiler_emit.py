@@ -22,11 +22,24 @@ EXPECTED_FILES = {"__init__.py", "__main__.py", "attn_metadata.py", "deployment.
 
 
 def keywords(source: bytes, call: str) -> dict:
+    """The literal keyword arguments of the one call to `call` (names of constants as `Name`)."""
     tree = ast.parse(source)
     (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
                and isinstance(n.func, ast.Name) and n.func.id == call]
-    return {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords
-            if not isinstance(kw.value, ast.Call)}
+    return {kw.arg: kw.value.id if isinstance(kw.value, ast.Name) else ast.literal_eval(kw.value)
+            for kw in node.keywords if not isinstance(kw.value, ast.Call)}
+
+
+def constants(source: bytes) -> dict:
+    """Module-level `NAME = value` assignments, values as literals (`VerifyMode.X` as its name)."""
+    out = {}
+    for node in ast.parse(source).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and target.id.isupper() and not isinstance(value, ast.Call | None):
+            out[target.id] = (ast.unparse(value) if isinstance(value, ast.Attribute | ast.Name)
+                              else ast.literal_eval(value))
+    return out
 
 
 def test_package_files_and_header(write_spec, tmp_path):
@@ -41,14 +54,50 @@ def test_package_files_and_header(write_spec, tmp_path):
     assert package.files["__main__.py"].decode().endswith(
         "from pathlib import Path\n\nfrom dspark.cli.package_entry import main\n\n"
         'if __name__ == "__main__":\n    raise SystemExit(main(Path(__file__).resolve().parent))\n')
-    body = package.files["attn_metadata.py"].decode()
-    assert "NUM_DRAFT_TOKENS = 4  # N = gamma + 1" in body and "PAGE_SIZE = 16\n" in body
+    deployment = package.files["deployment.py"].decode()
+    assert "NUM_DRAFT_TOKENS = 4  # N = gamma + 1" in deployment and "\nPAGE_SIZE = 16  #" in deployment
+    assert "from .deployment import NUM_DRAFT_TOKENS\n" in package.files["attn_metadata.py"].decode()
+
+
+SHARED = ("VERIFY_MODE", "GAMMA", "NUM_DRAFT_TOKENS", "MIN_VERIFY_LEN", "MAX_VERIFY_LEN", "PAGE_SIZE",
+          "MAX_CONTEXT_LEN", "PAGES_PER_REQUEST", "MAX_RUNNING_REQUESTS", "TOKEN_TIERS")
+
+
+@pytest.mark.parametrize("spec", sorted((Path(__file__).resolve().parents[1] / "specs").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_spec_value_is_emitted_once_in_deployment(spec):
+    """Values more than one generated module needs are assigned in deployment.py only and imported
+    from there; the other modules assign only what is theirs."""
+    files = compile_spec(spec, allow_stale_tables=True).files
+    assigned = {name: set(constants(files[name])) for name in files if name.endswith(".py")}
+    for name in SHARED:
+        owners = [module for module, names in assigned.items() if name in names]
+        assert owners in ([], ["deployment.py"]), (name, owners)
+    for module, source in files.items():
+        if module.endswith(".py") and module != "deployment.py":
+            imported = {alias.name for node in ast.walk(ast.parse(source))
+                        if isinstance(node, ast.ImportFrom) and (node.module, node.level) == ("deployment", 1)
+                        for alias in node.names}
+            used = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+            assert not (used & set(SHARED)) - imported, (module, (used & set(SHARED)) - imported)
+
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "dspark" / "templates"
+
+
+@pytest.mark.parametrize("template", sorted(TEMPLATES.rglob("*.j2")),
+                         ids=lambda p: str(p.relative_to(TEMPLATES)))
+def test_templates_fill_in_rather_than_decide(template):
+    """Templates are nearly straight-line: a few `if`s at most, no loops over code."""
+    source = template.read_text()
+    assert source.count("{% if") <= 3, template
+    assert "{% for" not in source and "{% elif" not in source, template
 
 
 @pytest.mark.parametrize("kind,device,absent", [
     ("cpu", "generic", ("Ascend", "npu", "cuda", "CUDAGraph", "if ", "elif ")),
     ("cuda", "h200", ("Ascend", "npu", "NPUGraph")),
-    ("ascend", "910c", ("qo_indptr", "cuda", "CUDAGraph", "TorchPagedAttention")),
+    ("ascend", "910c", ("cuda", "CUDAGraph", "TorchPagedAttention", "PagedAttnMetadata")),
 ])
 def test_backend_modules_have_no_dead_branches(write_spec, tmp_path, kind, device, absent):
     overrides = {"backend": {"kind": kind, "device": device}}
@@ -79,23 +128,28 @@ def test_deployment_builds_the_runtime_config(write_spec, tmp_path):
 
 
 def test_static_and_adaptive_planner_config(write_spec, tmp_path):
-    static = compile_spec(write_spec(), tmp_path / "demo").files["planner_config.py"]
+    files = compile_spec(write_spec(), tmp_path / "demo").files
+    static = files["planner_config.py"]
     assert b"from dspark.runtime.planner.verify_plan import StaticVerifyPlan\n" in static
-    assert keywords(static, "StaticVerifyPlan") == {"gamma": 3}
+    assert keywords(static, "StaticVerifyPlan") == {"gamma": "GAMMA", "temperatures": "STS_TEMPERATURES"}
+    assert constants(static) == {"STS_TEMPERATURES": None}
+    assert "MAX_VERIFY_LEN" not in constants(files["deployment.py"])  # static has no planner limits
     spec = write_spec({"verify": {"mode": "compact", "min_verify_len": 2, "survival_eps": 1e-4},
                        "cost_model": SPS, "calibration": {"temperatures": [1.0, 1.5, 2.0]}})
-    adaptive = compile_spec(spec, tmp_path / "demo").files["planner_config.py"]
+    files = compile_spec(spec, tmp_path / "demo").files
+    adaptive = files["planner_config.py"]
     assert b"from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan\n" in adaptive
-    assert keywords(adaptive, "AdaptiveVerifyPlan") == {
-        "gamma": 3, "mode": "compact", "min_verify_len": 2, "max_verify_len": 4, "survival_eps": 1e-4,
-        "align_to_graph_tier": False, "lag_steps": 0, "temperatures": (1.0, 1.5, 2.0),
-        "cost_model": {"type": "sps-1d", "sample_batch_tokens": (4, 64),
-                       "sample_steps_per_sec": (100.0, 50.0), "max_batch_tokens": 64},
-        "token_tiers": ()}
+    assert constants(adaptive) == {
+        "SURVIVAL_EPS": 1e-4, "ALIGN_TO_GRAPH_TIER": False, "LAG_STEPS": 0,
+        "STS_TEMPERATURES": (1.0, 1.5, 2.0),
+        "COST_MODEL": {"type": "sps-1d", "sample_batch_tokens": (4, 64),
+                       "sample_steps_per_sec": (100.0, 50.0), "max_batch_tokens": 64}}
+    assert {k: v for k, v in constants(files["deployment.py"]).items() if k in SHARED} == {
+        "VERIFY_MODE": "VerifyMode.COMPACT", "GAMMA": 3, "NUM_DRAFT_TOKENS": 4, "MIN_VERIFY_LEN": 2,
+        "MAX_VERIFY_LEN": 4, "PAGE_SIZE": 16, "MAX_CONTEXT_LEN": 1024, "PAGES_PER_REQUEST": 64,
+        "MAX_RUNNING_REQUESTS": 32, "TOKEN_TIERS": ()}
     spec = write_spec({"verify": {"mode": "cap-accept"}})
-    kwargs = keywords(compile_spec(spec, tmp_path / "demo").files["planner_config.py"],
-                      "AdaptiveVerifyPlan")
-    assert kwargs["temperatures"] is None and kwargs["cost_model"] is None
+    assert constants(compile_spec(spec, tmp_path / "demo").files["planner_config.py"])["COST_MODEL"] is None
 
 
 def test_checkpoint_paths_in_deployment(write_spec, tmp_path):

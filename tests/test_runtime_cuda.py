@@ -5,14 +5,16 @@ Skips cleanly without a GPU.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.kernels import HAS_TRITON, build_verify_rows, pack_rows, scatter_rows
 from dspark.runtime.kernels.accept import greedy_accept
-from dspark.runtime.layout import RaggedVerifyLayout
 from dspark.runtime.package import load_package
+from dspark.runtime.runners.eager import EagerVerifyRunner
 
 from .runtime_helpers import compile_variant
 from .test_runtime_modes import COSTLY_ROWS
@@ -50,18 +52,15 @@ def test_graph_replay_matches_eager_forward(runtimes: dict[str, Runtime], name: 
         rt.slots.reserve(h.slot, 64)
     try:
         page_table = rt.slots.page_table[[h.slot for h in slots]].cuda()
-        prefix = torch.tensor([5, 9, 17, 1, 30][: len(lens)], dtype=torch.int32, device="cuda")
-        verify_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        layout = RaggedVerifyLayout.from_verify_lens(verify_lens, rt.tiers)
-        assert layout.graph_num_tokens in rt.verify_runner.graphs  # a captured tier
+        prefix = [5, 9, 17, 1, 30][: len(lens)]
+        layout = rt.verify_runner.plan(tuple(lens), tuple(lens), prefix, page_table)
+        assert layout.tier in rt.verify_runner.graphs  # a captured tier
         ids = torch.randint(0, 256, (layout.total_rows,), device="cuda")
-        replayed = rt.verify_runner.run(ids, prefix, page_table, layout).clone()
-        if rt.compact:
-            meta = rt.metadata.build_verify_metadata(prefix, page_table, verify_lens, layout.total_rows)
-        else:
-            meta = rt.metadata.build_verify_metadata(prefix, page_table)
-        eager = rt.target.forward_paged(ids, meta.positions, rt.attn, meta)
-        torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+        replayed = rt.verify_runner.run(layout, ids).clone()
+        # The same layout run eagerly, padding included, through the generated metadata builder.
+        build_metadata = importlib.import_module(type(rt.verify_runner).__module__).build_verify_metadata
+        eager = EagerVerifyRunner(rt.target, rt.attn, rt.verify_runner.shape, build_metadata)
+        torch.testing.assert_close(replayed, eager.run(layout, ids), rtol=1e-4, atol=1e-4)
     finally:
         for h in slots:
             rt.slots.release(h.slot)

@@ -20,7 +20,7 @@ from .runtime_helpers import compile_variant
 from .test_runtime_modes import COSTLY_ROWS
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "static_tiers": {"graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4]}},
+    "static_tiers": {"graph": {"enabled": True, "capture_batch_sizes": [1, 2, 3]}},
     "cap_accept_lag": {"verify": {"mode": "cap-accept", "lag_steps": 1}, "cost_model": COSTLY_ROWS},
     "compact_tiers": {"verify": {"mode": "compact", "align_to_graph_tier": True}, "cost_model": COSTLY_ROWS,
                       "graph": {"enabled": True, "token_tiers": [8, 16, 32]}},

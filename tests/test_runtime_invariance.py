@@ -4,9 +4,10 @@ what makes greedy speculative output bit-exact with target-only output."""
 import pytest
 import torch
 
-from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding, cache_slots
+from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.kv_cache import PagedKVCache
+from dspark.runtime.layout import cache_slots
 from dspark.runtime.models import ops
 
 

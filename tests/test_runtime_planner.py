@@ -33,9 +33,11 @@ def example_survival() -> torch.Tensor:
 
 
 def test_source_example_survival_is_the_cumulative_product() -> None:
-    expected = torch.tensor([[0.9, 0.72], [0.6, 0.3]])
+    expected = torch.tensor([[0.9, 0.72], [0.6, 0.3]], dtype=torch.float64)
     assert torch.allclose(example_survival(), expected, rtol=0, atol=1e-6)
-    assert example_survival().dtype == torch.float32
+    assert example_survival().dtype == torch.float64  # float64 logits keep their precision
+    half = survival_from_logits(torch.logit(EXAMPLE_CONFIDENCE).to(torch.bfloat16))
+    assert half.dtype == torch.float32  # the draft's logits are computed in float32
 
 
 def test_source_example_two_extra_rows_go_to_the_first_request() -> None:
@@ -162,7 +164,7 @@ def test_survival_from_logits_applies_temperatures_in_float32() -> None:
 
 
 @pytest.mark.parametrize("temps, message", [
-    ([1.0, 1.0], "temperatures has shape \\(2,\\) but logits have gamma=3 positions"),
+    ([1.0, 1.0], "2 temperatures but logits have gamma=3 positions"),
     ([1.0, 0.0, 1.0], "temperatures must all be finite and > 0"),
     ([1.0, float("inf"), 1.0], "temperatures must all be finite and > 0"),
 ])
@@ -229,7 +231,7 @@ def cost_models(draw: st.DrawFn) -> CostModel | None:
     if kind == "sps-1d":
         tokens = probes(draw, 30)
         rates = draw(st.lists(st.floats(1.0, 1000.0), min_size=len(tokens), max_size=len(tokens)))
-        return SpsTable(tokens, tuple(rates), draw(st.integers(1, 35)), **draft_term(draw))
+        return SpsTable(tokens, tuple(rates), draw(st.integers(tokens[-1], 35)), **draft_term(draw))
     bs, ms = probes(draw, 6), probes(draw, 30)
     alpha = draw(st.lists(st.floats(0.0, 0.01), min_size=len(bs), max_size=len(bs)))
     theta = draw(st.lists(st.floats(0.0, 0.01), min_size=len(ms), max_size=len(ms)))

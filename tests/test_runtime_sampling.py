@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dspark.runtime.engine import runtime as engine_module
+from dspark.runtime.engine import speculative as speculative_module
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.kernels.accept import AcceptResult
 from dspark.runtime.package import load_package
@@ -135,7 +135,7 @@ def test_speculative_sampling_matches_the_exact_target_distribution(tmp_path, mo
         bonus = honest.result.bonus
         return SamplingAccept(AcceptResult(correct, correct + 1, bonus), correct)
 
-    monkeypatch.setattr(engine_module, "rejection_accept", accept_all)
+    monkeypatch.setattr(speculative_module, "rejection_accept", accept_all)
     broken = joint(Runtime(pkg, sampling=params, seed=3))
     stat_bad, df_bad = _chi_square(broken, expected, n)
     assert stat_bad > _critical(df_bad), "the test cannot tell a broken verifier apart"
@@ -237,3 +237,20 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch(tmp_path) -> None
     alone = run(0, seed=5)
     assert run(5, seed=5) == alone and run(3, seed=5) == alone
     assert len({tuple(run(0, seed=s)) for s in (1, 2, 3)}) > 1  # the seed matters
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1e-4), SamplingParams(2e-5, top_p=1e-45),
+                                    SamplingParams(0.7, top_p=1e-45), SamplingParams(0.9, top_k=10**20),
+                                    SamplingParams(1e-300), SamplingParams(50.0, top_p=0.3, top_k=3)])
+def test_no_request_parameters_make_a_distribution_nan(params: SamplingParams) -> None:
+    """Extreme but valid values (a request's, so one cannot be allowed to stop the engine)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 2, 40) * 30
+    batch = BatchSampling((params, SamplingParams(0.8, 0.9, 5), SamplingParams()))
+    probs = warp_rows(logits, batch)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3, 2))
+    assert (probs.argmax(-1)[0] == logits[0].argmax(-1)).all()  # the most likely token always stays
+    if not params.greedy:
+        single = warp(logits[0], params)
+        assert torch.isfinite(single).all() and torch.allclose(single.sum(-1), torch.ones(2))
+    assert SamplingParams(1e-6).greedy and SamplingParams(1e-6).policy == "greedy"

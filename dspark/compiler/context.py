@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark import __version__
-from dspark.compiler.nodes import planner_arguments
+from dspark.modes import VerifyMode
 from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
 
@@ -42,8 +42,87 @@ def stored_checkpoint(ref: CheckpointRef, package_dir: Path) -> str:
     return Path(os.path.relpath(ref.directory, package_dir.resolve())).as_posix()
 
 
+def _widest_request(mode: VerifyMode) -> tuple[str, str]:
+    """The deployment constant bounding one request's rows in a verify step, and why."""
+    if mode.packs_rows:
+        return "MAX_VERIFY_LEN", "a request runs at most max_verify_len rows"
+    if mode.plans:
+        return "NUM_DRAFT_TOKENS", "every request runs all N rows (the plan caps only acceptance)"
+    return "NUM_DRAFT_TOKENS", "every request runs all N rows"
+
+
+def _verify_rows_doc(mode: VerifyMode, ascend: bool) -> str:
+    """The generated `build_verify_metadata` docstring: how this mode lays out a step's rows."""
+    if mode.packs_rows:
+        rows = ("compact verify: request r runs only its `verify_lens[r]` planned rows, packed back to "
+                "back, so ")
+        rows += ("the query ends are the cumulative `actual_seq_lengths_q = qo_indptr[1:]` and " if ascend
+                 else "`qo_indptr = cu_seqlens_q = [0, cumsum(verify_lens)]` and ")
+        rows += "each KV length is `prefix + verify_len`."
+    else:
+        rows = f"{mode} verify: every request runs all N rows, so "
+        rows += ("the query ends are fixed-width, `actual_seq_lengths_q = [N, 2N, ..., B*N]`, and " if ascend
+                 else "`qo_indptr = [0, N, 2N, ..., B*N]` and ")
+        rows += "each KV length is `prefix + N`."
+        if mode.plans:
+            rows += " The plan's verify_lens cap only the acceptance afterwards."
+    rows += " Padding requests after the real ones (graph tiers) continue the same layout."
+    tail = ("The operator reads the lengths from the layout's host copies." if ascend
+            else "Tensor code only (no host sync), so it can run inside a captured graph.")
+    return f"{rows}\n\n{tail}"
+
+
+def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
+    spec = resolved.spec
+    mode, backend = spec.verify.mode, spec.backend.kind
+    rows = ("only the planned rows run, packed back to back" if mode.packs_rows
+            else "every request runs its N rows")
+    if resolved.tiers and backend == "cpu":
+        eager = (f"Eager verify forward ({rows}), padded up to its tier.\n\nThe CPU captures no graphs, but "
+                 "each step runs padded exactly as a replay would, so tier effects and tier alignment run "
+                 "and can be measured here.")
+    elif backend == "cpu":
+        eager = f"Eager verify forward: {rows}."
+    else:
+        eager = f"Eager verify forward (graph capture is off): {rows}."
+    if mode.packs_rows:
+        graph_key = "token tier"
+        replay = ("A step of T planned rows replays the smallest tier G >= T. The graph holds "
+                  "`slots_for_tier(G)` request slots: the real requests, then padding requests carrying "
+                  "the G - T unused rows, then empty slots.")
+        updated = ("ragged query ends (`actual_seq_lengths_q = qo_indptr[1:]`) and KV lengths "
+                   "(`prefix + verify_len`).")
+    else:
+        graph_key = "captured batch size"
+        replay = ("A step of B requests replays the smallest captured batch size >= B, the missing "
+                  "requests being padding requests of N rows.")
+        updated = "KV lengths (`prefix + N`; the query ends stay fixed-width, `[N, 2N, ..., B*N]`)."
+    padding = ("Padding requests have prefix 0 and an all-null page table, so their K/V writes land in the "
+               "null page that no real request reads.")
+    if backend == "ascend":
+        graph = (f"One NPU graph per {graph_key}.\n\nThe fused attention operator takes its sequence "
+                 "lengths on the host, so they are baked into a captured graph: every layer's attention is "
+                 "captured as an updatable task group, and before each replay the runner re-issues those "
+                 f"tasks with the step's {updated}\n\n{replay} {padding} Empty slots keep a KV length of 1 "
+                 "on that page.")
+    else:
+        graph = f"One CUDA graph per {graph_key}.\n\n{replay} {padding}"
+    graph += (" A step's layout is planned outside the graph and copied into static buffers; inside the "
+              "graph only the attention metadata is derived from it.")
+    return {"eager_doc": eager, "graph_runner_doc": graph}
+
+
+def _source(kind: str, file: str | None) -> str:
+    return f"{kind} from {file}" if file else f"{kind}, inline in the spec"
+
+
 def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any]:
     spec = resolved.spec
+    mode, backend = spec.verify.mode, spec.backend.kind
+    widest, widest_doc = _widest_request(mode)
+    cost_file = getattr(spec.cost_model, "file", None)
+    calibration_file = getattr(spec.calibration, "file", None)
+    ascend = backend == "ascend"
     return {
         "header": header_text(resolved),
         "compiler_version": __version__,
@@ -54,21 +133,35 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "geometry": resolved.geometry,
         "gamma": spec.draft.gamma,
         "N": resolved.num_draft_tokens,
-        "mode": spec.verify.mode,
-        "backend": spec.backend.kind,
+        "mode": mode,
+        "verify": spec.verify,
+        "backend": backend,
         "device": spec.backend.device,
         "dtype": spec.model.dtype,
         "page_size": spec.serving.page_size,
         "max_context_len": spec.serving.max_context_len,
+        "pages_per_request": spec.serving.max_context_len // spec.serving.page_size,
         "max_running_requests": spec.serving.max_running_requests,
-        "graph_enabled": spec.graph.enabled,
-        "tiers": list(resolved.tiers),
-        "capture_batch_sizes": list(spec.graph.capture_batch_sizes),
+        "tiers": tuple(resolved.tiers),
+        "min_verify_len": spec.verify.min_verify_len,
         "max_verify_len": resolved.max_verify_len,
         "parallel": spec.parallelism,
         "serving": spec.serving,
         "model_checkpoint": stored_checkpoint(resolved.model_checkpoint, package_dir),
         "draft_checkpoint": stored_checkpoint(resolved.draft_checkpoint, package_dir),
-        "plan_class": "AdaptiveVerifyPlan" if spec.verify.mode.plans else "StaticVerifyPlan",
-        "plan_arguments": planner_arguments(resolved),
+        "model_digest": resolved.model_digest,
+        "draft_digest": resolved.draft_digest,
+        "temperatures": resolved.temperatures,
+        "temperatures_source": (_source("STS temperatures", calibration_file) if resolved.temperatures
+                                else "no calibration: survival = cumprod(sigmoid(z))"),
+        "cost_model": resolved.cost_model.model_dump(exclude_defaults=True) if resolved.cost_model else None,
+        "cost_model_source": (_source(f"{resolved.cost_model.type} step-cost table", cost_file)
+                              if resolved.cost_model else "no cost model: every candidate is verified"),
+        "widest_request": widest,
+        "widest_request_doc": widest_doc,
+        "verify_rows_doc": _verify_rows_doc(mode, ascend=False),
+        "verify_rows_doc_ascend": _verify_rows_doc(mode, ascend=True),
+        "attention_module": "ascend" if ascend else "torch_paged",
+        "attention_class": "AscendFusedAttention" if ascend else "TorchPagedAttention",
+        **_runner_docs(resolved),
     }

@@ -32,7 +32,7 @@ def render_package(resolved: ResolvedSpec, package_dir: Path) -> CompiledPackage
     env = environment()
     files: dict[str, bytes] = {}
     for node in DERIVED:
-        for file, template in (node.templates or {}).items():
+        for file, template in (node.templates(resolved) if node.templates else {}).items():
             files[file] = env.get_template(template).render(context).encode("utf-8")
     files[MANIFEST_FILE] = manifest_bytes(resolved, graph, files)
     return CompiledPackage(resolved, graph, package_dir, dict(sorted(files.items())))

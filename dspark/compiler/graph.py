@@ -35,10 +35,9 @@ def build_graph(resolved: ResolvedSpec) -> nx.DiGraph:
     for node in DERIVED:
         value = node.value(resolved)
         if node.templates:
-            value = {"value": value,
-                     "templates": {t: template_sha256(t) for t in sorted(node.templates.values())}}
-        graph.add_node(node.id, kind="file" if node.templates else "derived", value=value,
-                       files=node.files)
+            templates = sorted(node.templates(resolved).values())
+            value = {"value": value, "templates": {t: template_sha256(t) for t in templates}}
+        graph.add_node(node.id, kind="file" if node.files else "derived", value=value, files=node.files)
         graph.add_edges_from((source, node.id) for source in node.inputs)
     graph.add_node("manifest", kind="file", value=None, files=(MANIFEST_FILE,))
     graph.add_edges_from((source, "manifest") for source in FILE_NODES)

@@ -7,6 +7,7 @@ Only plain data types are accepted (checked with `type(...) is`, so a str subcla
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 from dspark.modes import VerifyMode
@@ -85,3 +86,25 @@ def docstring_literal(text: str) -> str:
         else:
             out.append(char.encode("unicode_escape").decode("ascii"))
     return '"""' + "".join(out) + '"""'
+
+
+def docstring_body(text: str, indent: int, width: int = 100) -> str:
+    """The body of a docstring opened at column `indent`: `text`'s paragraphs (split on blank lines)
+    wrapped to `width`, continuation lines indented, and a closing line of its own when it spans
+    several. The compiler's own prose only: quotes and backslashes are refused, not escaped."""
+    if type(text) is not str or '"""' in text or "\\" in text:
+        raise LiteralError(f"docstring text must be a str without triple quotes or backslashes: {text!r}")
+    pad = " " * indent
+    lines: list[str] = []
+    for i, paragraph in enumerate(text.split("\n\n")):
+        if i:
+            lines.append("")
+        # The first line starts after the opening quotes.
+        # Code spans stay on one line: their spaces are held out of the wrapping.
+        spans = paragraph.split("`")
+        held = "`".join(part.replace(" ", "\0") if k % 2 else part for k, part in enumerate(spans))
+        wrapped = [line.replace("\0", " ") for line in
+                   textwrap.wrap(held, width - indent, initial_indent="   " if i == 0 else "")]
+        lines += [wrapped[0].removeprefix("   ") if i == 0 else wrapped[0], *wrapped[1:]]
+    body = "\n".join(pad + line if j and line else line for j, line in enumerate(lines))
+    return body + ("\n" + pad if len(lines) > 1 else "")

@@ -23,18 +23,22 @@ HEADER_INPUTS = ("spec.name", "spec.backend", "spec.verify")
 MANIFEST_FILE = "manifest.json"
 
 
+TemplateChoice = Callable[[ResolvedSpec], Mapping[str, str]]
+
+
 @dataclass(frozen=True)
 class DerivedNode:
-    """A value computed from its inputs; with `templates`, also the files rendered from it."""
+    """A value computed from its inputs; with `templates`, also the files rendered from it.
+
+    `templates(resolved)` maps each generated file to the template it is rendered from, which may
+    depend on the backend (one template per backend and file kind).
+    """
 
     id: str
     inputs: tuple[str, ...]
     value: Callable[[ResolvedSpec], Any]
-    templates: Mapping[str, str] | None = None  # generated file -> template name
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return tuple(self.templates or ())
+    files: tuple[str, ...] = ()
+    templates: TemplateChoice | None = None
 
 
 def section_value(resolved: ResolvedSpec, section: str) -> Any:
@@ -87,29 +91,28 @@ def _tier_grid(resolved: ResolvedSpec) -> Any:
 
 
 def planner_arguments(resolved: ResolvedSpec) -> dict[str, Any]:
-    """Keyword arguments of the generated `PLAN` (its class follows from verify.mode)."""
+    """The values the generated plan is configured with (its class follows from verify.mode)."""
     spec = resolved.spec
+    arguments: dict[str, Any] = {"gamma": spec.draft.gamma, "temperatures": resolved.temperatures}
     if not spec.verify.mode.plans:
-        return {"gamma": spec.draft.gamma}
+        return arguments
     verify = spec.verify
     return {
-        "gamma": spec.draft.gamma,
+        **arguments,
         "mode": verify.mode.value,
         "min_verify_len": verify.min_verify_len,
         "max_verify_len": resolved.max_verify_len,
         "survival_eps": verify.survival_eps,
         "align_to_graph_tier": verify.align_to_graph_tier,
         "lag_steps": verify.lag_steps,
-        "temperatures": resolved.temperatures,
         # Without defaults: an absent optional draft term leaves no empty fields in the output.
         "cost_model": resolved.cost_model.model_dump(exclude_defaults=True) if resolved.cost_model else None,
-        "token_tiers": resolved.tiers if verify.mode.packs_rows else (),
+        "token_tiers": resolved.tiers,
     }
 
 
 def _planner(resolved: ResolvedSpec) -> Any:
-    return {"mode": resolved.spec.verify.mode,
-            "arguments": _jsonable(planner_arguments(resolved))}
+    return _jsonable(planner_arguments(resolved))
 
 
 def _jsonable(value: Any) -> Any:
@@ -124,25 +127,43 @@ def _files_only(resolved: ResolvedSpec) -> Any:
     return None  # a file artifact is fully determined by its inputs and its templates
 
 
+def _shared(name: str) -> TemplateChoice:
+    return lambda resolved: {name: f"{name}.j2"}
+
+
+def _attention_metadata(resolved: ResolvedSpec) -> Mapping[str, str]:
+    return {"attn_metadata.py": f"{resolved.spec.backend.kind}/attn_metadata.py.j2"}
+
+
+def _graph_runner(resolved: ResolvedSpec) -> Mapping[str, str]:
+    """Graph capture is CUDA's or Ascend's own mechanics; without it (and on the CPU, which pads
+    to its tiers eagerly) every backend runs the same eager runner."""
+    backend = resolved.spec.backend.kind
+    captures = resolved.spec.graph.enabled and backend != "cpu"
+    return {"graph_runner.py": f"{backend if captures else 'eager'}/graph_runner.py.j2"}
+
+
+def _entry(resolved: ResolvedSpec) -> Mapping[str, str]:
+    return {"__init__.py": "__init__.py.j2", "__main__.py": "__main__.py.j2"}
+
+
 DERIVED: tuple[DerivedNode, ...] = (
     DerivedNode("model_geometry", ("spec.model",), _geometry),
     DerivedNode("parallel_plan", ("spec.parallelism", "model_geometry"), _parallel_plan),
     DerivedNode("tier_grid", ("spec.graph", "spec.draft"), _tier_grid),
-    DerivedNode("planner_config",
-                (*HEADER_INPUTS, "spec.draft", "spec.cost_model", "spec.calibration", "tier_grid"),
-                _planner, {"planner_config.py": "planner_config.py.j2"}),
-    DerivedNode("backend_metadata",
-                (*HEADER_INPUTS, "spec.draft", "spec.serving", "model_geometry", "parallel_plan"),
-                _files_only, {"attn_metadata.py": "attn_metadata.py.j2"}),
-    DerivedNode("graph_capture",
-                (*HEADER_INPUTS, "spec.draft", "spec.graph", "spec.serving", "tier_grid"),
-                _files_only, {"graph_runner.py": "graph_runner.py.j2"}),
     DerivedNode("deployment",
                 (*HEADER_INPUTS, "spec.model", "spec.draft", "spec.serving", "model_geometry",
-                 "parallel_plan"),
-                _files_only, {"deployment.py": "deployment.py.j2"}),
-    DerivedNode("runtime_entry", HEADER_INPUTS, _files_only,
-                {"__init__.py": "__init__.py.j2", "__main__.py": "__main__.py.j2"}),
+                 "parallel_plan", "tier_grid"),
+                _files_only, ("deployment.py",), _shared("deployment.py")),
+    DerivedNode("planner_config",
+                (*HEADER_INPUTS, "spec.draft", "spec.cost_model", "spec.calibration", "tier_grid"),
+                _planner, ("planner_config.py",), _shared("planner_config.py")),
+    DerivedNode("backend_metadata", (*HEADER_INPUTS, "spec.draft", "spec.serving"),
+                _files_only, ("attn_metadata.py",), _attention_metadata),
+    DerivedNode("graph_capture",
+                (*HEADER_INPUTS, "spec.draft", "spec.graph", "spec.serving", "tier_grid"),
+                _files_only, ("graph_runner.py",), _graph_runner),
+    DerivedNode("runtime_entry", HEADER_INPUTS, _files_only, ("__init__.py", "__main__.py"), _entry),
 )
 
-FILE_NODES = tuple(node.id for node in DERIVED if node.templates)
+FILE_NODES = tuple(node.id for node in DERIVED if node.files)

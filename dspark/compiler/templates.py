@@ -7,7 +7,7 @@ from functools import cache
 
 import jinja2
 
-from dspark.compiler.literals import docstring_literal, py_literal
+from dspark.compiler.literals import docstring_body, docstring_literal, py_literal
 
 
 @cache
@@ -22,6 +22,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["py"] = py_literal
     env.filters["docstring"] = docstring_literal
+    env.filters["doc"] = docstring_body
     return env
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dspark.formats.hf_config import HF_DEFAULTS, HF_GEOMETRY_KEYS, geometry_values
+from dspark.modes import VerifyMode, num_draft_tokens
 
 
 def _require(cond: bool, what: str) -> None:
@@ -68,8 +69,7 @@ class DraftRef:
 
     @property
     def num_draft_tokens(self) -> int:
-        """N = gamma + 1: the root row plus the drafts."""
-        return self.gamma + 1
+        return num_draft_tokens(self.gamma)
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,19 @@ class DeploymentConfig:
     compiler_version: str
     backend: str
     device: str
-    verify_mode: str
+    verify_mode: VerifyMode
     model: ModelRef
     draft: DraftRef
     parallel: ParallelPlan
     serving: ServingConfig
+    token_tiers: tuple[int, ...] = ()  # rows a verify step is padded to; () without graph capture
 
     def __post_init__(self) -> None:
         _require(self.backend in ("cpu", "cuda", "ascend"), f"unknown backend {self.backend!r}")
+        _require(isinstance(self.verify_mode, VerifyMode), f"verify_mode must be a VerifyMode, got "
+                 f"{self.verify_mode!r}")
         _require(self.model.geometry.num_heads % self.parallel.tp == 0,
                  "tp must divide num_heads")
+        tiers = list(self.token_tiers)
+        _require(tiers == sorted(set(tiers)) and all(t > 0 for t in tiers),
+                 f"token_tiers must be strictly increasing positive row counts, got {self.token_tiers}")

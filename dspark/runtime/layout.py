@@ -1,119 +1,242 @@
-"""The ragged row layout of one verify step: which rows each request puts into the target forward.
+"""The layout of one forward pass, planned once per step and read by everything that runs it.
 
-`static` and `cap-accept` steps are the full `B x N` block; a `compact` step packs only the
-planned rows, `verify_lens = [2, 1, 4]` giving `qo_indptr = [0, 2, 3, 7]`. With graph capture the
-step is padded up to a token tier (`graph_num_tokens`); the padding rows belong to padding
-requests that own no KV pages (their writes land in the null page), so no real row sees them.
+An extend step (prefill chunk, target-only decode) appends `extend_lens[r]` rows after request r's
+cached prefix. A verify step runs, for request r, its root and first drafts: `run_lens[r]` rows
+(compact: the planned `verify_len`; static and cap-accept: all N), packed back to back, so
+`qo_indptr = [0, cumsum(run_lens)]`. With graph tiers a verify step is padded up to the smallest
+tier that holds it: the padding rows belong to padding requests (prefix 0, an all-null page table,
+so their K/V writes land in the null page no real request reads) and, where a captured graph holds
+a fixed number of request slots, to empty slots after them (docs/architecture.md, "A decode step").
+
+A layout is planned once per step (FlashInfer's plan/run split): the small per-request arithmetic
+on the host, from values the host already has, then one host-to-device copy and one kernel for the
+per-row arrays. The engine (pack/scatter indices, draft-context rows), the verify runner (tier,
+static graph buffers) and the generated metadata builder (qo_indptr, KV lengths, write slots) all
+read the same object; nothing is built twice and nothing here waits on the device.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from dspark.runtime.kernels import build_verify_rows, pack_rows, scatter_rows
 
 
 class LayoutError(ValueError):
     """A step that the compiled tier grid or slot count cannot hold (says what to change)."""
 
 
-def tier_for(num_rows: int, grid: Sequence[int]) -> int:
+def tier_for(num_rows: int, tiers: Sequence[int]) -> int:
     """The smallest tier holding `num_rows` rows; an error past the largest."""
-    i = bisect.bisect_left(grid, num_rows)
-    if i == len(grid):
-        raise LayoutError(f"a step of {num_rows} rows exceeds the largest graph tier {grid[-1]}; "
+    i = bisect.bisect_left(tiers, num_rows)
+    if i == len(tiers):
+        raise LayoutError(f"a step of {num_rows} rows exceeds the largest graph tier {tiers[-1]}; "
                           "add a larger tier (graph.token_tiers / capture_batch_sizes) or lower "
                           "serving.max_running_requests")
-    return grid[i]
+    return tiers[i]
+
+
+def cache_slots(page_table: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor,
+                page_size: int) -> torch.Tensor:
+    """Flat KV slot of each row: its request's page for the position, times page size, plus offset."""
+    pages = page_table[row_req, positions // page_size].long()
+    return pages * page_size + positions % page_size
+
+
+def prefix_slots(page_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
+    """`[B, length]` flat KV slots of positions `0 … length-1` of every request."""
+    offs = torch.arange(length, device=page_table.device)
+    return page_table[:, offs // page_size].long() * page_size + offs % page_size
 
 
 @dataclass(frozen=True)
-class RaggedVerifyLayout:
-    """Rows per request (`verify_lens`), their CSR offsets, and the tier the step replays in.
+class StepShape:
+    """How a verify runner lays out its steps: its graph tiers and how it pads a step up to one.
 
-    `num_real_requests` of the `verify_lens` belong to real requests; any after them are padding
-    requests added by `padded`.
+    `padding_request_rows` bounds the rows of one padding request (the attention's widest query
+    block stays the widest real one); `slots_for_tier(tier)`, when a captured graph holds a fixed
+    number of request slots, is that number, and the layout fills it with empty slots.
     """
 
-    verify_lens: torch.Tensor  # int32 [B]
-    qo_indptr: torch.Tensor  # int32 [B + 1] = cu_seqlens_q
+    page_size: int
+    num_draft_tokens: int  # N: rows of a full request, and the stride of the fixed-stride block
+    tiers: tuple[int, ...] = ()
+    padding_request_rows: int = 0
+    slots_for_tier: Callable[[int], int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tiers and not 1 <= self.padding_request_rows <= self.num_draft_tokens:
+            raise LayoutError(f"padding_request_rows must be in [1, N={self.num_draft_tokens}] when a "
+                              f"step is padded to tiers, got {self.padding_request_rows}")
+
+
+@dataclass(frozen=True)
+class ExtendLayout:
+    """Rows appended after each request's cached prefix; device tensors unless named `host_`."""
+
+    qo_indptr: torch.Tensor  # int32 [B + 1]: cu_seqlens_q
+    kv_lens: torch.Tensor  # int32 [B]: prefix + new rows
+    page_table: torch.Tensor  # int32 [B, pages_per_request]
+    positions: torch.Tensor  # int64 [T]
+    row_req: torch.Tensor  # int64 [T]: request of each row
+    out_cache_loc: torch.Tensor  # int64 [T]: KV slot each row writes
+    host_qo_indptr: tuple[int, ...]
+    host_kv_lens: tuple[int, ...]
+    max_rows: int  # widest request, for max_seqlen_q
+
+    @property
+    def num_rows(self) -> int:
+        return self.host_qo_indptr[-1]
+
+
+def plan_extend(prefix_lens: Sequence[int], extend_lens: Sequence[int], page_table: torch.Tensor,
+                page_size: int, device: torch.device) -> ExtendLayout:
+    """The layout of an extend step; `page_table` is the requests' host page table `[B, P]`."""
+    if len(prefix_lens) != len(extend_lens) or len(extend_lens) != page_table.shape[0] or not extend_lens:
+        raise LayoutError(f"an extend step needs one prefix length, extend length and page-table row "
+                          f"per request, got {len(prefix_lens)}, {len(extend_lens)} and "
+                          f"{page_table.shape[0]}")
+    if min(extend_lens) < 1:
+        raise LayoutError(f"every request of an extend step appends at least one row, got "
+                          f"{list(extend_lens)}")
+    qo = tuple(itertools.accumulate(extend_lens, initial=0))
+    kv = tuple(p + e for p, e in zip(prefix_lens, extend_lens, strict=True))
+    # The rows are laid out on the host (a prefill chunk's arithmetic is tiny next to its forward).
+    host = torch.device("cpu")
+    row_req = torch.repeat_interleave(torch.arange(len(extend_lens), device=host),
+                                      torch.tensor(extend_lens, dtype=torch.long, device=host))
+    starts = torch.tensor(qo[:-1], dtype=torch.long, device=host)[row_req]
+    positions = (torch.tensor(prefix_lens, dtype=torch.long, device=host)[row_req]
+                 + torch.arange(qo[-1], device=host) - starts)
+    out_cache_loc = cache_slots(page_table.cpu(), row_req, positions, page_size)
+    return ExtendLayout(
+        qo_indptr=torch.tensor(qo, dtype=torch.int32, device=host).to(device),
+        kv_lens=torch.tensor(kv, dtype=torch.int32, device=host).to(device),
+        page_table=page_table.to(device),
+        positions=positions.to(device),
+        row_req=row_req.to(device),
+        out_cache_loc=out_cache_loc.to(device),
+        host_qo_indptr=qo,
+        host_kv_lens=kv,
+        max_rows=max(extend_lens),
+    )
+
+
+@dataclass(frozen=True)
+class VerifyLayout:
+    """The rows of one verify step, for its `num_requests` real requests and the padding after them.
+
+    Slots `0 … num_requests-1` are the real requests in batch order; the rest are padding requests
+    and empty slots. Device tensors unless named `host_`.
+    """
+
+    verify_lens: torch.Tensor  # int32 [B]: the plan's verify_lens (root included), which cap acceptance
+    rows_per_slot: torch.Tensor  # int32 [S]: rows each slot runs
+    prefix_lens: torch.Tensor  # int32 [S]: cached positions before the slot's rows (0 for padding)
+    page_table: torch.Tensor  # int32 [S, pages_per_request]; padding slots point at the null page
+    qo_indptr: torch.Tensor  # int32 [S + 1]: cu_seqlens_q
+    kv_lens: torch.Tensor  # int32 [S]: prefix + rows, at least 1 (a padding slot reads the null page)
+    positions: torch.Tensor  # int64 [tier]
+    row_req: torch.Tensor  # int64 [tier]: slot of each row
+    out_cache_loc: torch.Tensor  # int64 [tier]: KV slot each row writes
+    src_index: torch.Tensor  # int64 [total_rows]: each real row's index r * N + k in the fixed-stride block
+    num_requests: int
+    num_draft_tokens: int
     total_rows: int  # rows of the real requests
-    graph_num_tokens: int  # rows the step is padded to (total_rows without a grid)
-    num_real_requests: int
-
-    @staticmethod
-    def from_verify_lens(verify_lens: torch.Tensor, grid: Sequence[int] | None = None) -> RaggedVerifyLayout:
-        if verify_lens.dim() != 1 or verify_lens.shape[0] == 0:
-            raise LayoutError(f"verify_lens must be a non-empty 1-D tensor, got shape "
-                              f"{tuple(verify_lens.shape)}")
-        lens = verify_lens.to(torch.int32)
-        qo_indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=lens.device)
-        torch.cumsum(lens, 0, out=qo_indptr[1:])
-        total = int(qo_indptr[-1])  # one host sync per step: the tier choice needs it
-        if int(lens.min()) < 1:
-            raise LayoutError(f"every request verifies at least its root row, got verify_lens "
-                              f"{lens.tolist()}")
-        tier = tier_for(total, grid) if grid else total
-        return RaggedVerifyLayout(lens, qo_indptr, total, tier, lens.shape[0])
+    tier: int  # rows the step runs (total_rows without tiers)
+    packed: bool  # whether some request runs fewer than N rows, so rows move between the two orders
+    host_qo_indptr: tuple[int, ...]
+    host_kv_lens: tuple[int, ...]
 
     @property
-    def num_requests(self) -> int:
-        return self.verify_lens.shape[0]
-
-    @property
-    def max_verify_len(self) -> int:
-        return int(self.verify_lens.max())
+    def num_slots(self) -> int:
+        return self.rows_per_slot.shape[0]
 
     @property
     def num_padding_rows(self) -> int:
-        return self.graph_num_tokens - self.total_rows
+        return self.tier - self.total_rows
 
-    def padded(self, rows_per_padding_request: int, num_slots: int | None = None) -> RaggedVerifyLayout:
-        """This layout with the tier's padding rows as padding requests (at most
-        `rows_per_padding_request` rows each, so attention widths do not grow), then — when
-        `num_slots` is given, as a captured graph's fixed request count needs — empty requests
-        up to that count."""
-        pad = self.num_padding_rows
-        full, rest = divmod(pad, rows_per_padding_request)
-        extra = [rows_per_padding_request] * full + ([rest] if rest else [])
-        count = self.num_requests + len(extra)
-        if num_slots is not None:
-            if count > num_slots:
-                raise LayoutError(f"{self.num_requests} requests plus {len(extra)} padding requests "
-                                  f"exceed the {num_slots} request slots captured for tier "
-                                  f"{self.graph_num_tokens}")
-            extra += [0] * (num_slots - count)
-        if not extra:
-            return self
-        lens = torch.cat((self.verify_lens, self.verify_lens.new_tensor(extra)))
-        tail = torch.cumsum(lens.new_tensor(extra), 0) + self.qo_indptr[-1]
-        return RaggedVerifyLayout(lens, torch.cat((self.qo_indptr, tail.to(torch.int32))),
-                                  self.total_rows, self.graph_num_tokens, self.num_real_requests)
+    def pack(self, fixed: torch.Tensor) -> torch.Tensor:
+        """The rows this step runs, in packed order, from a fixed-stride `[B * N, ...]` tensor."""
+        return pack_rows(fixed, self.src_index) if self.packed else fixed
+
+    def unpack(self, rows: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """Packed outputs of the real rows back to the fixed stride; rows not run are `fill`."""
+        if not self.packed:
+            return rows
+        return scatter_rows(rows, self.src_index, self.num_requests * self.num_draft_tokens, fill=fill)
 
 
-def tier_aligned_budget(num_reqs: int, budget: int, floor: int, cap: int, grid: Sequence[int]) -> int:
-    """Graph-tier alignment ("paid padding reclamation").
+def _padded_slots(run_lens: Sequence[int], shape: StepShape, tier: int) -> list[int]:
+    """`run_lens` followed by the padding requests that carry the tier's unused rows and the empty
+    slots a fixed-slot graph needs."""
+    full, rest = divmod(tier - sum(run_lens), shape.padding_request_rows or 1)
+    lens = [*run_lens, *[shape.padding_request_rows] * full, *([rest] if rest else [])]
+    if shape.slots_for_tier is not None:
+        slots = shape.slots_for_tier(tier)
+        if len(lens) > slots:
+            raise LayoutError(f"{len(run_lens)} requests plus {len(lens) - len(run_lens)} padding requests "
+                              f"exceed the {slots} request slots captured for tier {tier}")
+        lens += [0] * (slots - len(lens))
+    return lens
 
-    The rows of the chosen budget replay in the smallest tier that holds them; its padding rows
-    cost nothing extra, so the budget grows to fill the tier with the next-best candidates:
-    `min(G, B * cap) - B * floor`. Allocation still never takes a candidate below survival_eps,
-    so the step may stay short of the tier.
+
+def plan_verify(run_lens: Sequence[int], verify_lens: Sequence[int], prefix_lens: Sequence[int],
+                page_table: torch.Tensor, shape: StepShape, device: torch.device,
+                tier: int | None = None) -> VerifyLayout:
+    """The layout of a verify step.
+
+    `run_lens` are the rows each request runs, `verify_lens` the plan's (they differ in cap-accept),
+    `prefix_lens` the cached positions, `page_table` the requests' host page table `[B, P]`. `tier`
+    forces the tier (graph capture lays out a step of padding only); by default it is the smallest
+    of `shape.tiers` that holds the rows, or the row count without tiers.
     """
-    rows = num_reqs * floor + budget
-    tier = tier_for(rows, grid)
-    return max(budget, min(tier, num_reqs * cap) - num_reqs * floor)
-
-
-def padding_requests(prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                     num_requests: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prefix_lens` and `page_table` extended to `num_requests` rows by padding requests:
-    prefix 0 and an all-null page table (page 0), so whatever they write lands in the null page."""
-    extra = num_requests - prefix_lens.shape[0]
-    if extra < 0:
-        raise LayoutError(f"{prefix_lens.shape[0]} requests do not fit {num_requests} slots")
-    if extra == 0:
-        return prefix_lens, page_table
-    return (torch.cat((prefix_lens, prefix_lens.new_zeros(extra))),
-            torch.cat((page_table, page_table.new_zeros(extra, page_table.shape[1]))))
+    num_reqs, n = len(run_lens), shape.num_draft_tokens
+    if not (len(verify_lens) == len(prefix_lens) == page_table.shape[0] == num_reqs):
+        raise LayoutError(f"a verify step needs one run length, verify_len, prefix length and page-table "
+                          f"row per request, got {num_reqs}, {len(verify_lens)}, {len(prefix_lens)} and "
+                          f"{page_table.shape[0]}")
+    if any(not 1 <= r <= n for r in run_lens) or any(not 1 <= v <= r for v, r in zip(verify_lens, run_lens,
+                                                                                         strict=True)):
+        raise LayoutError(f"every request runs 1..N={n} rows and verifies at most the rows it runs, got "
+                          f"run_lens {list(run_lens)} and verify_lens {list(verify_lens)}")
+    total = sum(run_lens)
+    if tier is None:
+        tier = tier_for(total, shape.tiers) if shape.tiers else total
+    elif tier < total:
+        raise LayoutError(f"a step of {total} rows does not fit tier {tier}")
+    lens = _padded_slots(run_lens, shape, tier) if tier > total or shape.slots_for_tier else list(run_lens)
+    prefix = [*prefix_lens, *[0] * (len(lens) - num_reqs)]
+    kv = tuple(max(p + r, 1) for p, r in zip(prefix, lens, strict=True))
+    # One host-to-device copy of every per-slot value.
+    host = torch.tensor([*lens, *prefix, *kv, *verify_lens], dtype=torch.int32, device="cpu")
+    lens_d, prefix_d, kv_d, verify_d = host.to(device).split([len(lens)] * 3 + [num_reqs])
+    table = page_table
+    if len(lens) > num_reqs:
+        table = torch.cat((page_table, page_table.new_zeros(len(lens) - num_reqs, page_table.shape[1])))
+    table = table.to(device)
+    rows = build_verify_rows(lens_d, prefix_d, table, shape.page_size, tier, num_draft_tokens=n)
+    return VerifyLayout(
+        verify_lens=verify_d,
+        rows_per_slot=lens_d,
+        prefix_lens=prefix_d,
+        page_table=table,
+        qo_indptr=rows.qo_indptr,
+        kv_lens=kv_d,
+        positions=rows.positions,
+        row_req=rows.row_req,
+        out_cache_loc=rows.out_cache_loc,
+        src_index=rows.src_index[:total],
+        num_requests=num_reqs,
+        num_draft_tokens=n,
+        total_rows=total,
+        tier=tier,
+        packed=total < num_reqs * n,
+        host_qo_indptr=tuple(itertools.accumulate(lens, initial=0)),
+        host_kv_lens=kv,
+    )

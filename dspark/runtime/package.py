@@ -1,18 +1,30 @@
-"""Loading a generated deployment package (`generated/<name>/`) by its directory."""
+"""The contract between a generated package (`generated/<name>/`) and the engine.
+
+A generated package's `__init__.py` exports `PARTS`, a `PackageParts` naming exactly what the
+engine uses from it: the deployment, the verify plan, the attention backend, the extend-step
+metadata builder and the verify runner. `load_package` imports a package by its directory and adds
+its tokenizer; nothing else of a package is read (docs/architecture.md, "The generated package").
+"""
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Protocol
 
+import torch
+
+from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
 from dspark.runtime.config import DeploymentConfig
+from dspark.runtime.kv_cache import PagedKVCache
+from dspark.runtime.layout import ExtendLayout, StepShape, VerifyLayout
 from dspark.runtime.models.checkpoint import resolve_checkpoint
+from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.planner.verify_plan import VerifyPlan
 from dspark.runtime.tokenizer import (
     BYTE_TOKENIZER_FILE,
     HF_TOKENIZER_FILE,
@@ -21,21 +33,61 @@ from dspark.runtime.tokenizer import (
     Tokenizer,
 )
 
-MODULES = ("deployment", "planner_config", "attn_metadata", "graph_runner")
-
 
 class PackageError(RuntimeError):
     pass
 
 
+class AttentionFactory(Protocol):
+    """The generated `AttentionBackend` class: one backend over the target's paged KV cache."""
+
+    def __call__(self, cache: PagedKVCache, page_size: int, num_heads: int,
+                 scale: float) -> AttentionBackend: ...
+
+
+class VerifyRunner(Protocol):
+    """Plans a verify step's layout once, then runs its target forward (eagerly or by graph replay)."""
+
+    shape: StepShape
+
+    def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
+             page_table: torch.Tensor) -> VerifyLayout: ...
+
+    def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class VerifyRunnerFactory(Protocol):
+    """The generated `VerifyRunner` class (capturing its graphs, where it has any, when built)."""
+
+    def __call__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> VerifyRunner: ...
+
+
+@dataclass(frozen=True)
+class PackageParts:
+    """What a generated package exports as `PARTS`."""
+
+    deployment: DeploymentConfig
+    plan: VerifyPlan
+    attention_backend: AttentionFactory
+    build_extend_metadata: Callable[[ExtendLayout], AttentionMetadata]
+    verify_runner: VerifyRunnerFactory
+
+
 @dataclass(frozen=True)
 class GeneratedPackage:
+    """A loaded generated package: its parts, where it lives, and its checkpoint's tokenizer."""
+
     directory: Path
-    deployment: DeploymentConfig
-    plan: Any
-    attn_metadata: ModuleType
-    graph_runner: ModuleType
+    parts: PackageParts
     tokenizer: Tokenizer
+
+    @property
+    def deployment(self) -> DeploymentConfig:
+        return self.parts.deployment
+
+    @property
+    def plan(self) -> VerifyPlan:
+        return self.parts.plan
 
 
 def load_tokenizer(checkpoint_dir: Path) -> Tokenizer:
@@ -54,12 +106,11 @@ def load_tokenizer(checkpoint_dir: Path) -> Tokenizer:
 
 
 def load_package(directory: str | Path) -> GeneratedPackage:
-    """Import the generated package at `directory` and collect its parts."""
+    """Import the generated package at `directory` and read its `PARTS`."""
     directory = Path(directory).resolve()
-    missing = [m for m in MODULES if not (directory / f"{m}.py").is_file()]
-    if not (directory / "__init__.py").is_file() or missing:
-        raise PackageError(f"{directory} is not a generated dspark package (missing "
-                           f"{missing or ['__init__.py']}); build one with `dspark-compile build SPEC`")
+    if not (directory / "__init__.py").is_file() or not (directory / "deployment.py").is_file():
+        raise PackageError(f"{directory} is not a generated dspark package (no __init__.py and "
+                           "deployment.py); build one with `dspark-compile build SPEC`")
     name = f"_dspark_generated_{directory.name}_{abs(hash(str(directory))):x}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(
@@ -67,14 +118,14 @@ def load_package(directory: str | Path) -> GeneratedPackage:
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
-        spec.loader.exec_module(module)
-    parts = {m: importlib.import_module(f"{name}.{m}") for m in MODULES}
-    deployment = parts["deployment"].DEPLOYMENT
-    return GeneratedPackage(
-        directory=directory,
-        deployment=deployment,
-        plan=parts["planner_config"].PLAN,
-        attn_metadata=parts["attn_metadata"],
-        graph_runner=parts["graph_runner"],
-        tokenizer=load_tokenizer(resolve_checkpoint(deployment.model.checkpoint, "target", directory)),
-    )
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    parts = getattr(sys.modules[name], "PARTS", None)
+    if not isinstance(parts, PackageParts):
+        raise PackageError(f"{directory}/__init__.py does not export PARTS (a PackageParts); it was "
+                           "generated by another dspark version: build it again with `dspark-compile build`")
+    checkpoint = resolve_checkpoint(parts.deployment.model.checkpoint, "target", directory)
+    return GeneratedPackage(directory, parts, load_tokenizer(checkpoint))

@@ -10,24 +10,30 @@ next-token distribution given the prefix, whatever the draft proposed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from dspark.runtime.kernels.accept import AcceptResult
 
+# Below this temperature a request decodes greedily: dividing logits by it overflows float32, and
+# the distribution is a one-hot at the argmax to within float precision anyway (vLLM does the same).
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+    """Temperature 0 (or below `MIN_TEMPERATURE`) means greedy; top_k 0 and top_p 1 switch those
+    filters off. No value a request can carry makes a distribution NaN."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -35,30 +41,43 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def policy(self) -> str:
         """The policy name calibrations and fingerprints use (`dspark.fingerprint.sampling_policy`)."""
         from dspark.fingerprint import sampling_policy
 
-        return sampling_policy(self.temperature, self.top_p, self.top_k)
+        return sampling_policy(0.0 if self.greedy else self.temperature, self.top_p, self.top_k)
+
+
+def _scaled(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """`logits / temperature` in float32, shifted so each row's largest logit is 0: however small
+    the temperature, the row keeps a finite maximum and softmax cannot produce NaN."""
+    logits = logits.float()
+    return (logits - logits.amax(-1, keepdim=True)) / temperature
+
+
+def _past_top_p(sorted_probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Which of the descending probabilities fall outside the smallest prefix whose mass reaches
+    top_p (the token that crosses it stays); the most likely token always stays."""
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+    drop[..., 0] = False
+    return drop
 
 
 def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities `[..., V]` after temperature, top-k and top-p (float32)."""
     if params.greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
-    scaled = logits.float() / params.temperature
+    scaled = _scaled(logits, params.temperature)
     if params.top_k and params.top_k < scaled.shape[-1]:
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        sorted_probs = sorted_probs.masked_fill(_past_top_p(sorted_probs, params.top_p), 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
@@ -153,12 +172,14 @@ class BatchSampling:
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
 
-    def _columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _columns(self, device: torch.device,
+                 vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         greedy = torch.tensor([p.greedy for p in self.params], device=device)
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in self.params],
                                    dtype=torch.float32, device=device)
         top_p = torch.tensor([p.top_p for p in self.params], dtype=torch.float32, device=device)
-        top_k = torch.tensor([p.top_k for p in self.params], dtype=torch.long, device=device)
+        # top_k past the vocabulary keeps everything (and must not overflow an int64 column).
+        top_k = torch.tensor([min(p.top_k, vocab) for p in self.params], dtype=torch.long, device=device)
         return greedy, temperature, top_p, top_k
 
 
@@ -168,9 +189,9 @@ def warp_rows(logits: torch.Tensor, batch: BatchSampling) -> torch.Tensor:
     num_reqs, vocab = logits.shape[0], logits.shape[-1]
     if len(batch.params) != num_reqs:
         raise ValueError(f"{len(batch.params)} sampling parameter sets for {num_reqs} requests")
-    greedy, temperature, top_p, top_k = batch._columns(logits.device)
+    greedy, temperature, top_p, top_k = batch._columns(logits.device, vocab)
     shape = (num_reqs,) + (1,) * (logits.dim() - 1)
-    scaled = logits.float() / temperature.view(shape)
+    scaled = _scaled(logits, temperature.view(shape))
     # The sort over the vocabulary is the expensive part: only a request that filters needs it.
     filters = [p for p in batch.params if not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0)]
     if not filters:
@@ -183,8 +204,7 @@ def warp_rows(logits: torch.Tensor, batch: BatchSampling) -> torch.Tensor:
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         sorted_probs = probs.gather(-1, order)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p.view(shape)
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        sorted_probs = sorted_probs.masked_fill(_past_top_p(sorted_probs, top_p.view(shape)), 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
     if not any(p.greedy for p in batch.params):

@@ -5,50 +5,50 @@ Deployment ascend_910c_compact: ascend/910c backend, compact verify mode."""
 
 from __future__ import annotations
 
-import torch
-
-from dspark.runtime.attention.metadata import AscendTndMetadata, cache_slots, ragged_rows
 from dspark.runtime.attention.ascend import AscendFusedAttention as AttentionBackend
-from dspark.runtime.kernels import build_verify_rows
+from dspark.runtime.attention.metadata import AscendTndMetadata
+from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
-NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts
-MAX_VERIFY_LEN = 8  # most rows one request verifies, root included
-PAGE_SIZE = 128
+from .deployment import MAX_VERIFY_LEN, PAGE_SIZE
+
+# The widest query block of a verify step: a request runs at most max_verify_len rows.
+MAX_SEQLEN_Q = MAX_VERIFY_LEN
 
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 
-def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                          page_table: torch.Tensor) -> AscendTndMetadata:
-    """TND inputs for rows appended after each request's cached prefix (prefill, plain decode)."""
-    ends = torch.cumsum(extend_lens.long(), 0)
-    total = int(ends[-1])
-    row_req, positions = ragged_rows(prefix_lens, extend_lens, ends, total)
+def build_extend_metadata(layout: ExtendLayout) -> AscendTndMetadata:
+    """TND inputs for rows appended after each request's cached prefix (prefill chunks, target-only
+    decoding): the query ends are the cumulative `actual_seq_lengths_q = qo_indptr[1:]`."""
     return AscendTndMetadata(
-        actual_seq_lengths_q=ends,
-        actual_seq_lengths_kv=(prefix_lens + extend_lens).long(),
-        block_table=page_table,
+        actual_seq_lengths_q=layout.qo_indptr[1:],
+        actual_seq_lengths_kv=layout.kv_lens,
+        block_table=layout.page_table,
         block_size=PAGE_SIZE,
-        positions=positions,
-        slot_mapping=cache_slots(page_table, row_req, positions, PAGE_SIZE),
-        max_seqlen_q=int(extend_lens.max()),
+        positions=layout.positions,
+        slot_mapping=layout.out_cache_loc,
+        max_seqlen_q=layout.max_rows,
+        host_seq_lengths_q=layout.host_qo_indptr[1:],
+        host_seq_lengths_kv=layout.host_kv_lens,
     )
 
 
-def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                          verify_lens: torch.Tensor, num_rows: int) -> AscendTndMetadata:
-    """compact verify: request r runs only its `verify_lens[r]` planned rows, packed back to
-    back, so the query ends are the cumulative `actual_seq_lengths_q = qo_indptr[1:]` and each
-    KV length is `prefix + verify_len`. `num_rows = sum(verify_lens)` comes from the caller, so
-    nothing here reads the device (it can be captured)."""
-    rows = build_verify_rows(verify_lens, prefix_lens, page_table, PAGE_SIZE, num_rows,
-                             num_draft_tokens=NUM_DRAFT_TOKENS)
+def build_verify_metadata(layout: VerifyLayout) -> AscendTndMetadata:
+    """compact verify: request r runs only its `verify_lens[r]` planned rows, packed back to back,
+    so the query ends are the cumulative `actual_seq_lengths_q = qo_indptr[1:]` and each KV length
+    is `prefix + verify_len`. Padding requests after the real ones (graph tiers) continue the same
+    layout.
+
+    The operator reads the lengths from the layout's host copies.
+    """
     return AscendTndMetadata(
-        actual_seq_lengths_q=rows.qo_indptr[1:].long(),
-        actual_seq_lengths_kv=(prefix_lens + verify_lens).long(),
-        block_table=page_table,
+        actual_seq_lengths_q=layout.qo_indptr[1:],
+        actual_seq_lengths_kv=layout.kv_lens,
+        block_table=layout.page_table,
         block_size=PAGE_SIZE,
-        positions=rows.positions,
-        slot_mapping=rows.out_cache_loc,
-        max_seqlen_q=MAX_VERIFY_LEN,
+        positions=layout.positions,
+        slot_mapping=layout.out_cache_loc,
+        max_seqlen_q=MAX_SEQLEN_Q,
+        host_seq_lengths_q=layout.host_qo_indptr[1:],
+        host_seq_lengths_kv=layout.host_kv_lens,
     )

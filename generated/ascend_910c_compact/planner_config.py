@@ -5,15 +5,23 @@ Deployment ascend_910c_compact: ascend/910c backend, compact verify mode."""
 
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
+from .deployment import GAMMA, MAX_VERIFY_LEN, MIN_VERIFY_LEN, TOKEN_TIERS, VERIFY_MODE
+
+SURVIVAL_EPS = 1e-06  # survival below this is never planned
+ALIGN_TO_GRAPH_TIER = False  # fill the chosen tier's padding rows with drafts
+LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
+STS_TEMPERATURES = None  # no calibration: survival = cumprod(sigmoid(z))
+COST_MODEL = None  # no cost model: every candidate is verified
+
 PLAN = AdaptiveVerifyPlan(
-    gamma=7,
-    mode='compact',
-    min_verify_len=1,
-    max_verify_len=8,
-    survival_eps=1e-06,
-    align_to_graph_tier=False,
-    lag_steps=0,
-    temperatures=None,
-    cost_model=None,
-    token_tiers=(8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256),
+    gamma=GAMMA,
+    mode=VERIFY_MODE,
+    min_verify_len=MIN_VERIFY_LEN,
+    max_verify_len=MAX_VERIFY_LEN,
+    survival_eps=SURVIVAL_EPS,
+    align_to_graph_tier=ALIGN_TO_GRAPH_TIER,
+    lag_steps=LAG_STEPS,
+    temperatures=STS_TEMPERATURES,
+    cost_model=COST_MODEL,
+    token_tiers=TOKEN_TIERS,
 )

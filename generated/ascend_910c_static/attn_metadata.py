@@ -5,50 +5,49 @@ Deployment ascend_910c_static: ascend/910c backend, static verify mode."""
 
 from __future__ import annotations
 
-import torch
-
-from dspark.runtime.attention.metadata import AscendTndMetadata, cache_slots, ragged_rows
 from dspark.runtime.attention.ascend import AscendFusedAttention as AttentionBackend
+from dspark.runtime.attention.metadata import AscendTndMetadata
+from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
-NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts
-PAGE_SIZE = 128
+from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE
+
+# The widest query block of a verify step: every request runs all N rows.
+MAX_SEQLEN_Q = NUM_DRAFT_TOKENS
 
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 
-def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                          page_table: torch.Tensor) -> AscendTndMetadata:
-    """TND inputs for rows appended after each request's cached prefix (prefill, plain decode)."""
-    ends = torch.cumsum(extend_lens.long(), 0)
-    total = int(ends[-1])
-    row_req, positions = ragged_rows(prefix_lens, extend_lens, ends, total)
+def build_extend_metadata(layout: ExtendLayout) -> AscendTndMetadata:
+    """TND inputs for rows appended after each request's cached prefix (prefill chunks, target-only
+    decoding): the query ends are the cumulative `actual_seq_lengths_q = qo_indptr[1:]`."""
     return AscendTndMetadata(
-        actual_seq_lengths_q=ends,
-        actual_seq_lengths_kv=(prefix_lens + extend_lens).long(),
-        block_table=page_table,
+        actual_seq_lengths_q=layout.qo_indptr[1:],
+        actual_seq_lengths_kv=layout.kv_lens,
+        block_table=layout.page_table,
         block_size=PAGE_SIZE,
-        positions=positions,
-        slot_mapping=cache_slots(page_table, row_req, positions, PAGE_SIZE),
-        max_seqlen_q=int(extend_lens.max()),
+        positions=layout.positions,
+        slot_mapping=layout.out_cache_loc,
+        max_seqlen_q=layout.max_rows,
+        host_seq_lengths_q=layout.host_qo_indptr[1:],
+        host_seq_lengths_kv=layout.host_kv_lens,
     )
 
 
-def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor) -> AscendTndMetadata:
+def build_verify_metadata(layout: VerifyLayout) -> AscendTndMetadata:
     """static verify: every request runs all N rows, so the query ends are fixed-width,
-    `actual_seq_lengths_q = [N, 2N, ..., B*N]`, and each KV length is `prefix + N`.
+    `actual_seq_lengths_q = [N, 2N, ..., B*N]`, and each KV length is `prefix + N`. Padding requests
+    after the real ones (graph tiers) continue the same layout.
+
+    The operator reads the lengths from the layout's host copies.
     """
-    num_reqs = prefix_lens.shape[0]
-    device = prefix_lens.device
-    ends = torch.arange(NUM_DRAFT_TOKENS, (num_reqs + 1) * NUM_DRAFT_TOKENS, NUM_DRAFT_TOKENS,
-                        device=device)
-    positions = (prefix_lens.long()[:, None] + torch.arange(NUM_DRAFT_TOKENS, device=device)).reshape(-1)
-    row_req = torch.arange(num_reqs, device=device).repeat_interleave(NUM_DRAFT_TOKENS)
     return AscendTndMetadata(
-        actual_seq_lengths_q=ends,
-        actual_seq_lengths_kv=prefix_lens.long() + NUM_DRAFT_TOKENS,
-        block_table=page_table,
+        actual_seq_lengths_q=layout.qo_indptr[1:],
+        actual_seq_lengths_kv=layout.kv_lens,
+        block_table=layout.page_table,
         block_size=PAGE_SIZE,
-        positions=positions,
-        slot_mapping=cache_slots(page_table, row_req, positions, PAGE_SIZE),
-        max_seqlen_q=NUM_DRAFT_TOKENS,
+        positions=layout.positions,
+        slot_mapping=layout.out_cache_loc,
+        max_seqlen_q=MAX_SEQLEN_Q,
+        host_seq_lengths_q=layout.host_qo_indptr[1:],
+        host_seq_lengths_kv=layout.host_kv_lens,
     )

@@ -13,6 +13,17 @@ from dspark.runtime.config import (
     ServingConfig,
 )
 
+VERIFY_MODE = VerifyMode.COMPACT
+GAMMA = 7  # drafts per request per step
+NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus the drafts
+MIN_VERIFY_LEN = 1  # rows every request verifies, root included (the floor)
+MAX_VERIFY_LEN = 8  # most rows one request verifies, root included (the cap)
+PAGE_SIZE = 16  # tokens per KV page
+MAX_CONTEXT_LEN = 8192  # longest request: prompt + output
+PAGES_PER_REQUEST = 512  # MAX_CONTEXT_LEN / PAGE_SIZE
+MAX_RUNNING_REQUESTS = 32  # the largest batch
+TOKEN_TIERS = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # rows a verify step is padded to
+
 DEPLOYMENT = DeploymentConfig(
     name='llama31_8b_h200_compact',
     spec_path='specs/llama31_8b_h200_compact.yaml',
@@ -20,7 +31,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='cuda',
     device='h200',
-    verify_mode=VerifyMode.COMPACT,
+    verify_mode=VERIFY_MODE,
     model=ModelRef(
         family='llama',
         checkpoint='/models/Meta-Llama-3.1-8B-Instruct',
@@ -37,12 +48,14 @@ DEPLOYMENT = DeploymentConfig(
             rope_theta=500000.0,
             rms_norm_eps=1e-05,
         ),
+        digest='',
     ),
     draft=DraftRef(
         checkpoint='/models/dspark-llama31-8b-draft',
-        gamma=7,
+        gamma=GAMMA,
         confidence_head=True,
         markov_embedding_size=64,
+        digest='',
     ),
     parallel=ParallelPlan(
         tp=1,
@@ -51,14 +64,16 @@ DEPLOYMENT = DeploymentConfig(
         ep=1,
     ),
     serving=ServingConfig(
-        max_running_requests=32,
+        max_running_requests=MAX_RUNNING_REQUESTS,
         max_total_tokens=65536,
-        page_size=16,
+        page_size=PAGE_SIZE,
         chunked_prefill_tokens=2048,
-        max_context_len=8192,
+        max_context_len=MAX_CONTEXT_LEN,
         max_new_tokens=128,
         temperature=0.0,
         top_p=1.0,
         top_k=0,
+        record_steps=0,
     ),
+    token_tiers=TOKEN_TIERS,
 )

@@ -7,64 +7,75 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.layout import RaggedVerifyLayout, padding_requests
-from dspark.runtime.models.llama import AttentionBackend, LlamaForCausalLM
+from dspark.runtime.attention.torch_paged import TorchPagedAttention
+from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
+from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.runners.graph_buffers import StepBuffers
 
-from .attn_metadata import NUM_DRAFT_TOKENS, build_verify_metadata
+from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
+from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE, PAGES_PER_REQUEST, TOKEN_TIERS
 
-TOKEN_TIERS = [8, 16, 32, 64, 128, 256]  # rows a step is padded to: captured batch size x N
-PAGES_PER_REQUEST = 512
+
+def slots_for_tier(tier: int) -> int:
+    """Request slots a tier's graph holds: its batch size, every request running N rows."""
+    return tier // NUM_DRAFT_TOKENS
+
+
+SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=TOKEN_TIERS,
+                  padding_request_rows=MAX_SEQLEN_Q, slots_for_tier=slots_for_tier)
 
 
 class VerifyRunner:
     """One CUDA graph per captured batch size.
 
-    A step of B requests replays the smallest captured batch size >= B; the padding requests
-    have prefix 0 and an all-null page table, so their K/V writes land in the null page that no
-    real request reads. The metadata is rebuilt inside the graph from the static `prefix_lens`
-    and `page_table` buffers (`build_verify_metadata` does not synchronise with the host).
+    A step of B requests replays the smallest captured batch size >= B, the missing requests being
+    padding requests of N rows. Padding requests have prefix 0 and an all-null page table, so their
+    K/V writes land in the null page that no real request reads. A step's layout is planned outside
+    the graph and copied into static buffers; inside the graph only the attention metadata is
+    derived from it.
     """
 
-    def __init__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> None:
+    shape = SHAPE
+
+    def __init__(self, target: LlamaForCausalLM, attn: TorchPagedAttention) -> None:
         self.target = target
         self.attn = attn
-        device = target.lm_head.weight.device
-        max_slots = TOKEN_TIERS[-1] // NUM_DRAFT_TOKENS
-        self.input_ids = torch.zeros(TOKEN_TIERS[-1], dtype=torch.long, device=device)
-        self.prefix_lens = torch.zeros(max_slots, dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(max_slots, PAGES_PER_REQUEST, dtype=torch.int32, device=device)
+        self.device = target.lm_head.weight.device
+        self.buffers = StepBuffers(slots_for_tier(TOKEN_TIERS[-1]), TOKEN_TIERS[-1], PAGES_PER_REQUEST,
+                                   NUM_DRAFT_TOKENS, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         pool = None
         for tier in reversed(TOKEN_TIERS):  # largest first: smaller graphs reuse its pool
             pool = self._capture(tier, pool)
 
-    def _forward(self, tier: int) -> torch.Tensor:
-        batch_size = tier // NUM_DRAFT_TOKENS
-        meta = build_verify_metadata(self.prefix_lens[:batch_size], self.page_table[:batch_size])
-        return self.target.forward_paged(self.input_ids[:tier], meta.positions, self.attn, meta)
+    def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
+             page_table: torch.Tensor) -> VerifyLayout:
+        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, SHAPE, self.device)
+
+    def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
+        self.buffers.load(layout, input_ids)
+        self.graphs[layout.tier].replay()
+        return self.hidden[layout.tier][: layout.total_rows]
 
     def _capture(self, tier: int, pool: object) -> object:
+        # Captured on a tier of padding requests only; a replay computes whatever step was loaded.
+        empty = torch.zeros(0, PAGES_PER_REQUEST, dtype=torch.int32, device=self.device)
+        padding_only = plan_verify((), (), [], empty, SHAPE, self.device, tier=tier)
+        self.buffers.load(padding_only, self.buffers.input_ids[:0])
+        layout = self.buffers.view(padding_only)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up kernels and the allocator outside the graph
-                self._forward(tier)
+                self._forward(layout)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.hidden[tier] = self._forward(tier)
+            self.hidden[tier] = self._forward(layout)
         self.graphs[tier] = graph
         return graph.pool()
 
-    def run(self, input_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-            layout: RaggedVerifyLayout) -> torch.Tensor:
-        tier, rows = layout.graph_num_tokens, layout.total_rows
-        slots = tier // NUM_DRAFT_TOKENS
-        prefix_lens, page_table = padding_requests(prefix_lens, page_table, slots)
-        self.input_ids[:rows].copy_(input_ids)
-        self.input_ids[rows:tier].zero_()
-        self.prefix_lens[:slots].copy_(prefix_lens)
-        self.page_table[:slots].copy_(page_table)
-        self.graphs[tier].replay()
-        return self.hidden[tier][:rows]
+    def _forward(self, layout: VerifyLayout) -> torch.Tensor:
+        meta = build_verify_metadata(layout)
+        return self.target.forward_paged(self.buffers.input_ids[: layout.tier], layout.positions, self.attn, meta)

@@ -2,3 +2,18 @@
 Do not edit: change the spec and recompile.
 
 Deployment tiny_cpu_cap_accept: cpu/generic backend, cap-accept verify mode."""
+
+from dspark.runtime.package import PackageParts
+
+from .attn_metadata import AttentionBackend, build_extend_metadata
+from .deployment import DEPLOYMENT
+from .graph_runner import VerifyRunner
+from .planner_config import PLAN
+
+PARTS = PackageParts(
+    deployment=DEPLOYMENT,
+    plan=PLAN,
+    attention_backend=AttentionBackend,
+    build_extend_metadata=build_extend_metadata,
+    verify_runner=VerifyRunner,
+)

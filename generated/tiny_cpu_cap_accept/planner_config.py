@@ -5,37 +5,44 @@ Deployment tiny_cpu_cap_accept: cpu/generic backend, cap-accept verify mode."""
 
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
-PLAN = AdaptiveVerifyPlan(
-    gamma=7,
-    mode='cap-accept',
-    min_verify_len=1,
-    max_verify_len=8,
-    survival_eps=1e-06,
-    align_to_graph_tier=False,
-    lag_steps=0,
-    temperatures=(
-        1.0, 1.1220184543019636, 1.1220184543019636, 0.6309573444801932, 0.8912509381337457,
-        0.7943282347242815, 0.8912509381337457,
+from .deployment import GAMMA, MAX_VERIFY_LEN, MIN_VERIFY_LEN, TOKEN_TIERS, VERIFY_MODE
+
+SURVIVAL_EPS = 1e-06  # survival below this is never planned
+ALIGN_TO_GRAPH_TIER = False  # fill the chosen tier's padding rows with drafts
+LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
+STS_TEMPERATURES = (
+    1.0, 1.1220184543019636, 1.1220184543019636, 0.6309573444801932, 0.8912509381337457,
+    0.7943282347242815, 0.8912509381337457,
+)  # STS temperatures from tables/tiny_cpu/sts.json
+COST_MODEL = {
+    'type': 'additive',
+    'bias_seconds': 0.004851903358571847,
+    'bs_probes': (1, 2, 4, 8, 16, 32),
+    'alpha_seconds': (
+        0.0, 0.0, 0.0, 0.0025635437075011993, 0.04691729986385158, 0.11165885955711395,
     ),
-    cost_model={
-        'type': 'additive',
-        'bias_seconds': 0.003988032130790597,
-        'bs_probes': (1, 2, 4, 8, 16, 32),
-        'alpha_seconds': (
-            0.0, 0.0010193925229437521, 0.001380240703436636, 0.004193810324036518,
-            0.03626206381681162, 0.08120683865028046,
-        ),
-        'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
-        'theta_seconds': (
-            0.0, 0.002165150954179674, 0.005911072836625116, 0.005881797048485183,
-            0.009565750840561693, 0.01061138005253417, 0.0, 0.008813006050797057,
-            0.009979739635969074, 0.01121944621930969, 0.0, 0.0, 0.0004018092179998861,
-        ),
-        'draft_bs_probes': (1, 2, 4, 8, 16, 32),
-        'draft_seconds': (
-            0.0014340439993247855, 0.0017645640000409912, 0.0022091629998612916,
-            0.002808850998917478, 0.0037784079995617503, 0.0061704920008196495,
-        ),
-    },
-    token_tiers=(),
+    'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
+    'theta_seconds': (
+        0.0, 0.003933775696636217, 0.008303974807729361, 0.0073811945487362645,
+        0.013819032182433938, 0.011270246777027352, 0.017056814430996863, 0.015153949777638037, 0.0,
+        0.011861341084250453, 0.01711069008447389, 0.016663289084272545, 0.0,
+    ),
+    'draft_bs_probes': (1, 2, 4, 8, 16, 32),
+    'draft_seconds': (
+        0.003368775999661011, 0.003910375000486965, 0.004132239999307785, 0.005022242999984883,
+        0.007182130999353831, 0.010122570999556046,
+    ),
+}  # additive step-cost table from tables/tiny_cpu/additive.json
+
+PLAN = AdaptiveVerifyPlan(
+    gamma=GAMMA,
+    mode=VERIFY_MODE,
+    min_verify_len=MIN_VERIFY_LEN,
+    max_verify_len=MAX_VERIFY_LEN,
+    survival_eps=SURVIVAL_EPS,
+    align_to_graph_tier=ALIGN_TO_GRAPH_TIER,
+    lag_steps=LAG_STEPS,
+    temperatures=STS_TEMPERATURES,
+    cost_model=COST_MODEL,
+    token_tiers=TOKEN_TIERS,
 )

@@ -5,52 +5,45 @@ Deployment tiny_cpu_compact_sampled: cpu/generic backend, compact verify mode.""
 
 from __future__ import annotations
 
-import torch
-
-from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding, cache_slots, ragged_rows
+from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding
 from dspark.runtime.attention.torch_paged import TorchPagedAttention as AttentionBackend
-from dspark.runtime.kernels import build_verify_rows
+from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
-NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts
-MAX_VERIFY_LEN = 8  # most rows one request verifies, root included
-PAGE_SIZE = 16
+from .deployment import MAX_VERIFY_LEN
+
+# The widest query block of a verify step: a request runs at most max_verify_len rows.
+MAX_SEQLEN_Q = MAX_VERIFY_LEN
 
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 
-def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                          page_table: torch.Tensor) -> PagedAttnMetadata:
-    """Rows appended after each request's cached prefix (prefill, plain decode)."""
-    qo_indptr = torch.zeros(prefix_lens.shape[0] + 1, dtype=torch.int32, device=prefix_lens.device)
-    torch.cumsum(extend_lens, 0, out=qo_indptr[1:])
-    total = int(qo_indptr[-1])
-    row_req, positions = ragged_rows(prefix_lens, extend_lens, qo_indptr[1:].long(), total)
-    max_seqlen_q = int(extend_lens.max())
+def build_extend_metadata(layout: ExtendLayout) -> PagedAttnMetadata:
+    """Rows appended after each request's cached prefix (prefill chunks, target-only decoding)."""
     return PagedAttnMetadata(
-        qo_indptr=qo_indptr,
-        kv_lens=(prefix_lens + extend_lens).to(torch.int32),
-        page_table=page_table,
-        positions=positions,
-        out_cache_loc=cache_slots(page_table, row_req, positions, PAGE_SIZE),
-        max_seqlen_q=max_seqlen_q,
-        padding=QueryPadding.from_indptr(qo_indptr, positions, max_seqlen_q),
+        qo_indptr=layout.qo_indptr,
+        kv_lens=layout.kv_lens,
+        page_table=layout.page_table,
+        positions=layout.positions,
+        out_cache_loc=layout.out_cache_loc,
+        max_seqlen_q=layout.max_rows,
+        padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, layout.max_rows),
     )
 
 
-def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor,
-                          verify_lens: torch.Tensor, num_rows: int) -> PagedAttnMetadata:
-    """compact verify: request r runs only its `verify_lens[r]` planned rows, packed back to
-    back, so `qo_indptr = cu_seqlens_q = [0, cumsum(verify_lens)]` and each KV length is
-    `prefix + verify_len`. `num_rows = sum(verify_lens)` comes from the caller, so nothing here
-    synchronises with the host (it can be captured)."""
-    rows = build_verify_rows(verify_lens, prefix_lens, page_table, PAGE_SIZE, num_rows,
-                             num_draft_tokens=NUM_DRAFT_TOKENS)
+def build_verify_metadata(layout: VerifyLayout) -> PagedAttnMetadata:
+    """compact verify: request r runs only its `verify_lens[r]` planned rows, packed back to back,
+    so `qo_indptr = cu_seqlens_q = [0, cumsum(verify_lens)]` and each KV length is
+    `prefix + verify_len`. Padding requests after the real ones (graph tiers) continue the same
+    layout.
+
+    Tensor code only (no host sync), so it can run inside a captured graph.
+    """
     return PagedAttnMetadata(
-        qo_indptr=rows.qo_indptr,
-        kv_lens=(prefix_lens + verify_lens).to(torch.int32),
-        page_table=page_table,
-        positions=rows.positions,
-        out_cache_loc=rows.out_cache_loc,
-        max_seqlen_q=MAX_VERIFY_LEN,
-        padding=QueryPadding.from_indptr(rows.qo_indptr, rows.positions, MAX_VERIFY_LEN),
+        qo_indptr=layout.qo_indptr,
+        kv_lens=layout.kv_lens,
+        page_table=layout.page_table,
+        positions=layout.positions,
+        out_cache_loc=layout.out_cache_loc,
+        max_seqlen_q=MAX_SEQLEN_Q,
+        padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, MAX_SEQLEN_Q),
     )

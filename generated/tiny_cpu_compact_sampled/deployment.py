@@ -13,6 +13,17 @@ from dspark.runtime.config import (
     ServingConfig,
 )
 
+VERIFY_MODE = VerifyMode.COMPACT
+GAMMA = 7  # drafts per request per step
+NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus the drafts
+MIN_VERIFY_LEN = 1  # rows every request verifies, root included (the floor)
+MAX_VERIFY_LEN = 8  # most rows one request verifies, root included (the cap)
+PAGE_SIZE = 16  # tokens per KV page
+MAX_CONTEXT_LEN = 1024  # longest request: prompt + output
+PAGES_PER_REQUEST = 64  # MAX_CONTEXT_LEN / PAGE_SIZE
+MAX_RUNNING_REQUESTS = 32  # the largest batch
+TOKEN_TIERS: tuple[int, ...] = ()  # graph capture is off: steps run at their real row count
+
 DEPLOYMENT = DeploymentConfig(
     name='tiny_cpu_compact_sampled',
     spec_path='specs/tiny_cpu_compact_sampled.yaml',
@@ -20,7 +31,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='cpu',
     device='generic',
-    verify_mode=VerifyMode.COMPACT,
+    verify_mode=VERIFY_MODE,
     model=ModelRef(
         family='llama',
         checkpoint='embedded:tiny',
@@ -37,12 +48,14 @@ DEPLOYMENT = DeploymentConfig(
             rope_theta=10000.0,
             rms_norm_eps=1e-05,
         ),
+        digest='626dc254c80fbf308f468785262f8db052dd65ccb442a3658d7ae45bf6857961',
     ),
     draft=DraftRef(
         checkpoint='../../specs/checkpoints/tiny_draft_t08',
-        gamma=7,
+        gamma=GAMMA,
         confidence_head=True,
         markov_embedding_size=64,
+        digest='86cda62a46fb5d45c8ab127bbb04d0dc793818ac872b9d5219c5c384c13d1297',
     ),
     parallel=ParallelPlan(
         tp=1,
@@ -51,14 +64,16 @@ DEPLOYMENT = DeploymentConfig(
         ep=1,
     ),
     serving=ServingConfig(
-        max_running_requests=32,
+        max_running_requests=MAX_RUNNING_REQUESTS,
         max_total_tokens=65536,
-        page_size=16,
+        page_size=PAGE_SIZE,
         chunked_prefill_tokens=2048,
-        max_context_len=1024,
+        max_context_len=MAX_CONTEXT_LEN,
         max_new_tokens=128,
         temperature=0.8,
         top_p=0.95,
         top_k=0,
+        record_steps=0,
     ),
+    token_tiers=TOKEN_TIERS,
 )

@@ -5,24 +5,19 @@ Deployment tiny_cpu_compact_sampled: cpu/generic backend, compact verify mode.""
 
 from __future__ import annotations
 
-import torch
-
-from dspark.runtime.layout import RaggedVerifyLayout
-from dspark.runtime.models.llama import AttentionBackend, LlamaForCausalLM
+from dspark.runtime.attention.torch_paged import TorchPagedAttention
+from dspark.runtime.layout import StepShape
+from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.runners.eager import EagerVerifyRunner
 
 from .attn_metadata import build_verify_metadata
+from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE, TOKEN_TIERS
 
-TOKEN_TIERS: tuple[int, ...] = ()  # graph capture is off: steps run at their real row count
+SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=TOKEN_TIERS)
 
 
-class VerifyRunner:
+class VerifyRunner(EagerVerifyRunner):
     """Eager verify forward: only the planned rows run, packed back to back."""
 
-    def __init__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> None:
-        self.target = target
-        self.attn = attn
-
-    def run(self, input_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-            layout: RaggedVerifyLayout) -> torch.Tensor:
-        meta = build_verify_metadata(prefix_lens, page_table, layout.verify_lens, layout.total_rows)
-        return self.target.forward_paged(input_ids, meta.positions, self.attn, meta)
+    def __init__(self, target: LlamaForCausalLM, attn: TorchPagedAttention) -> None:
+        super().__init__(target, attn, SHAPE, build_verify_metadata)

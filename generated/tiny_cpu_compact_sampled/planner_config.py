@@ -5,37 +5,45 @@ Deployment tiny_cpu_compact_sampled: cpu/generic backend, compact verify mode.""
 
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
-PLAN = AdaptiveVerifyPlan(
-    gamma=7,
-    mode='compact',
-    min_verify_len=1,
-    max_verify_len=8,
-    survival_eps=1e-06,
-    align_to_graph_tier=False,
-    lag_steps=0,
-    temperatures=(
-        1.1220184543019636, 0.8912509381337457, 1.0, 0.8912509381337457, 0.8912509381337457,
-        1.1220184543019636, 0.8912509381337457,
+from .deployment import GAMMA, MAX_VERIFY_LEN, MIN_VERIFY_LEN, TOKEN_TIERS, VERIFY_MODE
+
+SURVIVAL_EPS = 1e-06  # survival below this is never planned
+ALIGN_TO_GRAPH_TIER = False  # fill the chosen tier's padding rows with drafts
+LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
+STS_TEMPERATURES = (
+    1.1220184543019636, 0.8912509381337457, 1.0, 0.8912509381337457, 0.8912509381337457,
+    1.1220184543019636, 0.8912509381337457,
+)  # STS temperatures from tables/tiny_cpu/sts_sample_t08_p095.json
+COST_MODEL = {
+    'type': 'additive',
+    'bias_seconds': 0.007399890000669936,
+    'bs_probes': (1, 2, 4, 8, 16, 32),
+    'alpha_seconds': (
+        0.0, 0.0020877257488791266, 0.0018767190764447594, 0.0044544055084602425,
+        0.026587367296150046, 0.06838802524260568,
     ),
-    cost_model={
-        'type': 'additive',
-        'bias_seconds': 0.007399890000669936,
-        'bs_probes': (1, 2, 4, 8, 16, 32),
-        'alpha_seconds': (
-            0.0, 0.0020877257488791266, 0.0018767190764447594, 0.0044544055084602425,
-            0.026587367296150046, 0.06838802524260568,
-        ),
-        'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
-        'theta_seconds': (
-            0.0, 0.0, 0.006168496458800693, 0.005768704894813886, 0.013268840609336007,
-            0.004448569705283959, 0.011899290229415922, 0.0, 0.01383225373094695,
-            0.008403542754528197, 0.011996776754237087, 0.007626230756719907, 0.030690763757881098,
-        ),
-        'draft_bs_probes': (1, 2, 4, 8, 16, 32),
-        'draft_seconds': (
-            0.0027110259979963303, 0.0038346920009644236, 0.0050140589992224704,
-            0.0053256110004440416, 0.006843540002591908, 0.011282346000371035,
-        ),
-    },
-    token_tiers=(),
+    'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
+    'theta_seconds': (
+        0.0, 0.0, 0.006168496458800693, 0.005768704894813886, 0.013268840609336007,
+        0.004448569705283959, 0.011899290229415922, 0.0, 0.01383225373094695, 0.008403542754528197,
+        0.011996776754237087, 0.007626230756719907, 0.030690763757881098,
+    ),
+    'draft_bs_probes': (1, 2, 4, 8, 16, 32),
+    'draft_seconds': (
+        0.0027110259979963303, 0.0038346920009644236, 0.0050140589992224704, 0.0053256110004440416,
+        0.006843540002591908, 0.011282346000371035,
+    ),
+}  # additive step-cost table from tables/tiny_cpu_sampled/additive.json
+
+PLAN = AdaptiveVerifyPlan(
+    gamma=GAMMA,
+    mode=VERIFY_MODE,
+    min_verify_len=MIN_VERIFY_LEN,
+    max_verify_len=MAX_VERIFY_LEN,
+    survival_eps=SURVIVAL_EPS,
+    align_to_graph_tier=ALIGN_TO_GRAPH_TIER,
+    lag_steps=LAG_STEPS,
+    temperatures=STS_TEMPERATURES,
+    cost_model=COST_MODEL,
+    token_tiers=TOKEN_TIERS,
 )

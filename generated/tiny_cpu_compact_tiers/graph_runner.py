@@ -5,34 +5,25 @@ Deployment tiny_cpu_compact_tiers: cpu/generic backend, compact verify mode."""
 
 from __future__ import annotations
 
-import torch
+from dspark.runtime.attention.torch_paged import TorchPagedAttention
+from dspark.runtime.layout import StepShape
+from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.runners.eager import EagerVerifyRunner
 
-from dspark.runtime.layout import RaggedVerifyLayout, padding_requests
-from dspark.runtime.models.llama import AttentionBackend, LlamaForCausalLM
+from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
+from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE, TOKEN_TIERS
 
-from .attn_metadata import MAX_VERIFY_LEN, build_verify_metadata
+# Padding requests carry at most MAX_SEQLEN_Q rows each, so they never widen the query blocks.
+SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=TOKEN_TIERS,
+                  padding_request_rows=MAX_SEQLEN_Q)
 
-TOKEN_TIERS = [8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]  # rows a step is padded to
 
+class VerifyRunner(EagerVerifyRunner):
+    """Eager verify forward (only the planned rows run, packed back to back), padded up to its tier.
 
-class VerifyRunner:
-    """Tier-padded eager verify forward.
-
-    The CPU captures no graphs, but each step runs padded up to its tier exactly as a replay
-    would, so tier effects and tier alignment can be run and measured here. Padding rows
-    belong to padding requests with prefix 0 and an all-null page table: their K/V writes land
-    in the null page that no real request reads.
+    The CPU captures no graphs, but each step runs padded exactly as a replay would, so tier effects
+    and tier alignment run and can be measured here.
     """
 
-    def __init__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> None:
-        self.target = target
-        self.attn = attn
-
-    def run(self, input_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-            layout: RaggedVerifyLayout) -> torch.Tensor:
-        padded = layout.padded(MAX_VERIFY_LEN)
-        prefix_lens, page_table = padding_requests(prefix_lens, page_table, padded.num_requests)
-        input_ids = torch.nn.functional.pad(input_ids, (0, layout.num_padding_rows))
-        meta = build_verify_metadata(prefix_lens, page_table, padded.verify_lens, layout.graph_num_tokens)
-        hidden = self.target.forward_paged(input_ids, meta.positions, self.attn, meta)
-        return hidden[: layout.total_rows]
+    def __init__(self, target: LlamaForCausalLM, attn: TorchPagedAttention) -> None:
+        super().__init__(target, attn, SHAPE, build_verify_metadata)

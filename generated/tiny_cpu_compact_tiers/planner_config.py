@@ -5,38 +5,45 @@ Deployment tiny_cpu_compact_tiers: cpu/generic backend, compact verify mode."""
 
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
-PLAN = AdaptiveVerifyPlan(
-    gamma=7,
-    mode='compact',
-    min_verify_len=1,
-    max_verify_len=8,
-    survival_eps=1e-06,
-    align_to_graph_tier=True,
-    lag_steps=0,
-    temperatures=(
-        1.0, 1.1220184543019636, 1.1220184543019636, 0.6309573444801932, 0.8912509381337457,
-        0.7943282347242815, 0.8912509381337457,
+from .deployment import GAMMA, MAX_VERIFY_LEN, MIN_VERIFY_LEN, TOKEN_TIERS, VERIFY_MODE
+
+SURVIVAL_EPS = 1e-06  # survival below this is never planned
+ALIGN_TO_GRAPH_TIER = True  # fill the chosen tier's padding rows with drafts
+LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
+STS_TEMPERATURES = (
+    1.0, 1.1220184543019636, 1.1220184543019636, 0.6309573444801932, 0.8912509381337457,
+    0.7943282347242815, 0.8912509381337457,
+)  # STS temperatures from tables/tiny_cpu/sts.json
+COST_MODEL = {
+    'type': 'additive',
+    'bias_seconds': 0.007632743863037621,
+    'bs_probes': (1, 2, 4, 8, 16, 32),
+    'alpha_seconds': (
+        0.0, 0.0, 1.1772214202883267e-05, 0.004382160961826581, 0.04382123114239891,
+        0.11770671392120927,
     ),
-    cost_model={
-        'type': 'additive',
-        'bias_seconds': 0.005083439181187405,
-        'bs_probes': (1, 2, 4, 8, 16, 32),
-        'alpha_seconds': (
-            0.0, 0.0012762587415599113, 0.0029665028326860605, 0.007965753135428195,
-            0.04247728517380317, 0.08783390116314323,
-        ),
-        'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
-        'theta_seconds': (
-            0.0, 0.00027492855000393554, 0.001351330442265329, 0.00117811410023627,
-            0.004847949374075463, 0.007038129644787093, 0.0074711167506513595, 0.006371280644305807,
-            0.0116232965271656, 0.0013165266556717217, 0.004080295055780979, 0.007886993455929876,
-            0.007770992656079622,
-        ),
-        'draft_bs_probes': (1, 2, 4, 8, 16, 32),
-        'draft_seconds': (
-            0.0014461329992627725, 0.0018008180013566744, 0.0021785280005133245,
-            0.0027819619990623323, 0.003949231000660802, 0.006423226999686449,
-        ),
-    },
-    token_tiers=(8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256),
+    'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
+    'theta_seconds': (
+        0.0, 0.007777364825565642, 0.011363100056350956, 0.0139864660687961, 0.02042983269655281,
+        0.023325293994481765, 0.019831892505093186, 0.021191529994417924, 0.025552367632836148,
+        0.025506980015853505, 0.025577874015544674, 0.0, 0.0,
+    ),
+    'draft_bs_probes': (1, 2, 4, 8, 16, 32),
+    'draft_seconds': (
+        0.0018853940000553848, 0.0021916069999861065, 0.002447589999974298, 0.003068859999984852,
+        0.004413851999743201, 0.008345883000401955,
+    ),
+}  # additive step-cost table from tables/tiny_cpu_tiers/additive.json
+
+PLAN = AdaptiveVerifyPlan(
+    gamma=GAMMA,
+    mode=VERIFY_MODE,
+    min_verify_len=MIN_VERIFY_LEN,
+    max_verify_len=MAX_VERIFY_LEN,
+    survival_eps=SURVIVAL_EPS,
+    align_to_graph_tier=ALIGN_TO_GRAPH_TIER,
+    lag_steps=LAG_STEPS,
+    temperatures=STS_TEMPERATURES,
+    cost_model=COST_MODEL,
+    token_tiers=TOKEN_TIERS,
 )

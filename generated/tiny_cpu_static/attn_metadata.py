@@ -5,52 +5,44 @@ Deployment tiny_cpu_static: cpu/generic backend, static verify mode."""
 
 from __future__ import annotations
 
-import torch
-
-from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding, cache_slots, ragged_rows
+from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding
 from dspark.runtime.attention.torch_paged import TorchPagedAttention as AttentionBackend
+from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
-NUM_DRAFT_TOKENS = 8  # N = gamma + 1: the root row plus 7 drafts
-PAGE_SIZE = 16
+from .deployment import NUM_DRAFT_TOKENS
+
+# The widest query block of a verify step: every request runs all N rows.
+MAX_SEQLEN_Q = NUM_DRAFT_TOKENS
 
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 
-def build_extend_metadata(prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                          page_table: torch.Tensor) -> PagedAttnMetadata:
-    """Rows appended after each request's cached prefix (prefill, plain decode)."""
-    qo_indptr = torch.zeros(prefix_lens.shape[0] + 1, dtype=torch.int32, device=prefix_lens.device)
-    torch.cumsum(extend_lens, 0, out=qo_indptr[1:])
-    total = int(qo_indptr[-1])
-    row_req, positions = ragged_rows(prefix_lens, extend_lens, qo_indptr[1:].long(), total)
-    max_seqlen_q = int(extend_lens.max())
+def build_extend_metadata(layout: ExtendLayout) -> PagedAttnMetadata:
+    """Rows appended after each request's cached prefix (prefill chunks, target-only decoding)."""
     return PagedAttnMetadata(
-        qo_indptr=qo_indptr,
-        kv_lens=(prefix_lens + extend_lens).to(torch.int32),
-        page_table=page_table,
-        positions=positions,
-        out_cache_loc=cache_slots(page_table, row_req, positions, PAGE_SIZE),
-        max_seqlen_q=max_seqlen_q,
-        padding=QueryPadding.from_indptr(qo_indptr, positions, max_seqlen_q),
+        qo_indptr=layout.qo_indptr,
+        kv_lens=layout.kv_lens,
+        page_table=layout.page_table,
+        positions=layout.positions,
+        out_cache_loc=layout.out_cache_loc,
+        max_seqlen_q=layout.max_rows,
+        padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, layout.max_rows),
     )
 
 
-def build_verify_metadata(prefix_lens: torch.Tensor, page_table: torch.Tensor) -> PagedAttnMetadata:
-    """static verify: every request runs all N rows, so `qo_indptr = [0, N, 2N, ..., B*N]`
-    and each KV length is `prefix + N`. Pure tensor code (no host sync): it can be captured.
+def build_verify_metadata(layout: VerifyLayout) -> PagedAttnMetadata:
+    """static verify: every request runs all N rows, so `qo_indptr = [0, N, 2N, ..., B*N]` and each
+    KV length is `prefix + N`. Padding requests after the real ones (graph tiers) continue the same
+    layout.
+
+    Tensor code only (no host sync), so it can run inside a captured graph.
     """
-    num_reqs = prefix_lens.shape[0]
-    device = prefix_lens.device
-    qo_indptr = torch.arange(0, (num_reqs + 1) * NUM_DRAFT_TOKENS, NUM_DRAFT_TOKENS,
-                             dtype=torch.int32, device=device)
-    positions = (prefix_lens.long()[:, None] + torch.arange(NUM_DRAFT_TOKENS, device=device)).reshape(-1)
-    row_req = torch.arange(num_reqs, device=device).repeat_interleave(NUM_DRAFT_TOKENS)
     return PagedAttnMetadata(
-        qo_indptr=qo_indptr,
-        kv_lens=(prefix_lens + NUM_DRAFT_TOKENS).to(torch.int32),
-        page_table=page_table,
-        positions=positions,
-        out_cache_loc=cache_slots(page_table, row_req, positions, PAGE_SIZE),
-        max_seqlen_q=NUM_DRAFT_TOKENS,
-        padding=QueryPadding.from_indptr(qo_indptr, positions, NUM_DRAFT_TOKENS),
+        qo_indptr=layout.qo_indptr,
+        kv_lens=layout.kv_lens,
+        page_table=layout.page_table,
+        positions=layout.positions,
+        out_cache_loc=layout.out_cache_loc,
+        max_seqlen_q=MAX_SEQLEN_Q,
+        padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, MAX_SEQLEN_Q),
     )

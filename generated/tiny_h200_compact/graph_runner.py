@@ -9,83 +9,76 @@ import math
 
 import torch
 
-from dspark.runtime.layout import RaggedVerifyLayout, padding_requests
-from dspark.runtime.models.llama import AttentionBackend, LlamaForCausalLM
+from dspark.runtime.attention.torch_paged import TorchPagedAttention
+from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
+from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.runners.graph_buffers import StepBuffers
 
-from .attn_metadata import MAX_VERIFY_LEN, build_verify_metadata
-
-TOKEN_TIERS = [8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]  # rows a step is padded to
-PAGES_PER_REQUEST = 64
-MAX_RUNNING_REQUESTS = 32
+from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
+from .deployment import MAX_RUNNING_REQUESTS, NUM_DRAFT_TOKENS, PAGE_SIZE, PAGES_PER_REQUEST, TOKEN_TIERS
 
 
 def slots_for_tier(tier: int) -> int:
     """Request slots a tier's graph holds: every real request (at least one row each) plus the
-    padding requests that carry the unused rows, at most MAX_VERIFY_LEN rows apiece."""
-    return min(MAX_RUNNING_REQUESTS, tier) + math.ceil(tier / MAX_VERIFY_LEN)
+    padding requests that carry the unused rows, at most MAX_SEQLEN_Q rows apiece."""
+    return min(MAX_RUNNING_REQUESTS, tier) + math.ceil(tier / MAX_SEQLEN_Q)
+
+
+SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=TOKEN_TIERS,
+                  padding_request_rows=MAX_SEQLEN_Q, slots_for_tier=slots_for_tier)
 
 
 class VerifyRunner:
     """One CUDA graph per token tier.
 
-    A step of T planned rows replays the smallest tier G >= T. The graph holds a fixed number
-    of request slots: the real requests, then padding requests that carry the G - T unused
-    rows (prefix 0, all-null page table, so their K/V writes land in the null page that no real
-    request reads), then empty slots. The ragged metadata is rebuilt inside the graph from the
-    static `verify_lens`, `prefix_lens` and `page_table` buffers (`build_verify_metadata` does
-    not synchronise with the host).
+    A step of T planned rows replays the smallest tier G >= T. The graph holds `slots_for_tier(G)`
+    request slots: the real requests, then padding requests carrying the G - T unused rows, then
+    empty slots. Padding requests have prefix 0 and an all-null page table, so their K/V writes land
+    in the null page that no real request reads. A step's layout is planned outside the graph and
+    copied into static buffers; inside the graph only the attention metadata is derived from it.
     """
 
-    def __init__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> None:
+    shape = SHAPE
+
+    def __init__(self, target: LlamaForCausalLM, attn: TorchPagedAttention) -> None:
         self.target = target
         self.attn = attn
-        device = target.lm_head.weight.device
-        max_slots = slots_for_tier(TOKEN_TIERS[-1])
-        self.input_ids = torch.zeros(TOKEN_TIERS[-1], dtype=torch.long, device=device)
-        self.verify_lens = torch.zeros(max_slots, dtype=torch.int32, device=device)
-        self.prefix_lens = torch.zeros(max_slots, dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(max_slots, PAGES_PER_REQUEST, dtype=torch.int32, device=device)
+        self.device = target.lm_head.weight.device
+        self.buffers = StepBuffers(slots_for_tier(TOKEN_TIERS[-1]), TOKEN_TIERS[-1], PAGES_PER_REQUEST,
+                                   NUM_DRAFT_TOKENS, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         pool = None
         for tier in reversed(TOKEN_TIERS):  # largest first: smaller graphs reuse its pool
             pool = self._capture(tier, pool)
 
-    def _forward(self, tier: int) -> torch.Tensor:
-        slots = slots_for_tier(tier)
-        meta = build_verify_metadata(self.prefix_lens[:slots], self.page_table[:slots],
-                                     self.verify_lens[:slots], tier)
-        return self.target.forward_paged(self.input_ids[:tier], meta.positions, self.attn, meta)
+    def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
+             page_table: torch.Tensor) -> VerifyLayout:
+        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, SHAPE, self.device)
 
-    def _padding_only(self, tier: int) -> RaggedVerifyLayout:
-        """A tier's worth of padding rows: the state the graph is captured in."""
-        lens = torch.ones(1, dtype=torch.int32, device=self.verify_lens.device)
-        return RaggedVerifyLayout.from_verify_lens(lens, [tier]).padded(MAX_VERIFY_LEN, slots_for_tier(tier))
+    def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
+        self.buffers.load(layout, input_ids)
+        self.graphs[layout.tier].replay()
+        return self.hidden[layout.tier][: layout.total_rows]
 
     def _capture(self, tier: int, pool: object) -> object:
-        self.verify_lens[: slots_for_tier(tier)].copy_(self._padding_only(tier).verify_lens)
+        # Captured on a tier of padding requests only; a replay computes whatever step was loaded.
+        empty = torch.zeros(0, PAGES_PER_REQUEST, dtype=torch.int32, device=self.device)
+        padding_only = plan_verify((), (), [], empty, SHAPE, self.device, tier=tier)
+        self.buffers.load(padding_only, self.buffers.input_ids[:0])
+        layout = self.buffers.view(padding_only)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm up kernels and the allocator outside the graph
-                self._forward(tier)
+                self._forward(layout)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.hidden[tier] = self._forward(tier)
+            self.hidden[tier] = self._forward(layout)
         self.graphs[tier] = graph
         return graph.pool()
 
-    def run(self, input_ids: torch.Tensor, prefix_lens: torch.Tensor, page_table: torch.Tensor,
-            layout: RaggedVerifyLayout) -> torch.Tensor:
-        tier, rows = layout.graph_num_tokens, layout.total_rows
-        padded = layout.padded(MAX_VERIFY_LEN, slots_for_tier(tier))
-        slots = padded.num_requests
-        self.verify_lens[:slots].copy_(padded.verify_lens)
-        prefix_lens, page_table = padding_requests(prefix_lens, page_table, slots)
-        self.input_ids[:rows].copy_(input_ids)
-        self.input_ids[rows:tier].zero_()
-        self.prefix_lens[:slots].copy_(prefix_lens)
-        self.page_table[:slots].copy_(page_table)
-        self.graphs[tier].replay()
-        return self.hidden[tier][:rows]
+    def _forward(self, layout: VerifyLayout) -> torch.Tensor:
+        meta = build_verify_metadata(layout)
+        return self.target.forward_paged(self.buffers.input_ids[: layout.tier], layout.positions, self.attn, meta)

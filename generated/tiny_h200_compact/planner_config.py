@@ -5,30 +5,38 @@ Deployment tiny_h200_compact: cuda/h200 backend, compact verify mode."""
 
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
-PLAN = AdaptiveVerifyPlan(
-    gamma=7,
-    mode='compact',
-    min_verify_len=1,
-    max_verify_len=8,
-    survival_eps=1e-06,
-    align_to_graph_tier=False,
-    lag_steps=0,
-    temperatures=(
-        1.0, 1.1220184543019636, 1.1220184543019636, 0.6309573444801932, 0.8912509381337457,
-        0.7943282347242815, 0.8912509381337457,
+from .deployment import GAMMA, MAX_VERIFY_LEN, MIN_VERIFY_LEN, TOKEN_TIERS, VERIFY_MODE
+
+SURVIVAL_EPS = 1e-06  # survival below this is never planned
+ALIGN_TO_GRAPH_TIER = False  # fill the chosen tier's padding rows with drafts
+LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
+STS_TEMPERATURES = (
+    1.0, 1.1220184543019636, 1.1220184543019636, 0.6309573444801932, 0.8912509381337457,
+    0.7943282347242815, 0.8912509381337457,
+)  # STS temperatures from tables/tiny_cpu/sts.json
+COST_MODEL = {
+    'type': 'additive',
+    'bias_seconds': 0.0016481932452143103,
+    'bs_probes': (1, 2, 4, 8, 16, 32),
+    'alpha_seconds': (
+        0.0, 0.0, 0.0, 1.3071458337564912e-05, 3.1330418603163925e-05, 4.136231536371555e-05,
     ),
-    cost_model={
-        'type': 'additive',
-        'bias_seconds': 0.0016481932452143103,
-        'bs_probes': (1, 2, 4, 8, 16, 32),
-        'alpha_seconds': (
-            0.0, 0.0, 0.0, 1.3071458337564912e-05, 3.1330418603163925e-05, 4.136231536371555e-05,
-        ),
-        'm_probes': (1, 64, 128, 192, 256),
-        'theta_seconds': (
-            0.0, 6.992494619705706e-05, 0.000198949279264181, 0.0003596273394213551,
-            0.0004758514394240188,
-        ),
-    },
-    token_tiers=(8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256),
+    'm_probes': (1, 64, 128, 192, 256),
+    'theta_seconds': (
+        0.0, 6.992494619705706e-05, 0.000198949279264181, 0.0003596273394213551,
+        0.0004758514394240188,
+    ),
+}  # additive step-cost table from tables/tiny_h200/additive.json
+
+PLAN = AdaptiveVerifyPlan(
+    gamma=GAMMA,
+    mode=VERIFY_MODE,
+    min_verify_len=MIN_VERIFY_LEN,
+    max_verify_len=MAX_VERIFY_LEN,
+    survival_eps=SURVIVAL_EPS,
+    align_to_graph_tier=ALIGN_TO_GRAPH_TIER,
+    lag_steps=LAG_STEPS,
+    temperatures=STS_TEMPERATURES,
+    cost_model=COST_MODEL,
+    token_tiers=TOKEN_TIERS,
 )

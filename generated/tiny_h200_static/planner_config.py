@@ -5,4 +5,9 @@ Deployment tiny_h200_static: cuda/h200 backend, static verify mode."""
 
 from dspark.runtime.planner.verify_plan import StaticVerifyPlan
 
-PLAN = StaticVerifyPlan(gamma=7)
+from .deployment import GAMMA
+
+# Static steps verify every draft; the survival is still computed for recorded runs.
+STS_TEMPERATURES = None  # no calibration: survival = cumprod(sigmoid(z))
+
+PLAN = StaticVerifyPlan(gamma=GAMMA, temperatures=STS_TEMPERATURES)

@@ -100,20 +100,14 @@ class AscendFusedAttention:
         self.mask = torch.triu(torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE,
                                           dtype=torch.bool, device=cache.k.device), diagonal=1)
         self._capture_key: int | None = None
-        self._capture_lengths: tuple[list[int], list[int]] = ([], [])
         self._tasks: dict[int, list[_CapturedTask]] = {}
         self._update_stream: Any = None
 
     @contextmanager
-    def capturing(self, key: int, seq_lengths_q: list[int], seq_lengths_kv: list[int]
-                  ) -> Iterator[None]:
-        """Record attention calls as updatable tasks of graph `key`.
-
-        The host-side lengths are given here because reading them back from the device would
-        synchronise inside the capture.
-        """
+    def capturing(self, key: int) -> Iterator[None]:
+        """Record attention calls as updatable tasks of graph `key` (their sequence lengths come from
+        the host fields of the metadata being captured)."""
         self._capture_key = key
-        self._capture_lengths = (seq_lengths_q, seq_lengths_kv)
         self._tasks[key] = []
         try:
             yield
@@ -138,14 +132,9 @@ class AscendFusedAttention:
                 task.event.record(self._update_stream)
 
     def _operator_kwargs(self, meta: AscendTndMetadata, num_kv: int) -> dict[str, Any]:
-        if self._capture_key is not None:
-            q_ends, kv_lens = self._capture_lengths
-        else:
-            q_ends = meta.actual_seq_lengths_q.tolist()
-            kv_lens = meta.actual_seq_lengths_kv.tolist()
         return {"atten_mask": self.mask,
-                "actual_seq_lengths": q_ends,
-                "actual_seq_lengths_kv": kv_lens,
+                "actual_seq_lengths": list(meta.host_seq_lengths_q),
+                "actual_seq_lengths_kv": list(meta.host_seq_lengths_kv),
                 "block_table": meta.block_table, "block_size": meta.block_size,
                 "num_heads": self.num_heads, "num_key_value_heads": num_kv, "scale": self.scale,
                 "input_layout": "TND", "sparse_mode": RIGHT_DOWN_CAUSAL}

@@ -1,18 +1,25 @@
-"""Attention metadata containers that the generated backend modules fill in.
+"""Attention metadata containers that the generated backend modules fill in from a step's layout.
 
 CPU and CUDA share the FlashInfer / FlashAttention varlen form (`qo_indptr` = `cu_seqlens_q`,
 per-request KV lengths, a page table); Ascend uses the TND inputs of
-`npu_fused_infer_attention_score`. Both are built from the ragged rows of a step, never from a
-fixed width, so the same containers serve static, cap-accept and compact steps.
+`npu_fused_infer_attention_score`. Both are read off the step's ragged rows (`dspark.runtime.layout`),
+never a fixed width, so the same containers serve static, cap-accept and compact steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from dspark.runtime.models.ops import padded_rows
+
+# Every step's query block (1 row per request when decoding, N when verifying) is padded to the same
+# width, so the batched attention products have one shape whatever the step; their row count is
+# (query heads per KV head) x width, which the GEMM floor does not need to raise further. Padding the
+# block to the larger floor of the row-wise linears would double the CPU attention's work.
+QUERY_BLOCK_MIN_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,7 @@ class QueryPadding:
     def from_indptr(qo_indptr: torch.Tensor, positions: torch.Tensor, max_rows: int) -> QueryPadding:
         num_reqs = qo_indptr.shape[0] - 1
         total = positions.shape[0]
-        width = padded_rows(max_rows)
+        width = padded_rows(max_rows, QUERY_BLOCK_MIN_ROWS)
         starts = qo_indptr[:-1].long()
         lens = (qo_indptr[1:] - qo_indptr[:-1]).long()
         col = torch.arange(width, device=positions.device)
@@ -70,15 +77,21 @@ class PagedAttnMetadata:
 
 @dataclass(frozen=True)
 class AscendTndMetadata:
-    """TND inputs of `torch_npu.npu_fused_infer_attention_score` (plus the KV write slots)."""
+    """TND inputs of `torch_npu.npu_fused_infer_attention_score` (plus the KV write slots).
 
-    actual_seq_lengths_q: torch.Tensor  # int64 [B]: cumulative query ends
-    actual_seq_lengths_kv: torch.Tensor  # int64 [B]: per-request KV lengths
+    The operator takes its sequence lengths as host lists; the step's layout already has them on the
+    host, so attention never reads them back from the device.
+    """
+
+    actual_seq_lengths_q: torch.Tensor  # int32 [B]: cumulative query ends, qo_indptr[1:]
+    actual_seq_lengths_kv: torch.Tensor  # int32 [B]: per-request KV lengths
     block_table: torch.Tensor  # int32 [B, pages_per_request]
     block_size: int
     positions: torch.Tensor  # int64 [T]
     slot_mapping: torch.Tensor  # int64 [T]
     max_seqlen_q: int
+    host_seq_lengths_q: tuple[int, ...]  # actual_seq_lengths_q, on the host
+    host_seq_lengths_kv: tuple[int, ...]  # actual_seq_lengths_kv, on the host
 
     @property
     def num_requests(self) -> int:
@@ -89,29 +102,11 @@ class AscendTndMetadata:
         return self.positions.shape[0]
 
 
-def cache_slots(page_table: torch.Tensor, row_req: torch.Tensor, positions: torch.Tensor,
-                page_size: int) -> torch.Tensor:
-    """Flat KV slot of each row: its request's page for the position, times page size, plus offset."""
-    pages = page_table[row_req, positions // page_size].long()
-    return pages * page_size + positions % page_size
+AttentionMetadata = PagedAttnMetadata | AscendTndMetadata
 
 
-def prefix_slots(page_table: torch.Tensor, page_size: int, length: int) -> torch.Tensor:
-    """`[B, length]` flat KV slots of positions `0 … length-1` of every request."""
-    offs = torch.arange(length, device=page_table.device)
-    return page_table[:, offs // page_size].long() * page_size + offs % page_size
+class AttentionBackend(Protocol):
+    """Writes a layer's new K/V rows into its cache and attends the ragged query rows."""
 
-
-def ragged_rows(prefix_lens: torch.Tensor, extend_lens: torch.Tensor, ends: torch.Tensor,
-                total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request index and absolute position of every packed row.
-
-    Requests own consecutive rows ending at `ends` (cumulative); request r's rows continue its
-    cached prefix, so their positions are `prefix_lens[r], prefix_lens[r] + 1, ...`.
-    """
-    device = prefix_lens.device
-    row_req = torch.repeat_interleave(torch.arange(prefix_lens.shape[0], device=device),
-                                      extend_lens.long(), output_size=total)
-    starts = (ends - extend_lens.long())[row_req]
-    positions = prefix_lens.long()[row_req] + torch.arange(total, device=device) - starts
-    return row_req, positions
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor: ...

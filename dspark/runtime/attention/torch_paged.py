@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attention.metadata import PagedAttnMetadata, prefix_slots
+from dspark.runtime.attention.metadata import PagedAttnMetadata
 from dspark.runtime.kv_cache import PagedKVCache
+from dspark.runtime.layout import prefix_slots
 
 
 class TorchPagedAttention:

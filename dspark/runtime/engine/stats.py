@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark.runtime.layout import RaggedVerifyLayout
+from dspark.runtime.layout import VerifyLayout
 from dspark.runtime.planner.verify_plan import StepPlan
 
 
@@ -48,7 +48,7 @@ class RunStats:
         self.drafts_verified = [0] * self.gamma
         self.drafts_accepted = [0] * self.gamma
 
-    def record_step(self, correct: list[int], verify_lens: list[int], layout: RaggedVerifyLayout,
+    def record_step(self, correct: list[int], verify_lens: list[int], layout: VerifyLayout,
                     step: StepPlan) -> None:
         for c, vl in zip(correct, verify_lens, strict=True):
             for k in range(vl - 1):

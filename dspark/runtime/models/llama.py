@@ -10,24 +10,16 @@ directory loads without renaming. Two forward paths share the weights:
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
 from dspark.runtime.config import ModelGeometry
 from dspark.runtime.models import ops
 
 # The model's config is the deployment geometry itself (HF config.json <-> ModelGeometry).
 LlamaConfig = ModelGeometry
-
-
-class AttentionBackend(Protocol):
-    """Writes a layer's new K/V rows into its cache and attends the ragged query rows."""
-
-    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               meta: Any) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -72,7 +64,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def forward_paged(self, layer_id: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      attn: AttentionBackend, meta: Any) -> torch.Tensor:
+                      attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         c = self.cfg
         q = ops.apply_rope(ops.linear(x, self.q_proj.weight).view(t, c.num_heads, c.head_dim), cos, sin)
@@ -153,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                      attn: AttentionBackend, meta: Any) -> torch.Tensor:
+                      attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """Ragged forward over `[T]` rows; returns the last layer's residual stream `[T, d]`.
 
         The residual stream (before the final norm) is also what the DSpark draft conditions on.

@@ -19,9 +19,9 @@ MIN_ROWS = 16
 ROW_BLOCK = 4
 
 
-def padded_rows(rows: int) -> int:
-    """Row count a GEMM runs on: a whole number of row blocks, at least `MIN_ROWS`."""
-    return max(MIN_ROWS, -(-rows // ROW_BLOCK) * ROW_BLOCK)
+def padded_rows(rows: int, minimum: int = MIN_ROWS) -> int:
+    """Row count a GEMM runs on: a whole number of row blocks, at least `minimum`."""
+    return max(minimum, -(-rows // ROW_BLOCK) * ROW_BLOCK)
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,13 @@ Candidates rank by survival descending, ties by earlier position, then lower req
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from dspark.runtime.layout import tier_for
 from dspark.runtime.planner.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
 
 # Objectives within this relative distance of the best count as tied (and the smaller budget wins), so the
@@ -200,9 +202,9 @@ def choose_budget(survival: torch.Tensor, cost_model: CostModel | None, cfg: Sch
                           float(objective[budget]))
 
 
-def allocate_verify_lens(survival: torch.Tensor, budget: int, cfg: ScheduleConfig) -> torch.Tensor:
-    """`verify_lens` [B] int32 on the survival's device: the floor f plus, per request, how many of the
-    `budget` best candidates it holds (all candidates when the budget exceeds their number)."""
+def allocate_verify_lens_host(survival: torch.Tensor, budget: int, cfg: ScheduleConfig) -> np.ndarray:
+    """`verify_lens` [B] as a host int array: the floor f plus, per request, how many of the `budget`
+    best candidates it holds (all candidates when the budget exceeds their number)."""
     budget = require_int("budget", budget)
     if budget < 0:
         raise ValueError(f"budget must be >= 0 extra rows, got {budget}")
@@ -213,8 +215,12 @@ def allocate_verify_lens(survival: torch.Tensor, budget: int, cfg: ScheduleConfi
     # offsets are exactly 0..count-1: distinct non-negative integers sum to count*(count-1)/2 only then.
     offset_sums = np.bincount(chosen_reqs, weights=cands.positions[:budget], minlength=cands.num_reqs)
     assert np.array_equal(offset_sums, counts * (counts - 1) / 2), "chosen set is not a per-request prefix"
-    lens = torch.from_numpy((cfg.floor + counts).astype(np.int32))
-    return lens.to(survival.device)
+    return (cfg.floor + counts).astype(np.int32)
+
+
+def allocate_verify_lens(survival: torch.Tensor, budget: int, cfg: ScheduleConfig) -> torch.Tensor:
+    """`allocate_verify_lens_host` as an int32 tensor on the survival's device."""
+    return torch.from_numpy(allocate_verify_lens_host(survival, budget, cfg)).to(survival.device)
 
 
 def forced_budget(survival: torch.Tensor, cfg: ScheduleConfig, fraction: float) -> int:
@@ -224,3 +230,16 @@ def forced_budget(survival: torch.Tensor, cfg: ScheduleConfig, fraction: float) 
         raise ValueError(f"fraction must be in [0, 1] (share of the candidates to verify), got {fraction!r}")
     num_candidates = rank_candidates(survival, cfg).values.size
     return int(math.floor(fraction * num_candidates + 0.5))
+
+
+def tier_aligned_budget(num_reqs: int, budget: int, floor: int, cap: int, tiers: Sequence[int]) -> int:
+    """Graph-tier alignment ("paid padding reclamation").
+
+    The rows of the chosen budget replay in the smallest tier that holds them; its padding rows
+    cost nothing extra, so the budget grows to fill the tier with the next-best candidates:
+    `min(G, B * cap) - B * floor`. Allocation still never takes a candidate below survival_eps,
+    so the step may stay short of the tier.
+    """
+    rows = num_reqs * floor + budget
+    tier = tier_for(rows, tiers)
+    return max(budget, min(tier, num_reqs * cap) - num_reqs * floor)

@@ -17,19 +17,20 @@ from dspark.runtime.planner.budget import require_int
 
 def survival_from_logits(logits: torch.Tensor,
                          temperatures: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
-    """`cumprod(sigmoid(z / T))` along positions, in float32, on the logits' device: [B, gamma]."""
+    """`cumprod(sigmoid(z / T))` along positions, on the logits' device: [B, gamma], in float32
+    (float64 logits stay float64, for offline calibration to the last ulp)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, gamma], got shape {tuple(logits.shape)}")
-    z = logits.to(torch.float32)
+    z = logits if logits.dtype == torch.float64 else logits.to(torch.float32)
     if temperatures is not None:
-        temps = torch.as_tensor(temperatures, dtype=torch.float32).to(z.device)
-        if temps.dim() != 1 or temps.numel() != z.shape[1]:
-            raise ValueError(f"temperatures has shape {tuple(temps.shape)} but logits have gamma="
-                             f"{z.shape[1]} positions; give one T_k per draft position")
-        if not bool(((temps > 0) & torch.isfinite(temps)).all()):
-            raise ValueError(f"temperatures must all be finite and > 0 (1.0 = uncalibrated), got "
-                             f"{temps.tolist()}")
-        z = z / temps
+        # Host values are checked on the host, so planning a step never waits on the device.
+        values = temperatures.tolist() if isinstance(temperatures, torch.Tensor) else list(temperatures)
+        if len(values) != z.shape[1] or any(isinstance(v, list) for v in values):
+            raise ValueError(f"{len(values)} temperatures but logits have gamma={z.shape[1]} positions; give "
+                             "one T_k per draft position")
+        if not all(0 < v < float("inf") for v in values):
+            raise ValueError(f"temperatures must all be finite and > 0 (1.0 = uncalibrated), got {values}")
+        z = z / torch.tensor(values, dtype=z.dtype, device=z.device)
     return torch.cumprod(torch.sigmoid(z), dim=1)
 
 

@@ -1,8 +1,8 @@
-"""Verify plans: how many rows each request verifies in a step.
+"""Verify plans: how many rows each request verifies, and runs, in a step (docs/planner.md).
 
-The generated `planner_config.py` instantiates one of these for its verify mode. A plan is an
-immutable configuration; the only per-runtime state, the lagged survival history, is owned by
-the runtime and passed in.
+The generated `planner_config.py` instantiates the plan of its verify mode. A plan is immutable
+configuration; the only per-runtime state, the lagged survival history, is owned by the runtime and
+passed in.
 """
 
 from __future__ import annotations
@@ -11,17 +11,18 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from dspark.runtime.layout import tier_aligned_budget
+from dspark.modes import VerifyMode, num_draft_tokens
 from dspark.runtime.planner.budget import (
     BudgetDecision,
     ScheduleConfig,
-    allocate_verify_lens,
+    allocate_verify_lens_host,
     choose_budget,
     forced_budget,
+    tier_aligned_budget,
 )
 from dspark.runtime.planner.cost_models import CostModel, cost_model_from_dict
 from dspark.runtime.planner.survival import LaggedSurvival, survival_from_logits
@@ -29,10 +30,11 @@ from dspark.runtime.planner.survival import LaggedSurvival, survival_from_logits
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step's decision: rows per request, and (adaptive modes) why."""
+    """One step's decision, on the host: rows per request, and (adaptive modes) why."""
 
-    verify_lens: torch.Tensor  # int32 [B], root included
-    survival: torch.Tensor | None = None  # float32 [B, gamma]: the survival the rows were allocated by
+    verify_lens: tuple[int, ...]  # the rows whose drafts may be accepted, root included
+    run_lens: tuple[int, ...]  # the rows each request puts into the target forward
+    survival: torch.Tensor | None = None  # float32 [B, gamma] on the device: what the rows were allocated by
     decision: BudgetDecision | None = None
     aligned_budget: int | None = None  # the budget after graph-tier alignment, when it applied
 
@@ -42,32 +44,60 @@ class StepPlan:
         verified draft (None without a planner)."""
         if self.decision is None or self.survival is None:
             return None
-        lens = self.verify_lens.to(self.survival.device).long()
+        lens = torch.tensor(self.verify_lens, device=self.survival.device)
         verified = torch.arange(self.survival.shape[1], device=lens.device)[None, :] < (lens - 1)[:, None]
-        return lens.shape[0] + float((self.survival * verified).sum())
+        return len(self.verify_lens) + float((self.survival * verified).sum())
+
+
+class VerifyPlan(Protocol):
+    """What the engine asks of a plan: the step's rows from the draft's confidence."""
+
+    @property
+    def mode(self) -> VerifyMode: ...
+
+    @property
+    def gamma(self) -> int: ...
+
+    @property
+    def lag_steps(self) -> int: ...
+
+    @property
+    def num_draft_tokens(self) -> int: ...
+
+    def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
+                  generations: Sequence[int], history: LaggedSurvival | None) -> StepPlan: ...
 
 
 @dataclass(frozen=True)
 class StaticVerifyPlan:
-    """`static` mode: no planner, every request verifies all `N = gamma + 1` rows."""
+    """`static` mode: no planner, every request verifies all `N = gamma + 1` rows.
+
+    With a confidence head the survival is still computed (with the calibration's temperatures,
+    when the spec has one), so a static run's recording carries it for calibration and reports.
+    """
 
     gamma: int
-    mode: str = "static"
+    temperatures: tuple[float, ...] | None = None
+    mode: VerifyMode = VerifyMode.STATIC
     lag_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1 (N = gamma + 1 >= 2), got {self.gamma}")
+        if self.mode.plans:
+            raise ValueError(f"StaticVerifyPlan serves static mode, not {self.mode}")
 
     @property
     def num_draft_tokens(self) -> int:
-        return self.gamma + 1
+        return num_draft_tokens(self.gamma)
 
-    def plan_step(self, confidence_logits: torch.Tensor, slots: Sequence[int] = (),
+    def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int] = (),
                   generations: Sequence[int] = (), history: LaggedSurvival | None = None) -> StepPlan:
-        num_reqs = confidence_logits.shape[0]
-        return StepPlan(torch.full((num_reqs,), self.num_draft_tokens, dtype=torch.int32,
-                                   device=confidence_logits.device))
+        full = (self.num_draft_tokens,) * num_reqs
+        survival = None
+        if confidence_logits is not None:
+            survival = survival_from_logits(confidence_logits, self.temperatures)
+        return StepPlan(full, full, survival)
 
 
 @dataclass(frozen=True)
@@ -80,7 +110,7 @@ class AdaptiveVerifyPlan:
     """
 
     gamma: int
-    mode: str
+    mode: VerifyMode
     min_verify_len: int = 1
     max_verify_len: int = 0
     survival_eps: float = 1e-6
@@ -88,12 +118,12 @@ class AdaptiveVerifyPlan:
     lag_steps: int = 0
     temperatures: tuple[float, ...] | None = None
     cost_model: dict[str, Any] | None = None  # the table as the compiler embedded it
-    token_tiers: tuple[int, ...] = ()  # graph tiers the compact step is padded to
+    token_tiers: tuple[int, ...] = ()  # graph tiers a packed step is padded to
     forced_budget_fraction: float | None = None  # experiments: verify this share of candidates
 
     def __post_init__(self) -> None:
-        if self.mode not in ("cap-accept", "compact"):
-            raise ValueError(f"AdaptiveVerifyPlan serves cap-accept and compact, not {self.mode!r}")
+        if not self.mode.plans:
+            raise ValueError(f"AdaptiveVerifyPlan serves cap-accept and compact, not {self.mode}")
         if self.temperatures is not None and len(self.temperatures) != self.gamma:
             raise ValueError(f"{len(self.temperatures)} temperatures for gamma {self.gamma}; "
                              "give one per draft position")
@@ -110,7 +140,7 @@ class AdaptiveVerifyPlan:
 
     @property
     def num_draft_tokens(self) -> int:
-        return self.gamma + 1
+        return num_draft_tokens(self.gamma)
 
     @property
     def schedule(self) -> ScheduleConfig:
@@ -124,25 +154,29 @@ class AdaptiveVerifyPlan:
         """A copy with some fields replaced (e.g. a forced budget fraction for an experiment)."""
         return dataclasses.replace(self, **changes)
 
-    def plan_step(self, confidence_logits: torch.Tensor, slots: Sequence[int],
+    def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
                   generations: Sequence[int], history: LaggedSurvival | None = None) -> StepPlan:
+        if confidence_logits is None:
+            raise ValueError(f"{self.mode} planning needs the draft's confidence logits; use a draft "
+                             "with a confidence head")
         cfg = self.schedule
         survival = survival_from_logits(confidence_logits, self.temperatures)
         budget_survival = survival
         if history is not None:
             budget_survival = history.lagged(slots, generations, survival)
             history.record(slots, generations, survival)
-        # compact rows must fit the largest captured tier; cap-accept always runs B x N rows.
-        max_rows = self.token_tiers[-1] if self.token_tiers and self.mode == "compact" else None
+        # Packed rows must fit the largest captured tier; a full-block step always runs B x N rows.
+        max_rows = self.token_tiers[-1] if self.token_tiers and self.mode.packs_rows else None
         decision = choose_budget(budget_survival, self.table, cfg, max_rows=max_rows)
         budget = decision.budget
         if self.forced_budget_fraction is not None:
             budget = forced_budget(survival, cfg, self.forced_budget_fraction)
             if max_rows is not None:
-                budget = min(budget, max_rows - survival.shape[0] * cfg.floor)
+                budget = min(budget, max_rows - num_reqs * cfg.floor)
         aligned = None
-        if self.align_to_graph_tier and self.mode == "compact":
-            aligned = tier_aligned_budget(survival.shape[0], budget, cfg.floor, cfg.cap, self.token_tiers)
+        if self.align_to_graph_tier and self.mode.packs_rows:
+            aligned = tier_aligned_budget(num_reqs, budget, cfg.floor, cfg.cap, self.token_tiers)
             budget = aligned
-        verify_lens = allocate_verify_lens(survival, budget, cfg)
-        return StepPlan(verify_lens, survival, decision, aligned)
+        verify_lens = tuple(allocate_verify_lens_host(survival, budget, cfg).tolist())
+        run_lens = verify_lens if self.mode.packs_rows else (self.num_draft_tokens,) * num_reqs
+        return StepPlan(verify_lens, run_lens, survival, decision, aligned)

@@ -1,0 +1,130 @@
+"""One speculative decode step of the running batch: draft → plan → verify → accept → commit.
+
+The deployment-specific parts come from the generated package: the plan (`planner_config.py`)
+decides each request's `verify_lens`, the verify runner (`graph_runner.py`) lays the step out once
+and runs its target forward, the metadata builder (`attn_metadata.py`) feeds the attention. This
+module is the same for every deployment and mode: a static or cap-accept layout is the full
+`B x N` block, so packing and unpacking its rows are no-ops (docs/architecture.md, "A decode step").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from dspark.runtime.engine.forward import EngineModels, batch_sampling
+from dspark.runtime.engine.requests import Request
+from dspark.runtime.engine.scheduler import commit_tokens
+from dspark.runtime.engine.stats import RunStats, StepInfo
+from dspark.runtime.engine.step_record import step_record
+from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
+from dspark.runtime.package import VerifyRunner
+from dspark.runtime.planner.survival import LaggedSurvival
+from dspark.runtime.planner.verify_plan import VerifyPlan
+from dspark.runtime.sampling import SamplingParams, pick_rows, rejection_accept, warp_rows
+
+
+class StsSink(Protocol):
+    """Where a recording run's calibration samples go (`dspark.formats.sts_shards.StsShardWriter`)."""
+
+    @property
+    def features(self) -> bool: ...
+
+    def add(self, logits: torch.Tensor, correct_len: torch.Tensor, fully_verified: torch.Tensor,
+            features: torch.Tensor | None) -> None: ...
+
+
+class StepSink(Protocol):
+    def append(self, record: object) -> None: ...
+
+
+class StepRecorder(Protocol):
+    """A recording run's sinks: calibration shards and the step ring."""
+
+    sts: StsSink
+    steps: StepSink
+
+
+class SpeculativeStep:
+    def __init__(self, models: EngineModels, plan: VerifyPlan, runner: VerifyRunner,
+                 eos_ids: frozenset[int], policy: SamplingParams) -> None:
+        self.models = models
+        self.plan = plan
+        self.runner = runner
+        self.eos_ids = eos_ids
+        self.policy = policy  # the run's default policy: the one recorded labels describe
+        # The lagged-confidence history belongs to the runtime; a plan is shared, immutable config.
+        self.history = LaggedSurvival(plan.lag_steps, plan.gamma) if plan.lag_steps else None
+        self.recorder: StepRecorder | None = None
+
+    def __call__(self, running: list[Request], stats: RunStats) -> StepInfo:
+        start = time.perf_counter()
+        m, n, num_reqs = self.models, self.plan.num_draft_tokens, len(running)
+        prefix_host = [r.seq_len for r in running]
+        page_table = m.host_page_table(running).to(m.device)
+        prefix = m.tensor(prefix_host)
+        roots = m.tensor([r.root for r in running])
+        batch = batch_sampling(running)
+        generator = m.generators(running)
+
+        # 1. Draft: gamma tokens and a confidence logit per position, from the cached draft context.
+        proposal = m.draft.propose(
+            roots, prefix, m.draft_context(page_table, prefix), prefix,
+            None if batch.all_greedy else lambda logits: pick_rows(logits, batch, generator),
+            keep_conf_inputs=self.recorder is not None and self.recorder.sts.features)
+        drafts = proposal.drafts
+        assert drafts is not None
+
+        # 2. Plan: the planner's verify_lens, then the step's layout, once.
+        handles = [r.handle for r in running]
+        plan = self.plan.plan_step(proposal.conf_logits, num_reqs, [h.slot for h in handles],
+                                   [h.generation for h in handles], self.history)
+        layout = self.runner.plan(plan.run_lens, plan.verify_lens, prefix_host, page_table)
+
+        # 3. Verify: the target runs the step's rows (packed when some request runs fewer than N).
+        fixed_ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)
+        hidden = self.runner.run(layout, layout.pack(fixed_ids))
+        logits = m.target.compute_logits(hidden)
+
+        # 4. Accept, back at the fixed stride; rows that did not run are never read.
+        raw_correct: torch.Tensor | None = None
+        if batch.all_greedy:
+            pred = layout.unpack(logits.argmax(-1), fill=-1).view(num_reqs, n)
+            acc: AcceptResult = greedy_accept(drafts, pred, layout.verify_lens)
+            if self.recorder is not None:  # the uncapped match: exact labels wherever every row ran
+                raw_correct = greedy_accept(drafts, pred, torch.full_like(layout.verify_lens, n)).correct_len
+        else:
+            p_probs = warp_rows(layout.unpack(logits).view(num_reqs, n, -1), batch)
+            verdict = rejection_accept(drafts, warp_rows(proposal.logits, batch), p_probs, layout.verify_lens,
+                                       generator)
+            acc, raw_correct = verdict.result, verdict.raw_correct_len
+
+        # 5. Commit: the root and the accepted drafts become draft context; the bonus token is the next root.
+        real = slice(0, layout.total_rows)
+        row_req, positions = layout.row_req[real], layout.positions[real]
+        keep = positions - layout.prefix_lens[row_req] <= acc.correct_len[row_req]
+        m.append_draft_context(hidden[keep], positions[keep], row_req[keep], page_table)
+        correct, bonus = acc.correct_len.tolist(), acc.bonus.tolist()
+        for r, c, b, d in zip(running, correct, bonus, drafts.tolist(), strict=True):
+            r.seq_len += c + 1
+            r.root = b
+            commit_tokens(r, d[:c] + [b], self.eos_ids)
+        stats.record_step(correct, list(plan.verify_lens), layout, plan)
+        seconds = time.perf_counter() - start  # the step's wall time, before any recording work
+
+        # 6. Record (`dspark run --record`): calibration labels and the step's record.
+        if self.recorder is not None and proposal.conf_logits is not None and raw_correct is not None:
+            # Labels are the acceptance event of the recorded policy, and exact only where every row ran.
+            same_policy = torch.tensor([r.sampling == self.policy for r in running], device=m.device)
+            fully_verified = torch.tensor([rows == n for rows in plan.run_lens], device=m.device)
+            self.recorder.sts.add(proposal.conf_logits, raw_correct, fully_verified & same_policy,
+                                  proposal.conf_inputs)
+            self.recorder.steps.append(step_record(
+                handles, plan, layout, list(plan.verify_lens), correct, raw_correct.tolist(),
+                proposal.conf_logits, seconds, self.plan.lag_steps, self.plan.mode))
+        decision = plan.decision
+        return StepInfo(num_reqs, sum(correct) + num_reqs, layout.total_rows, sum(plan.verify_lens),
+                        layout.num_padding_rows, layout.tier, decision.budget if decision else None, plan.tau,
+                        seconds)
