@@ -26,7 +26,7 @@ from dspark.measure.calibration import (
     format_fit_report,
     save_calibration,
 )
-from dspark.measure.metrics import brier, ece, roc_auc
+from dspark.measure.calibration_metrics import brier, ece, roc_auc
 from dspark.measure.scores import confidence, survival
 from dspark.runtime.planner.survival import survival_from_logits
 

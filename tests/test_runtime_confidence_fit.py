@@ -10,7 +10,8 @@ import torch
 from dspark.cli.main import main
 from dspark.formats.sts_shards import StsShardWriter
 from dspark.measure.calibration import CalibrationError
-from dspark.measure.confidence_fit import (
+from dspark.measure.calibration_metrics import ece
+from dspark.measure.head_fit import (
     BIAS,
     FIT_FILE,
     WEIGHT,
@@ -23,7 +24,6 @@ from dspark.measure.confidence_fit import (
     refit_draft,
     with_draft_stats,
 )
-from dspark.measure.metrics import ece
 from dspark.runtime.models.checkpoint import load_draft, save_draft
 from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft, draft_stats
 from dspark.runtime.package import load_package

@@ -19,7 +19,7 @@ from dspark.measure.calibration import (
     format_fit_report,
     save_calibration,
 )
-from dspark.measure.metrics import DEFAULT_NUM_BINS
+from dspark.measure.calibration_metrics import DEFAULT_NUM_BINS
 
 
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:

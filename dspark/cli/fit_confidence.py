@@ -9,7 +9,7 @@ from typing import Any
 
 from dspark.formats.json_io import FormatError
 from dspark.measure.calibration import CalibrationError
-from dspark.measure.confidence_fit import HeadFitSettings, format_head_fit, refit_draft
+from dspark.measure.head_fit import HeadFitSettings, format_head_fit, refit_draft
 
 
 def add_fit_confidence_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -106,7 +106,7 @@ def open_recorder(runtime: Any, args: argparse.Namespace) -> Any:
     steps = args.record_steps or spec_steps or DEFAULT_RECORD_STEPS
     backbone = None
     if args.record_features:
-        from dspark.measure.confidence_fit import backbone_digest, checkpoint_state
+        from dspark.measure.head_fit import backbone_digest, checkpoint_state
         from dspark.runtime.models.checkpoint import resolve_checkpoint
 
         if not pkg.deployment.draft.confidence_head:
@@ -156,7 +156,7 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     check_run_args(args)
     prompts = read_prompts(args)
     pkg = load_package_or_fail(package_dir)
-    if args.budget_fraction is not None and pkg.deployment.verify_mode == "static":
+    if args.budget_fraction is not None and not pkg.deployment.verify_mode.plans:
         raise CliError(f"--budget-fraction needs a cap-accept or compact build; {package_dir} verifies "
                        "every draft (static mode has no planner)")
     max_new = args.max_new_tokens or pkg.deployment.serving.max_new_tokens

@@ -27,6 +27,7 @@ from dspark.formats.json_io import (
     write_json_file,
 )
 from dspark.formats.step_records import verify_mode
+from dspark.modes import VerifyMode
 
 RUN_FORMAT = "dspark-run"
 RUN_VERSION = 1
@@ -46,7 +47,7 @@ class RunInfo:
     """A recorded run's description (`run.json`)."""
 
     deployment: str
-    verify_mode: str
+    verify_mode: VerifyMode
     gamma: int
     lag_steps: int
     policy: str  # the sampling policy the run decoded with: what its labels describe

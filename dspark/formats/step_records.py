@@ -41,12 +41,12 @@ class StepRecordError(FormatError):
 VERIFY_MODES = tuple(mode.value for mode in VerifyMode)
 
 
-def verify_mode(data: Mapping[str, Any], where: str, key: str = "mode") -> str:
+def verify_mode(data: Mapping[str, Any], where: str, key: str = "mode") -> VerifyMode:
     """A verify-mode field: one of `VERIFY_MODES`."""
     mode = typed_field(data, key, (str,), where)
     if mode not in VERIFY_MODES:
         raise StepRecordError(f"{where}: {key} must be one of {list(VERIFY_MODES)}, got {mode!r}")
-    return str(mode)
+    return VerifyMode(mode)
 
 
 _REQUEST_KEYS = ("slot", "generation", "verify_len", "correct_len", "raw_correct_len", "commit_len",
@@ -97,7 +97,7 @@ class StepRecord:
 
     num_reqs: int
     lag: int  # the plan's lag_steps
-    mode: str  # verify mode
+    mode: VerifyMode
     budget: int | None  # extra rows the planner chose (None: no planner)
     aligned_budget: int | None  # the budget after graph-tier alignment, when it applied
     decision_tau: float | None  # tau of the chosen budget, on the survival it was chosen from

@@ -26,7 +26,7 @@ import numpy as np
 
 from dspark.formats.sts_calibration import CalibrationFileContents, calibration_json, write_calibration
 from dspark.formats.sts_shards import StsData
-from dspark.measure.metrics import DEFAULT_NUM_BINS, binned_ece, roc_auc
+from dspark.measure.calibration_metrics import DEFAULT_NUM_BINS, binned_ece, roc_auc
 from dspark.measure.scores import confidence, survival
 
 DEFAULT_GRID_POINTS = 41

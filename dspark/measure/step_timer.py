@@ -41,7 +41,7 @@ class VerifyStepTimer:
 
     def __init__(self, runtime: Runtime, context_len: int = 128, seed: int = 0) -> None:
         dep = runtime.deployment
-        if dep.verify_mode != "compact":
+        if not dep.verify_mode.packs_rows:
             raise ProfileError(
                 f"{dep.name} is a {dep.verify_mode} build, whose steps always run B x N rows; the "
                 "cost grid needs ragged steps. Profile a compact build of the same deployment "

@@ -22,6 +22,7 @@ from dspark.formats.run_info import RunInfo, read_run_info
 from dspark.formats.step_records import StepRecord, read_steps
 from dspark.formats.sts_calibration import CalibrationFileContents, read_calibration
 from dspark.formats.sts_shards import SHARD_SUFFIX, read_shards, read_sts_meta
+from dspark.modes import VerifyMode
 from dspark.runtime.planner.cost_models import CostModel, load_cost_model
 
 PathLike = str | os.PathLike[str]
@@ -57,7 +58,7 @@ class RunData:
 
     path: Path
     deployment: str
-    verify_mode: str
+    verify_mode: VerifyMode
     backend: str
     device: str
     gamma: int

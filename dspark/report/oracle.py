@@ -32,7 +32,7 @@ def oracle_rows(runs: Sequence[RunData], labels: Sequence[str] | None = None) ->
     labels = labels or unique_labels([r.path for r in runs])
     out = []
     for run, label in zip(runs, labels, strict=True):
-        if run.target_only or run.verify_mode == "static" or not run.steps:
+        if run.target_only or not run.verify_mode.plans or not run.steps:
             continue
         n = run.gamma + 1
         oracle = [sum(min(r.raw_correct_len + 1, n) for r in step.requests) for step in run.steps]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.formats.sts_calibration import CalibrationFileContents
-from dspark.measure.metrics import DEFAULT_NUM_BINS, bin_index, brier, ece, roc_auc
+from dspark.measure.calibration_metrics import DEFAULT_NUM_BINS, bin_index, brier, ece, roc_auc
 from dspark.measure.scores import confidence, survival
 from dspark.report.inputs import ReportError, RunData, StsSamples, unique_labels
 

@@ -15,7 +15,13 @@ from dspark.runtime.models.llama import LlamaForCausalLM
 from dspark.runtime.runners.graph_buffers import StepBuffers
 
 from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
-from .deployment import MAX_RUNNING_REQUESTS, NUM_DRAFT_TOKENS, PAGE_SIZE, PAGES_PER_REQUEST, TOKEN_TIERS
+from .deployment import (
+    MAX_RUNNING_REQUESTS,
+    NUM_DRAFT_TOKENS,
+    PAGE_SIZE,
+    PAGES_PER_REQUEST,
+    TOKEN_TIERS,
+)
 
 
 def slots_for_tier(tier: int) -> int:
@@ -81,4 +87,5 @@ class VerifyRunner:
 
     def _forward(self, layout: VerifyLayout) -> torch.Tensor:
         meta = build_verify_metadata(layout)
-        return self.target.forward_paged(self.buffers.input_ids[: layout.tier], layout.positions, self.attn, meta)
+        ids = self.buffers.input_ids[: layout.tier]
+        return self.target.forward_paged(ids, layout.positions, self.attn, meta)

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from dspark.formats.step_records import RequestRecord, StepRecord
+from dspark.modes import VerifyMode
 from dspark.runtime.kv_cache import SlotHandle
 from dspark.runtime.planner.verify_plan import StepPlan
 
@@ -32,7 +33,7 @@ class StepRows(Protocol):
 
 def step_record(handles: Sequence[SlotHandle], step: StepPlan, layout: StepRows, lens: Sequence[int],
                 correct: Sequence[int], raw: Sequence[int], conf_logits: torch.Tensor | None, seconds: float,
-                lag_steps: int, mode: str) -> StepRecord:
+                lag_steps: int, mode: VerifyMode) -> StepRecord:
     """The step's record: `lens` the planned verify_lens, `correct` the accepted drafts, `raw` the uncapped
     match, `conf_logits` the draft's confidence logits (None without a confidence head)."""
     decision = step.decision
@@ -45,7 +46,7 @@ def step_record(handles: Sequence[SlotHandle], step: StepPlan, layout: StepRows,
                       confidence=None if z is None else tuple(z), survival=None if s is None else tuple(s))
         for h, vl, c, rc, z, s in zip(handles, lens, correct, raw, confidence, survival, strict=True))
     return StepRecord(
-        num_reqs=num_reqs, lag=lag_steps, mode=str(mode),
+        num_reqs=num_reqs, lag=lag_steps, mode=mode,
         budget=decision.budget if decision else None, aligned_budget=step.aligned_budget,
         decision_tau=decision.tau if decision else None,
         planned_rows=int(sum(lens)), rows=layout.total_rows, tier=layout.tier,

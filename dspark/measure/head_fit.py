@@ -46,7 +46,7 @@ from dspark.formats.sts_shards import (
     shard_files,
 )
 from dspark.measure.calibration import CalibrationError
-from dspark.measure.metrics import brier, ece, roc_auc
+from dspark.measure.calibration_metrics import brier, ece, roc_auc
 from dspark.measure.scores import survival
 from dspark.runtime.models.dspark_draft import NUM_DRAFT_STATS, draft_stats
 
