@@ -16,9 +16,10 @@ Which fields matter depends on what the file measured:
   it was measured with. A table without the draft-time term (`draft_bs_probes`) timed the verify
   step alone, which the draft does not take part in, so its draft fields (`DRAFT_FIELDS`: the
   draft's settings and weights; gamma stays, it sets N) are not compared. The verify mode is
-  recorded but not compared: `dspark profile` times
-  ragged (B, M) steps, which only a compact build can run, and the same table prices the budget of
-  a cap-accept build (as in SGLang). The sampling policy does not change the cost of a step either.
+  recorded but not compared: `dspark profile` of a compact
+  build times ragged (B, M) steps, and the same table prices the budget of a cap-accept build (as in
+  SGLang); a static or cap-accept build's profile is its static sweep of B x N rows. The sampling
+  policy does not change the cost of a step either.
 - Calibrations (`CALIBRATION_FIELDS`) map confidence logits to the probability that a draft is
   accepted. That depends on what the two models predict (the target and the draft, each identified
   by its geometry or settings and by the content of its checkpoint), on gamma (one temperature per
@@ -207,10 +208,15 @@ def weights_identity(digest: str) -> str:
     return short
 
 
-def draft_settings_digest(*, gamma: int, confidence_head: bool, markov_embedding_size: int) -> str:
-    """Short sha256 of the draft's settings as the spec configures them (its weights are separate)."""
-    return short_digest({"gamma": int(gamma), "confidence_head": bool(confidence_head),
-                         "markov_embedding_size": int(markov_embedding_size)})
+def draft_settings_digest(*, gamma: int, confidence_head: bool, markov_embedding_size: int,
+                          dummy_layers: int | None = None) -> str:
+    """Short sha256 of the draft's settings as the spec configures them (its weights are separate).
+    A dummy draft has no weights to identify it, so its layer count is one of its settings."""
+    settings: dict[str, Any] = {"gamma": int(gamma), "confidence_head": bool(confidence_head),
+                                "markov_embedding_size": int(markov_embedding_size)}
+    if dummy_layers is not None:
+        settings["dummy_layers"] = int(dummy_layers)
+    return short_digest(settings)
 
 
 def _number(value: float) -> str:
@@ -226,13 +232,14 @@ def sampling_policy(temperature: float, top_p: float, top_k: int) -> str:
 
 def _build(*, backend: str, device: str, dtype: str, geometry: Any, model_digest: str,
            draft_weights_digest: str, gamma: int, confidence_head: bool, markov_embedding_size: int,
-           tp: int, dp: int, tiers: Sequence[int], verify_mode: str, temperature: float, top_p: float,
-           top_k: int) -> Fingerprint:
+           dummy_draft_layers: int | None, tp: int, dp: int, tiers: Sequence[int], verify_mode: str,
+           temperature: float, top_p: float, top_k: int) -> Fingerprint:
     return Fingerprint(
         backend=backend, device=device, dtype=dtype, model_geometry=geometry_digest(geometry),
         model_weights=weights_identity(model_digest),
         draft=draft_settings_digest(gamma=gamma, confidence_head=confidence_head,
-                           markov_embedding_size=markov_embedding_size),
+                                    markov_embedding_size=markov_embedding_size,
+                                    dummy_layers=dummy_draft_layers),
         draft_weights=weights_identity(draft_weights_digest),
         tp=tp, dp=dp, tiers=tuple(int(t) for t in tiers), verify_mode=str(verify_mode), gamma=gamma,
         policy=sampling_policy(temperature, top_p, top_k))
@@ -247,7 +254,9 @@ def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: GeometrySpec, tier
         backend=spec.backend.kind, device=spec.backend.device, dtype=spec.model.dtype, geometry=geometry,
         model_digest=model_digest, draft_weights_digest=draft_digest, gamma=spec.draft.gamma,
         confidence_head=spec.draft.confidence_head,
-        markov_embedding_size=spec.draft.markov_embedding_size, tp=spec.parallelism.tp,
+        markov_embedding_size=spec.draft.markov_embedding_size,
+        dummy_draft_layers=(spec.draft.num_layers or 1) if spec.draft.load_format == "dummy" else None,
+        tp=spec.parallelism.tp,
         dp=spec.parallelism.dp, tiers=tiers, verify_mode=spec.verify.mode,
         temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k)
 
@@ -270,6 +279,8 @@ def fingerprint_of_deployment(deployment: DeploymentConfig, tiers: Sequence[int]
         geometry=deployment.model.geometry, model_digest=deployment.model.digest,
         draft_weights_digest=deployment.draft.digest, gamma=deployment.draft.gamma,
         confidence_head=deployment.draft.confidence_head,
-        markov_embedding_size=deployment.draft.markov_embedding_size, tp=deployment.parallel.tp,
+        markov_embedding_size=deployment.draft.markov_embedding_size,
+        dummy_draft_layers=deployment.draft.num_layers if deployment.draft.load_format == "dummy" else None,
+        tp=deployment.parallel.tp,
         dp=deployment.parallel.dp, tiers=tiers, verify_mode=deployment.verify_mode,
         temperature=serving.temperature, top_p=serving.top_p, top_k=serving.top_k)

@@ -64,6 +64,16 @@ def load_package_or_fail(directory: Path) -> GeneratedPackage:
         raise CliError(str(err)) from None
 
 
+def warn_if_dummy_weights(pkg: GeneratedPackage) -> None:
+    """A loud warning on stderr when the deployment decodes with random weights (`load_format: dummy`)."""
+    model, draft = pkg.deployment.model, pkg.deployment.draft
+    dummy = [name for name, ref in (("target", model), ("draft", draft)) if ref.load_format == "dummy"]
+    if dummy:
+        print(f"WARNING: {pkg.deployment.name} runs with DUMMY (random) {' and '.join(dummy)} weights: "
+              "its outputs are meaningless and drafts are rarely accepted. Use it to profile and "
+              "benchmark a model size, not to serve.", file=sys.stderr)
+
+
 def read_prompts_file(path: Path) -> list[str]:
     """The prompts of a file: a JSON list of strings (.json), or one prompt per non-blank line."""
     from dspark.corpus import load_prompts_file

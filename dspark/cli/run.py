@@ -10,7 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dspark.cli.common import CliError, load_package_or_fail, read_prompts_file, require_positive
+from dspark.cli.common import (
+    CliError,
+    load_package_or_fail,
+    read_prompts_file,
+    require_positive,
+    warn_if_dummy_weights,
+)
 
 DEFAULT_RECORD_STEPS = 100_000
 
@@ -156,6 +162,7 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     check_run_args(args)
     prompts = read_prompts(args)
     pkg = load_package_or_fail(package_dir)
+    warn_if_dummy_weights(pkg)
     if args.budget_fraction is not None and not pkg.deployment.verify_mode.plans:
         raise CliError(f"--budget-fraction needs a cap-accept or compact build; {package_dir} verifies "
                        "every draft (static mode has no planner)")

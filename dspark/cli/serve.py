@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from dspark.cli.common import CliError, load_package_or_fail
+from dspark.cli.common import CliError, load_package_or_fail, warn_if_dummy_weights
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -77,9 +77,10 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
     sock = listen_socket(args.host, args.port)
     try:
         pkg = load_package_or_fail(package_dir)
+        warn_if_dummy_weights(pkg)
         try:
             runtime = Runtime(pkg, seed=args.seed)
-        except RequestError as err:  # e.g. a CUDA build without a GPU, checkpoints of another shape
+        except (RequestError, ValueError) as err:  # a CUDA build without a GPU, a missing checkpoint
             raise CliError(str(err)) from None
         from dspark.runtime.serve.server import serve
 

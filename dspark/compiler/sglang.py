@@ -48,6 +48,10 @@ NO_SGLANG_EQUIVALENT: dict[str, str] = {
     "model.geometry.*": _CHECKPOINT_CONFIG,
     "draft.confidence_head": "SGLang reads the draft's heads from its checkpoint",
     "draft.markov_embedding_size": "SGLang reads it from the draft checkpoint's config.json",
+    "draft.load_format": "SGLang's --load-format applies to the target; its draft is always loaded "
+                         "from the checkpoint",
+    "draft.num_layers": "the size of dspark's dummy draft; SGLang reads a draft's layers from its "
+                        "config.json",
     "parallelism.ep": "a dense Llama has no experts to shard; SGLang's --ep-size default (1) is right",
     "backend.device": "SGLang runs on the accelerator it finds; the device model is not a flag",
     "verify.min_verify_len": "SGLang's DSpark planner has no verify-length floor",
@@ -145,6 +149,10 @@ def sglang_launch(resolved: ResolvedSpec, cwd: Path | None = None) -> SglangLaun
              _checkpoint_path(resolved.model_checkpoint, "model.checkpoint", cwd, out.notes))
     out.flag(("name",), "--served-model-name", spec.name)
     out.flag(("model.dtype",), "--dtype", spec.model.dtype)
+    if spec.model.load_format == "dummy":
+        out.flag(("model.load_format",), "--load-format", "dummy")
+    else:
+        out.says("model.load_format", "--load-format not given (SGLang's default: the checkpoint's weights)")
     out.flag((), "--speculative-algorithm", "DSPARK")
     out.flag(("draft.checkpoint",), "--speculative-draft-model-path",
              _checkpoint_path(resolved.draft_checkpoint, "draft.checkpoint", cwd, out.notes))

@@ -13,6 +13,8 @@ from typing import Any
 from dspark.formats.hf_config import HF_DEFAULTS, HF_GEOMETRY_KEYS, geometry_values
 from dspark.modes import VerifyMode, num_draft_tokens
 
+LOAD_FORMATS = ("auto", "dummy")
+
 
 def _require(cond: bool, what: str) -> None:
     if not cond:
@@ -57,6 +59,10 @@ class ModelRef:
     dtype: str
     geometry: ModelGeometry
     digest: str = ""  # content hash of the checkpoint's config and weights at compile time ("": absent)
+    load_format: str = "auto"  # "dummy": seeded random weights of the geometry, no checkpoint read
+
+    def __post_init__(self) -> None:
+        _require(self.load_format in LOAD_FORMATS, f"model load_format must be one of {LOAD_FORMATS}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,12 @@ class DraftRef:
     confidence_head: bool
     markov_embedding_size: int
     digest: str = ""  # content hash of the checkpoint's config and weights at compile time ("": absent)
+    load_format: str = "auto"  # "dummy": seeded random weights, `num_layers` layers, the target's sizes
+    num_layers: int = 1  # layers of a dummy draft (a real draft's come from its config.json)
+
+    def __post_init__(self) -> None:
+        _require(self.load_format in LOAD_FORMATS, f"draft load_format must be one of {LOAD_FORMATS}")
+        _require(self.num_layers >= 1, "a dummy draft has at least one layer")
 
     @property
     def num_draft_tokens(self) -> int:

@@ -54,12 +54,15 @@ def gather_facts(spec: DeploymentSpec, spec_dir: Path) -> tuple[SpecFacts, list[
     geometry = _geometry(spec, model_ref, issues, attempt)
     draft_ref = attempt(("draft", "checkpoint"),
                         lambda: resolve_checkpoint(spec.draft.checkpoint, "draft", spec_dir))
+    draft_dummy = spec.draft.load_format == "dummy"
     draft_config = None
-    if draft_ref is not None:
+    if draft_ref is not None and not draft_dummy:
         draft_config = attempt(("draft", "checkpoint"), lambda: draft_ref.config("draft"))
-    model_digest = _digest(model_ref, geometry is not None, ("model", "checkpoint"), attempt)
+    # Dummy weights are never read: "" is the digest of weights that are not compared.
+    model_digest = "" if spec.model.load_format == "dummy" else _digest(
+        model_ref, geometry is not None, ("model", "checkpoint"), attempt)
     draft_readable = draft_config is not None or (draft_ref is not None and not draft_ref.present)
-    draft_digest = _digest(draft_ref, draft_readable, ("draft", "checkpoint"), attempt)
+    draft_digest = "" if draft_dummy else _digest(draft_ref, draft_readable, ("draft", "checkpoint"), attempt)
     cost_model = attempt(("cost_model", "file"), lambda: _cost_model(spec, spec_dir))
     calibration = attempt(("calibration", "file"), lambda: _calibration(spec, spec_dir))
     temperatures = calibration.temperatures if calibration is not None else None

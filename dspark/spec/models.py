@@ -80,6 +80,13 @@ class ModelSpec(Section):
         description="Model shape. Read from the checkpoint's config.json when it exists (an "
                     "inline geometry must then equal it); required when the checkpoint "
                     "directory is not available at compile time.")
+    load_format: Literal["auto", "dummy"] = Field(
+        default="auto",
+        description="auto: load the checkpoint's weights; dummy: seeded random weights of the "
+                    "geometry, built on the device, for profiling and benchmarking a model size "
+                    "whose weights are not on this machine (outputs are meaningless). The "
+                    "checkpoint then names the model only: its config.json and tokenizer are read "
+                    "when present.")
 
 
 class DraftSpec(Section):
@@ -96,6 +103,13 @@ class DraftSpec(Section):
         default=64, ge=0,
         description="Width of the previous-draft-token embedding fed to the confidence head "
                     "(0 = none).")
+    load_format: Literal["auto", "dummy"] = Field(
+        default="auto",
+        description="auto: load the draft checkpoint; dummy: seeded random weights of a draft with "
+                    "the target's hidden size and vocabulary and `num_layers` layers.")
+    num_layers: int | None = Field(
+        default=None, ge=1,
+        description="Layers of a dummy draft (default 1); a real draft's come from its config.json.")
 
 
 class ParallelismSpec(Section):

@@ -18,6 +18,9 @@ from dspark.spec.tier_rules import check_tier_coverage, check_tier_lists, check_
 
 Rule = Callable[[SpecFacts], Iterator[SpecIssue]]
 
+# The byte-level tokenizer's ids: 256 bytes, BOS and EOS.
+BYTE_VOCAB = 258
+
 
 def check_num_draft_tokens(facts: SpecFacts) -> Iterator[SpecIssue]:
     n = num_draft_tokens(facts.spec)
@@ -130,6 +133,25 @@ def check_draft_checkpoint(facts: SpecFacts) -> Iterator[SpecIssue]:
                             f"has {expected}", "use a draft trained for this target model")
 
 
+def check_dummy_weights(facts: SpecFacts) -> Iterator[SpecIssue]:
+    spec, geometry = facts.spec, facts.geometry
+    draft = spec.draft
+    if draft.num_layers is not None and draft.load_format != "dummy":
+        yield SpecIssue(("draft", "num_layers"),
+                        "num_layers sets the size of a dummy draft, but draft.load_format is auto "
+                        "(a real draft's layers come from its config.json)",
+                        "remove draft.num_layers, or set draft.load_format: dummy")
+    ref = facts.model_checkpoint
+    byte_tokenizer = spec.model.load_format == "dummy" and ref is not None and not ref.present
+    if byte_tokenizer and geometry is not None and geometry.vocab_size < BYTE_VOCAB:
+        yield SpecIssue(("model", "load_format"),
+                        f"a dummy model whose checkpoint is not here decodes with the byte-level "
+                        f"tokenizer, which needs vocab_size >= {BYTE_VOCAB}, but the geometry has "
+                        f"{geometry.vocab_size}",
+                        "point model.checkpoint at a directory with the model's tokenizer, or use a "
+                        f"vocab_size of at least {BYTE_VOCAB}")
+
+
 def check_compact_cost_model(facts: SpecFacts) -> Iterator[SpecIssue]:
     spec = facts.spec
     if (spec.verify.mode.needs_cost_model and spec.cost_model is None
@@ -209,6 +231,7 @@ RULES: tuple[Rule, ...] = (
     check_expert_parallel,
     check_dp_attention,
     check_draft_checkpoint,
+    check_dummy_weights,
     check_compact_cost_model,
     check_context_len,
     check_context_holds_a_request,

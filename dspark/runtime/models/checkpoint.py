@@ -12,15 +12,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
+from dspark.runtime.config import DeploymentConfig
 from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft
+from dspark.runtime.models.dummy import dummy_draft, dummy_target
 from dspark.runtime.models.llama import LlamaConfig, LlamaForCausalLM
 from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CheckpointError(RuntimeError):
-    pass
+class CheckpointError(ValueError):
+    """A checkpoint that is missing or does not match its config (the message says which and what to do)."""
 
 
 def resolve_checkpoint(ref: str, role: str, base_dir: Path | None = None) -> Path:
@@ -77,6 +79,21 @@ def load_draft(ref: str, dtype: str = "float32", base_dir: Path | None = None) -
     model = DSparkDraft(DraftConfig.from_json(read_config(path)))
     _load_into(model, _load_state(path), path)
     return model.to(DTYPES[dtype]).eval()
+
+
+def load_models(deployment: DeploymentConfig, base_dir: Path,
+                device: torch.device) -> tuple[LlamaForCausalLM, DSparkDraft]:
+    """The deployment's target and draft on `device`: their checkpoints, or dummy weights where the
+    spec asks for them (`load_format: dummy`)."""
+    model, draft = deployment.model, deployment.draft
+    dtype = DTYPES[model.dtype]
+    if model.load_format == "dummy":
+        target = dummy_target(model.geometry, dtype, device)
+    else:
+        target = load_target(model.checkpoint, model.dtype, base_dir).to(device)
+    if draft.load_format == "dummy":
+        return target, dummy_draft(model.geometry, draft, dtype, device)
+    return target, load_draft(draft.checkpoint, model.dtype, base_dir).to(device)
 
 
 def _save(path: Path, module: torch.nn.Module, config: dict) -> None:

@@ -1,0 +1,75 @@
+"""Dummy weights (`load_format: dummy`, SGLang's and vLLM's `--load-format dummy`): seeded random
+weights of a deployment's geometry, built directly on the device in its dtype.
+
+They make a model size runnable where its weights are not: to profile and benchmark, say, a Llama-3.1-8B
+geometry on a GPU with no checkpoint. What such a model generates is meaningless, and a draft with
+random weights is almost never accepted, so the commands that decode with them say so loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from dspark.runtime.config import DraftRef, ModelGeometry
+from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft
+from dspark.runtime.models.llama import LlamaForCausalLM
+
+TARGET_SEED = 0
+DRAFT_SEED = 1
+INIT_STD = 0.02  # the usual initialiser scale of a Llama-family model
+
+
+@contextmanager
+def _built_on(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters on `device` in `dtype` from the start: an 8B model in float32 on the host
+    first would need 32 GB of host memory and a copy it does not need."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def _initialise(module: torch.nn.Module, seed: int, device: torch.device) -> None:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in module.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, INIT_STD, generator=generator)
+        elif "norm" in name:
+            param.fill_(1.0)  # RMSNorm scales: 1 keeps activations in range layer after layer
+        else:
+            param.zero_()  # biases
+
+
+def dummy_target(geometry: ModelGeometry, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    with _built_on(device, dtype):
+        model = LlamaForCausalLM(geometry)  # the deployment's geometry is the model's config
+    _initialise(model, TARGET_SEED, device)
+    return model.eval()
+
+
+def dummy_draft_config(geometry: ModelGeometry, draft: DraftRef) -> DraftConfig:
+    """A draft of `draft.num_layers` layers shaped like the target's (hidden size, heads, MLP width)
+    over the target's vocabulary, as the released DSpark drafts are."""
+    g = geometry
+    return DraftConfig(
+        vocab_size=g.vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
+        num_layers=draft.num_layers, num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+        target_hidden_size=g.hidden_size, gamma=draft.gamma,
+        markov_embedding_size=draft.markov_embedding_size,
+        confidence_head=draft.confidence_head, max_position_embeddings=g.max_position_embeddings,
+        rope_theta=g.rope_theta, rms_norm_eps=g.rms_norm_eps)
+
+
+def dummy_draft(geometry: ModelGeometry, draft: DraftRef, dtype: torch.dtype,
+                device: torch.device) -> DSparkDraft:
+    with _built_on(device, dtype):
+        model = DSparkDraft(dummy_draft_config(geometry, draft))
+    _initialise(model, DRAFT_SEED, device)
+    return model.eval()
