@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# One prepared run on a CUDA machine (the device tool lends one for minutes): GPU tests (graph
-# capture per tier from the planned layout, CUDA metadata, Triton kernels compiled for real,
-# lossless on CUDA), then `dspark profile` of the tiny compact deployment (the tables in
-# specs/tables/tiny_h200/) and a static / cap-accept / compact benchmark with the measured table.
-# Results land in $OUT (default: runs/device).
+# One prepared run on a CUDA machine (the device tool lends one for minutes; planned to finish in
+# under 8): the GPU tests (the Triton paged-attention kernel against its reference, graph replay from
+# the planned layout, lossless decoding on CUDA), then the Llama-3.1-8B geometry with dummy weights:
+# `dspark profile` of its static and compact builds at B = 1, 8, 32, 64, 128 (context 128), their
+# point-by-point comparison and the plain-torch reference forward of the same rows; last the tiny
+# H200 deployment's profile (with the draft-time term) and a static / cap-accept / compact benchmark.
+# Everything lands in $RES, packed at the end into $OUT/device_results.tgz (the device tool brings
+# back at most 8 files); the logs are copied beside it.
 #
 #   OUT=runs/device benchmarks/device_check.sh
 set -uo pipefail
 OUT=${OUT:-runs/device}
 PY=${PY:-python3}
 mkdir -p "$OUT"
+RES=$(mktemp -d)
 if [ -d .whl ]; then  # packages missing on the device image travel as wheels
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
@@ -17,43 +21,75 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
-nvidia-smi -L | tee "$OUT/device.txt"
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+nvidia-smi -L | tee "$RES/device.txt"
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$RES/device.txt"
 
 # The Triton interpreter checks run on the CPU under the pinned triton; a device image may carry
 # another triton whose interpreter differs, so they are left out here.
 echo "== GPU tests"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_cuda.py tests/test_runtime_kernels.py \
-  tests/test_runtime_layout.py tests/test_runtime_metadata.py tests/test_runtime_planner.py \
-  tests/test_runtime_device_placement.py -k "not under_interpreter" 2>&1 | tee "$OUT/tests.log" | tail -n 25
+"$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_attention.py tests/test_runtime_cuda.py \
+  tests/test_runtime_kernels.py tests/test_runtime_layout.py tests/test_runtime_metadata.py \
+  tests/test_runtime_graph_buffers.py tests/test_runtime_device_placement.py -k "not under_interpreter" \
+  2>&1 | tee "$RES/tests.log" | tail -n 25
 
-echo "== profile (the tiny_h200_compact deployment without a cost model)"
 W=$(mktemp -d)
 "$PY" - "$W" <<'PYEOF'
 import os, sys, yaml
 w = sys.argv[1]
-base = yaml.safe_load(open("specs/tiny_h200_compact.yaml"))
-base.pop("cost_model")
-base["calibration"] = {"file": os.path.abspath("specs/tables/tiny_cpu/sts.json")}
-def write(name, **changes):
+def write(base, name, **changes):
+    spec = yaml.safe_load(open(base))
+    spec.pop("cost_model", None)
+    for section, values in changes.items():
+        spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
     with open(f"{w}/{name}.yaml", "w") as f:
-        yaml.safe_dump({**base, "name": name, **changes}, f, sort_keys=False)
-table = {"type": "additive", "file": f"{w}/tables/additive.json"}
-write("h200_profile", verify={"mode": "compact", "allow_no_cost_model": True})
-write("h200_cap_accept", verify={"mode": "cap-accept"}, cost_model=table)
-write("h200_compact", verify={"mode": "compact"}, cost_model=table)
-write("h200_compact_aligned", verify={"mode": "compact", "align_to_graph_tier": True}, cost_model=table)
+        yaml.safe_dump({**spec, "name": name}, f, sort_keys=False)
+# Llama-3.1-8B geometry with dummy weights, up to B = 128 (tiers up to 128 x N = 1024 rows).
+dummy = {"model": {"load_format": "dummy"}, "draft": {"load_format": "dummy", "num_layers": 1},
+         "serving": {"max_running_requests": 128, "max_context_len": 1024, "max_total_tokens": 262144}}
+write("specs/llama31_8b_h200_static.yaml", "l8b_static", **dummy,
+      graph={"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 96, 128], "token_tiers": []})
+write("specs/llama31_8b_h200_compact.yaml", "l8b_compact", **dummy,
+      graph={"enabled": True, "capture_batch_sizes": [],
+             "token_tiers": [8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024]})
+# The tiny deployment on the H200: a compact build without a table (to profile), and the builds to compare.
+tiny = yaml.safe_load(open("specs/tiny_h200_compact.yaml"))
+calibration = {"file": os.path.abspath("specs/tables/tiny_cpu/sts.json")}
+table = {"type": "additive", "file": f"{w}/tiny_tables/additive.json"}
+for name, verify, cost in [("h200_profile", {"mode": "compact", "allow_no_cost_model": True}, None),
+                           ("h200_cap_accept", {"mode": "cap-accept"}, table),
+                           ("h200_compact", {"mode": "compact"}, table),
+                           ("h200_compact_aligned", {"mode": "compact", "align_to_graph_tier": True}, table)]:
+    spec = {**tiny, "name": name, "verify": verify, "calibration": calibration}
+    spec.pop("cost_model")
+    if cost:
+        spec["cost_model"] = cost
+    with open(f"{w}/{name}.yaml", "w") as f:
+        yaml.safe_dump(spec, f, sort_keys=False)
 PYEOF
-"$PY" -m dspark.cli.compile build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile"
-"$PY" -m dspark.cli.main profile "$W/pkgs/h200_profile" -o "$W/tables" --repeats 5 --grid-density 8 --m-bin 16 \
-  --no-progress 2>&1 | tee "$OUT/profile.txt" | tail -n 12
-cp "$W"/tables/*.json "$OUT/"
 
-echo "== benchmark: static vs cap-accept vs compact, same prompts, one process"
+echo "== 8B geometry, dummy weights: static and compact profiles"
+for name in l8b_static l8b_compact; do
+  "$PY" -m dspark.cli.compile build "$W/$name.yaml" -o "$W/pkgs/$name" >/dev/null
+  "$PY" -m dspark.cli.main profile "$W/pkgs/$name" -o "$RES/$name" --batch-sizes 1,8,32,64,128 \
+    --context-len 128 --repeats 5 --warmup 2 --grid-density 6 --m-bin 64 --no-progress 2>&1 \
+    | tee "$RES/$name.profile.txt" | tail -n 8
+done
+"$PY" benchmarks/compare_profiles.py "$RES/l8b_static" "$RES/l8b_compact" 2>&1 | tee "$RES/l8b_compare.txt"
+"$PY" benchmarks/reference_forward.py --geometry llama31_8b --batch-sizes 1,8,32,64,128 --rows 1,2,4,8 \
+  --context-len 128 --repeats 10 2>&1 | tee "$RES/l8b_reference.txt"
+
+echo "== tiny H200 deployment: profile with the draft term, then static vs cap-accept vs compact"
+"$PY" -m dspark.cli.compile build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile" >/dev/null
+"$PY" -m dspark.cli.main profile "$W/pkgs/h200_profile" -o "$W/tiny_tables" --repeats 5 --grid-density 8 \
+  --m-bin 16 --no-progress 2>&1 | tee "$RES/tiny_profile.txt" | tail -n 6
+mkdir -p "$RES/tiny_tables" && cp "$W"/tiny_tables/*.json "$RES/tiny_tables/"
 for name in h200_cap_accept h200_compact h200_compact_aligned; do
   "$PY" -m dspark.cli.compile build "$W/$name.yaml" -o "$W/pkgs/$name" >/dev/null
 done
 "$PY" -m dspark.cli.compile build specs/tiny_h200_static.yaml -o "$W/pkgs/h200_static" >/dev/null
 "$PY" benchmarks/bench_modes.py "$W/pkgs/h200_static" "$W/pkgs/h200_cap_accept" "$W/pkgs/h200_compact" \
-  "$W/pkgs/h200_compact_aligned" --prompts 32 --max-new-tokens 128 --rounds 3 \
-  2>&1 | tee "$OUT/bench.txt"
+  "$W/pkgs/h200_compact_aligned" --prompts 32 --max-new-tokens 128 --rounds 3 2>&1 | tee "$RES/tiny_bench.txt"
+
+tar -czf "$OUT/device_results.tgz" -C "$RES" .
+cp "$RES"/tests.log "$RES"/l8b_compare.txt "$RES"/l8b_reference.txt "$RES"/tiny_bench.txt "$OUT/" 2>/dev/null
+ls "$OUT"

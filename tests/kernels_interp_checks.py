@@ -12,6 +12,7 @@ Prints one JSON object: check name -> "ok" or the failure's traceback.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -26,6 +27,13 @@ import torch  # noqa: E402
 from dspark.runtime.kernels.accept import (
     greedy_accept,  # noqa: E402
     launch_greedy_accept,  # noqa: E402
+)
+from dspark.runtime.kernels.dispatch import next_pow2  # noqa: E402
+from dspark.runtime.kernels.paged_attention import (  # noqa: E402
+    MIN_DOT,
+    block_sizes,
+    launch_paged_attention,
+    paged_attention,
 )
 from dspark.runtime.kernels.scatter import (  # noqa: E402
     launch_pack_rows,
@@ -211,6 +219,132 @@ def check_scatter_random() -> None:
                scatter_rows(ids, src_index, num_fixed, fill=-1, impl="torch"))
 
 
+AttnInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                   torch.Tensor]
+ATTN_CASES = 20
+# Sentinel rows / dims around every attention buffer: at least the smallest BLOCK_M, so the rows an
+# unmasked store of the last slot's last block would write stay inside the buffer, where they show.
+ATTN_PAD = MIN_DOT
+
+
+def _padded(shape: tuple[int, int, int], rows_pad: int, heads_pad: int, dims_pad: int,
+            fill: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(padded buffer, the `[:shape]` view of it holding `fill` or random values).
+
+    The padding is sentinel-sized noise, not one constant: a constant in the padded dims of q and k
+    would shift every key's score alike and leave the softmax unchanged.
+    """
+    big = SENTINEL * (1 + torch.rand(shape[0] + rows_pad, shape[1] + heads_pad, shape[2] + dims_pad))
+    view = big[:shape[0], :shape[1], :shape[2]]
+    view.copy_(torch.randn(shape) if fill is None else fill)
+    return big, view
+
+
+def _attn_case(rng: random.Random, case: int) -> tuple[AttnInputs, int, int, float]:
+    """A ragged step: (q, k_cache, v_cache, qo_indptr, kv_lens, positions, page_table), page_size,
+    max rows per slot, scale. q and the caches are views into sentinel-padded buffers (extra heads,
+    dims and rows), the page table a column slice of a wider one whose extra columns name a page of
+    sentinels: an unmasked or misindexed read changes the result.
+
+    Slots are real requests (1..40 rows after a prefix of up to ~100 positions; case 1 is an extend
+    of 70 rows, more than any BLOCK_M), 0-row slots anywhere, and a padding request on the null page.
+    Every few cases one slot's kv_len is below its last position + 1 (both implementations clip
+    the keys to it).
+    """
+    group, head_dim = rng.choice([1, 2, 3, 4]), rng.choice([16, 24, 32, 64])  # 3: a group padded to 4
+    num_kv, page_size = rng.choice([1, 2]), rng.choice([1, 4, 16])
+    kinds = ["real"] * rng.randint(1, 4) + ["empty"] * rng.randint(0, 2) + ["pad"] * rng.randint(0, 1)
+    rng.shuffle(kinds)
+    rows, prefix = [], []
+    for kind in kinds:
+        rows.append(0 if kind == "empty" else rng.randint(1, 4 if kind == "pad" else rng.choice([4, 9, 40])))
+        prefix.append(rng.randint(0, 100) if kind == "real" else 0)
+    if case == 1:
+        rows[kinds.index("real")] = 70
+    pages_per = max(-(-(p + r) // page_size) for p, r in zip(prefix, rows, strict=True))
+    num_pages = 2 + len(kinds) * pages_per  # page 0 null, the last one holds only sentinels
+    pool = list(range(1, num_pages - 1))
+    rng.shuffle(pool)
+    table = torch.full((len(kinds), pages_per + 3), num_pages - 1, dtype=torch.int32)
+    for r, kind in enumerate(kinds):
+        held = -(-(prefix[r] + rows[r]) // page_size) if kind == "real" else 0
+        table[r, :pages_per] = 0
+        table[r, :held] = torch.tensor([pool.pop() for _ in range(held)], dtype=torch.int32)
+    kv = [max(p + r, 1) for p, r in zip(prefix, rows, strict=True)]
+    if case % 4 == 3:
+        r = rng.choice([i for i, n in enumerate(rows) if n])
+        kv[r] = rng.randint(1, kv[r])
+    total = sum(rows)
+    num_slots = num_pages * page_size
+    _, k_cache = _padded((num_slots, num_kv, head_dim), 0, 1, ATTN_PAD)
+    _, v_cache = _padded((num_slots, num_kv, head_dim), 0, 1, ATTN_PAD)
+    for cache in (k_cache, v_cache):
+        cache[(num_pages - 1) * page_size:] = float(SENTINEL)
+    _, q = _padded((total, group * num_kv, head_dim), ATTN_PAD, 1, ATTN_PAD)
+    qo = torch.tensor([0, *itertools.accumulate(rows)], dtype=torch.int32)
+    positions = torch.cat([torch.arange(p, p + r) for p, r in zip(prefix, rows, strict=True)]).long()
+    inputs = (q, k_cache, v_cache, qo, torch.tensor(kv, dtype=torch.int32), positions, table[:, :pages_per])
+    return inputs, page_size, max(rows), rng.choice([1.0, 0.125, 0.3])
+
+
+def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
+    same_kind = got.shape == want.shape and got.dtype == want.dtype
+    if not same_kind or not torch.allclose(got, want, atol=tol, rtol=tol):
+        err = (got - want).abs().max().item() if got.shape == want.shape else "shape"
+        raise AssertionError(f"{name}: {got.dtype} {tuple(got.shape)} vs {want.dtype} {tuple(want.shape)}, "
+                             f"max error {err}")
+
+
+def check_paged_attention_random() -> None:
+    rng = random.Random(5)
+    for case in range(ATTN_CASES):
+        inputs, page_size, max_rows, scale = _attn_case(rng, case)
+        kw = {"page_size": page_size, "scale": scale, "max_rows_per_request": max_rows}
+        want = paged_attention(*inputs, **kw, impl="torch")
+        _close(f"case {case}", paged_attention(*inputs, **kw, impl="triton"), want)
+
+
+def check_paged_attention_sentinels() -> None:
+    """Smallest blocks (several query blocks and key tiles per slot) into a sentinel-padded output:
+    exactly the step's rows, heads and dims are written."""
+    rng = random.Random(6)
+    for case in range(ATTN_CASES):
+        inputs, page_size, max_rows, scale = _attn_case(rng, case)
+        q = inputs[0]
+        total, num_heads, head_dim = q.shape
+        group = num_heads // inputs[1].shape[1]
+        kw = {"page_size": page_size, "scale": scale, "max_rows_per_request": max_rows}
+        want = paged_attention(*inputs, **kw, impl="torch")
+        big = torch.full((total + ATTN_PAD, num_heads + 1, head_dim + ATTN_PAD), float(SENTINEL))
+        block_m = max(MIN_DOT // next_pow2(group), 1)
+        assert block_m <= block_sizes(group, head_dim)[0]
+        launch_paged_attention(*inputs, big[:, :num_heads, :head_dim], **kw, block_m=block_m, block_n=MIN_DOT)
+        _close(f"case {case} rows", big[:total, :num_heads, :head_dim], want)
+        untouched = torch.ones(big.shape, dtype=torch.bool)
+        untouched[:total, :num_heads, :head_dim] = False
+        _equal(f"case {case} outside the rows", big[untouched],
+               torch.full((int(untouched.sum()),), float(SENTINEL)))
+
+
+def check_paged_attention_rows_independent() -> None:
+    """A request's rows have the same bits alone as beside other requests, and its last row the same
+    bits as a one-row (decode-shaped) step: the kernel's tiles do not depend on the step."""
+    rng = random.Random(7)
+    for case in range(8):
+        inputs, page_size, max_rows, scale = _attn_case(rng, case)
+        q, k_cache, v_cache, qo, kv, positions, table = inputs
+        kw = {"page_size": page_size, "scale": scale}
+        full = paged_attention(*inputs, **kw, max_rows_per_request=max_rows, impl="triton")
+        for r in range(kv.shape[0]):
+            start, end = int(qo[r]), int(qo[r + 1])
+            for first in {start, end - 1} if end > start else ():
+                alone = paged_attention(q[first:end], k_cache, v_cache,
+                                        torch.tensor([0, end - first], dtype=torch.int32), kv[r:r + 1],
+                                        positions[first:end], table[r:r + 1], **kw,
+                                        max_rows_per_request=end - first, impl="triton")
+                _equal(f"case {case} slot {r} rows {first}..{end - 1}", alone, full[first:end])
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     "layout_worked_example": check_layout_worked_example,
     "layout_random": check_layout_random,
@@ -218,6 +352,9 @@ CHECKS: dict[str, Callable[[], None]] = {
     "accept_random": check_accept_random,
     "pack_random": check_pack_random,
     "scatter_random": check_scatter_random,
+    "paged_attention_random": check_paged_attention_random,
+    "paged_attention_sentinels": check_paged_attention_sentinels,
+    "paged_attention_rows_independent": check_paged_attention_rows_independent,
 }
 
 

@@ -290,3 +290,13 @@ def test_cli_bad_profile_exits_2(tmp_path: Path, capsys) -> None:
     (tmp_path / "profile.json").write_text('{"format": "other"}')
     assert cli(tmp_path, str(tmp_path / "profile.json"), "--sts", str(tmp_path / "a.pt")) == 2
     assert "not a profile result" in capsys.readouterr().err
+
+
+def test_cli_refuses_the_profile_of_a_static_build(tmp_path: Path, capsys) -> None:
+    static_only = profile_of(linear_law, lambda b: ())  # a static build measures only B x N
+    assert static_only.static and not static_only.grid
+    static_only.save(tmp_path / "profile.json")
+    write_shard(tmp_path / "a.pt", torch.zeros(4, 7))
+    assert cli(tmp_path, str(tmp_path / "profile.json"), "--sts", str(tmp_path / "a.pt")) == 2
+    err = capsys.readouterr().err
+    assert "profile of a static or cap-accept build" in err and "profile a compact build" in err

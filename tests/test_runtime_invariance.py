@@ -4,7 +4,7 @@ what makes greedy speculative output bit-exact with target-only output."""
 import pytest
 import torch
 
-from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding
+from dspark.runtime.attention.metadata import KV_CHUNK, QueryPadding, TorchPagedMetadata, kv_read_bound
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.layout import cache_slots
@@ -23,13 +23,14 @@ def test_linear_rows_do_not_depend_on_row_count(in_features: int, out_features: 
     assert torch.equal(ops.linear(x[13:20], w), full[13:20])
 
 
-def _meta(prefix: list[int], extend: list[int], page_table: torch.Tensor, page: int) -> PagedAttnMetadata:
+def _meta(prefix: list[int], extend: list[int], page_table: torch.Tensor, page: int) -> TorchPagedMetadata:
     qo = torch.tensor([0, *torch.tensor(extend).cumsum(0).tolist()], dtype=torch.int32)
     row_req = torch.repeat_interleave(torch.arange(len(extend)), torch.tensor(extend))
     pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
-    return PagedAttnMetadata(qo, torch.tensor(prefix) + torch.tensor(extend), page_table, pos,
+    kv = [p + e for p, e in zip(prefix, extend, strict=True)]
+    return TorchPagedMetadata(qo, torch.tensor(kv), page_table, pos,
                              cache_slots(page_table, row_req, pos, page), max(extend),
-                             QueryPadding.from_indptr(qo, pos, max(extend)))
+                             QueryPadding.from_indptr(qo, pos, max(extend)), kv_read_bound(kv))
 
 
 def test_paged_attention_row_is_the_same_alone_or_in_a_verify_block() -> None:
@@ -59,3 +60,25 @@ def test_paged_attention_row_is_the_same_alone_or_in_a_verify_block() -> None:
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], is_causal=True)
     torch.testing.assert_close(out_block[:5], ref[0].transpose(0, 1)[ctx:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_does_not_depend_on_how_far_other_requests_keys_go() -> None:
+    """Keys are read in chunks up to the step's longest KV length: a request beside a much longer one
+    reads more (fully masked) chunks, which must leave its rows unchanged bit for bit."""
+    torch.manual_seed(2)
+    page, heads, kv_heads, dim = 16, 4, 2, 16
+    short, long = KV_CHUNK + 37, 5 * KV_CHUNK + 3  # 2 chunks, 6 chunks
+    pages = -(-(long + 8) // page)
+    cache = PagedKVCache(1, 2 * pages + 1, page, kv_heads, dim, torch.float32)
+    attn = TorchPagedAttention(cache, page, heads, dim ** -0.5)
+    table = torch.arange(1, 2 * pages + 1, dtype=torch.int32).view(2, pages)
+    for r, length in enumerate((short, long)):  # prefill both contexts
+        attn.attend(0, torch.randn(length, heads, dim), torch.randn(length, kv_heads, dim),
+                    torch.randn(length, kv_heads, dim), _meta([0], [length], table[r:r + 1], page))
+    q, k, v = torch.randn(4, heads, dim), torch.randn(4, kv_heads, dim), torch.randn(4, kv_heads, dim)
+    alone = attn.attend(0, q, k, v, _meta([short], [4], table[:1], page))
+    other = (torch.randn(4, heads, dim), torch.randn(4, kv_heads, dim), torch.randn(4, kv_heads, dim))
+    beside = attn.attend(0, torch.cat((q, other[0])), torch.cat((k, other[1])), torch.cat((v, other[2])),
+                         _meta([short, long], [4, 4], table, page))
+    assert kv_read_bound([short + 4]) < kv_read_bound([short + 4, long + 4])
+    assert torch.equal(alone, beside[:4])

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dspark.cli.main import main
+from dspark.formats.profile import ProfileResult
 from dspark.measure.step_timer import ProfileError, spread_rows
 from dspark.runtime.package import load_package
 from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, TierCostTable, load_cost_model
@@ -50,12 +51,57 @@ def test_profile_measures_a_compact_package_and_writes_both_tables(tmp_path, cap
     assert {7, 9, 10} <= {s["num_rows"] for s in profile["grid"] if s["num_reqs"] == 2}
 
 
-def test_profile_refuses_a_fixed_width_build_and_says_what_to_do(tmp_path, capsys) -> None:
-    pkg = compile_variant(tmp_path, "tiny_cpu_static.yaml", {"serving": {"max_running_requests": 2}},
-                          "static_profiled")
-    assert main(["profile", str(pkg), "-o", str(tmp_path / "t"), "--no-progress"]) == 2
-    assert "Profile a compact build" in capsys.readouterr().err
+@pytest.mark.parametrize("mode", ["static", "cap-accept"])
+def test_profile_of_a_fixed_width_build_is_its_static_sweep(tmp_path, capsys, mode) -> None:
+    pkg = compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                          {"verify": {"mode": mode}, "serving": {"max_running_requests": 4}},
+                          f"fixed_{mode.replace('-', '_')}")
+    out = tmp_path / "t"
+    assert main(["profile", str(pkg), "-o", str(out), "--batch-sizes", "1,3", "--repeats", "2",
+                 "--warmup", "0", "--no-progress"]) == 0
+    report = capsys.readouterr().out
+    assert f"no additive or tier table: a {mode} build runs all N=8 rows" in report
+    assert "residuals" not in report and "additive.json" not in report
+    assert sorted(p.name for p in out.iterdir()) == ["profile.json", "sps_1d.json"]
+    sps = load_cost_model(out / "sps_1d.json")
+    assert isinstance(sps, SpsTable) and sps.sample_batch_tokens == (8, 24) and sps.max_batch_tokens == 24
+    assert sps.draft_bs_probes == (1, 3)
+    fingerprint = json.loads((out / "sps_1d.json").read_text())["fingerprint"]
+    assert fingerprint["verify_mode"] == mode and fingerprint["tiers"] == []
+    result = ProfileResult.load(out / "profile.json")
+    # every step of the build runs B x N rows: the plan has no grid, and none was measured
+    assert result.plan.min_verify_len == result.plan.num_draft_tokens == 8 and result.plan.extra_rows == ()
+    assert result.grid == () and [(s.num_reqs, s.num_rows, len(s.seconds)) for s in result.static] == [
+        (1, 8, 2), (3, 24, 2)]
+    assert result.meta["verify_mode"] == mode
+
+
+def test_a_static_profile_beside_an_older_compact_one_says_which_tables_are_stale(tmp_path, capsys) -> None:
+    pkg = compile_variant(tmp_path, "tiny_cpu_static.yaml", {"serving": {"max_running_requests": 2}}, "st")
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "additive.json").write_text("{}")
+    assert main(["profile", str(pkg), "-o", str(out), "--batch-sizes", "1", "--repeats", "1", "--warmup", "0",
+                 "--no-draft-time", "--no-progress"]) == 0
+    assert f"note: {out / 'additive.json'} is from an earlier profile" in capsys.readouterr().out
+    assert (out / "additive.json").read_text() == "{}"  # the user's file is theirs to delete
+
+
+def test_batch_sizes_beyond_the_deployment_are_refused_naming_the_limit(tmp_path, capsys) -> None:
+    pkg = compile_variant(tmp_path, "tiny_cpu_static.yaml",
+                          {"serving": {"max_running_requests": 32, "max_total_tokens": 4096}}, "small_pool")
+    # 4096 tokens = 256 pages; context 128 + N = 136 tokens take 9 pages: 28 requests fit the pool
+    assert main(["profile", str(pkg), "-o", str(tmp_path / "t"), "--batch-sizes", "1,8,32,64,128",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "batch sizes [64, 128] exceed serving.max_running_requests = 32 of small_pool" in err
+    assert "max_running_requests >= 128" in err
+    assert "holds only 28 requests of context_len 128 + N = 136 tokens" in err
+    assert "fewer than batch sizes [32, 64, 128]" in err and "at least 18432" in err
     assert not (tmp_path / "t").exists()
+    # a shorter context fits more requests into the same pool
+    assert main(["profile", str(pkg), "-o", str(tmp_path / "t"), "--batch-sizes", "32", "--context-len", "8",
+                 "--repeats", "1", "--warmup", "0", "--no-draft-time", "--no-progress"]) == 0
 
 
 def test_rows_are_spread_evenly_within_floor_and_cap() -> None:

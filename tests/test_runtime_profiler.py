@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from dspark.formats.profile import ProfileError
+from dspark.measure.cost_fit import fit_tier_table
 from dspark.measure.profiler import (
     ProfilePlan,
     ProfileResult,
@@ -21,6 +23,8 @@ from dspark.measure.profiler import (
     fit_profile,
     fit_sps_table,
     format_fit_report,
+    format_sweep_report,
+    leftover_tables,
     nnls,
     rows_around,
     run_profile,
@@ -344,3 +348,57 @@ def test_additive_fit_never_prices_the_cheapest_corner_at_zero() -> None:
     fit = fit_additive(samples, m_bin=64)
     assert fit.table.bias_seconds >= 0.005
     assert fit.table.step_time(1, 2) > 0
+
+
+# --- profiles without a grid (static and cap-accept builds) -----------------------------------------
+
+
+def test_a_plan_whose_requests_all_run_n_rows_measures_the_static_sweep_only(tmp_path: Path) -> None:
+    p = plan(min_verify_len=8)  # what `dspark profile` plans for a static build: floor = cap = N
+    assert all(p.grid_rows(b) == () for b in p.batch_sizes)
+    result = run_profile(SyntheticTimer(linear_law), p, progress=False, meta={"verify_mode": "static"})
+    assert result.grid == () and [s.num_rows for s in result.static] == [8 * b for b in p.batch_sizes]
+    sps = fit_sps_table(result.static_samples(), result.max_batch_tokens)
+    report = format_sweep_report(result, sps)
+    assert "static sweep (N=8" in report and "no additive or tier table: a static build" in report
+    assert f"{'32':>6} {'256':>7}" in report and "residuals" not in report
+    out = tmp_path / "tables"
+    written = write_tables(out, sps, None, result, fingerprint={"verify_mode": "static"})
+    assert sorted(written) == sorted(p.name for p in out.iterdir()) == ["profile.json", "sps_1d.json"]
+    assert load_cost_model(out / "sps_1d.json") == sps and ProfileResult.load(out / "profile.json") == result
+    assert leftover_tables(out, written) == []
+    (out / "tier.json").write_text("{}")
+    assert leftover_tables(out, written) == [out / "tier.json"]
+
+
+def test_refitting_the_committed_profiles_reproduces_the_committed_tables(tmp_path: Path) -> None:
+    """The tables in specs/tables/ are what `dspark profile` fits from the profile.json beside them."""
+    repo = Path(__file__).resolve().parents[1]
+    profiles = sorted(repo.glob("specs/tables/*/profile.json"))
+    assert profiles
+    for path in profiles:
+        committed = path.parent
+        result = ProfileResult.load(path)
+        sps_json = json.loads((committed / "sps_1d.json").read_text())
+        # profiled with --no-draft-time, a table has no draft term
+        draft = {key: tuple(sps_json[key]) for key in ("draft_bs_probes", "draft_seconds") if key in sps_json}
+        sps, fit = fit_profile(result)
+        sps, additive = dataclasses.replace(sps, **draft), dataclasses.replace(fit.table, **draft)
+        tier = fit_tier_table(result, result.tiers).table if result.tiers else None
+        tier = dataclasses.replace(tier, **draft) if tier is not None else None
+        out = tmp_path / committed.name
+        written = write_tables(out, sps, additive, result, tier, sps_json["fingerprint"])
+        tables = {"sps_1d.json", "additive.json", "tier.json"}
+        assert set(written) - {"profile.json"} == {p.name for p in committed.iterdir() if p.name in tables}
+        for name in written:
+            again, before = (out / name).read_text(), (committed / name).read_text()
+            if name != "additive.json":
+                assert again == before, f"{committed.name}/{name}"
+                continue
+            # A least-squares solve: its last bits follow the LAPACK of the machine that fitted it (the
+            # H200 table was fitted there), so its numbers are compared to 1e-12 and the rest exactly.
+            again_json, before_json = json.loads(again), json.loads(before)
+            assert again_json.keys() == before_json.keys()
+            for key, value in before_json.items():
+                expected = pytest.approx(value, rel=1e-12, abs=1e-15) if key.endswith("seconds") else value
+                assert again_json[key] == expected, f"{committed.name}/{name}: {key}"

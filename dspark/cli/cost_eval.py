@@ -60,6 +60,10 @@ def run_cost_eval(args: argparse.Namespace) -> int:
     """`dspark cost-eval`: print the report (text or --json); bad input → message on stderr, exit 2."""
     try:
         result = ProfileResult.load(args.profile)
+        if not result.grid:
+            raise ValueError(f"{args.profile} is the profile of a static or cap-accept build: it measured "
+                             "only B x N steps, so budgets of fewer rows cannot be scored against it; "
+                             "profile a compact build of the deployment and pass its profile.json")
         logits = torch.tensor(read_shards(args.sts).logits, dtype=torch.float32)
         survival = survival_from_logits(logits, _temperatures(args.temperatures, logits.shape[1]))
         cfg = ScheduleConfig(gamma=logits.shape[1], min_verify_len=args.min_verify_len,

@@ -7,9 +7,13 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.cli.common import CliError, load_package_or_fail, require_non_negative, require_positive
+
+if TYPE_CHECKING:
+    from dspark.formats.profile import ProfileResult
+    from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, TierCostTable
 
 
 def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -19,13 +23,18 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Time the deployment's own verify step on its backend over batch sizes B and verify "
                     "row counts M, fit the cost tables the planner reads (sps_1d.json, additive.json and, "
                     "with graph tiers, tier.json) and write them with the raw samples (profile.json). "
-                    "Name a table in a spec with `cost_model: {type: additive, file: ...}`.")
-    p.add_argument("package", type=Path, help="a compact generated package, e.g. generated/tiny_cpu_compact")
+                    "Name a table in a spec with `cost_model: {type: additive, file: ...}`. A static or "
+                    "cap-accept build runs B x N rows in every step: its profile is the static sweep "
+                    "alone (sps_1d.json and profile.json), to compare with a compact build's.")
+    p.add_argument("package", type=Path,
+                   help="a generated package, e.g. generated/tiny_cpu_compact (every verify mode; only a "
+                        "compact build has the (B, M) grid the additive and tier tables need)")
     p.add_argument("-o", "--out", type=Path, required=True,
                    help="directory for the tables and profile.json (created if missing)")
     p.add_argument("--batch-sizes", type=int_list, default=None, metavar="B1,B2,...",
-                   help="comma-separated batch sizes (default: powers of two up to the deployment's "
-                        "serving.max_running_requests)")
+                   help="comma-separated batch sizes, e.g. 1,8,32,64,128 (default: powers of two up to "
+                        "the deployment's serving.max_running_requests); each must fit "
+                        "max_running_requests and the KV pool at --context-len")
     p.add_argument("--grid-density", type=int, default=8,
                    help="row counts measured per batch size in the (B, M) grid (default: 8)")
     p.add_argument("--repeats", type=int, default=5,
@@ -75,15 +84,7 @@ def profile_package(args: argparse.Namespace) -> int:
     check_profile_args(args)
     pkg = load_package_or_fail(args.package)
     from dspark.fingerprint import fingerprint_of_deployment
-    from dspark.measure.cost_fit import fit_tier_table
-    from dspark.measure.profiler import (
-        ProfilePlan,
-        fit_profile,
-        format_fit_report,
-        rows_around,
-        run_profile,
-        write_tables,
-    )
+    from dspark.measure.profiler import ProfilePlan, rows_around, run_profile
     from dspark.measure.step_timer import ProfileError, VerifyStepTimer
     from dspark.runtime.engine.requests import RequestError
     from dspark.runtime.engine.runtime import Runtime
@@ -92,11 +93,12 @@ def profile_package(args: argparse.Namespace) -> int:
         runtime = Runtime(pkg)
         timer = VerifyStepTimer(runtime, context_len=args.context_len)
         tiers = runtime.tiers
+        # Rows around the tiers are grid points; a build without a grid measures none of them.
         plan = ProfilePlan(batch_sizes=timer.batch_sizes(args.batch_sizes),
                            num_draft_tokens=timer.cap, min_verify_len=timer.floor,
                            grid_density=args.grid_density, repeats=args.repeats, warmup=args.warmup,
                            m_bin=args.m_bin, max_rows=tiers[-1] if tiers else None,
-                           extra_rows=rows_around(tiers))
+                           extra_rows=rows_around(tiers) if timer.packs_rows else ())
     except (RequestError, ProfileError, ValueError) as err:
         raise CliError(str(err)) from None
     dep = pkg.deployment
@@ -104,35 +106,69 @@ def profile_package(args: argparse.Namespace) -> int:
             "dtype": dep.model.dtype, "verify_mode": dep.verify_mode, "tiers": ",".join(map(str, tiers)),
             "context_len": str(args.context_len)}
     result = run_profile(timer, plan, progress=not args.no_progress, meta=meta)
-    sps, fit = fit_profile(result)
-    print(format_fit_report(result, sps, fit), end="")
-    additive = fit.table
-    draft: tuple[float, ...] = ()
-    probes = plan.batch_sizes
+    tables = fit_tables(result, tiers)
     if not args.no_draft_time:
+        probes = plan.batch_sizes
         draft = tuple(median_seconds(lambda b=b: timer.draft_seconds(b), args.warmup, args.repeats)
                       for b in probes)
-        sps = dataclasses.replace(sps, draft_bs_probes=probes, draft_seconds=draft)
-        additive = dataclasses.replace(additive, draft_bs_probes=probes, draft_seconds=draft)
+        tables = tables.with_draft_time(probes, draft)
         print("\ndraft step (added to the verify time by the planner)\n" + "  ".join(
             f"B={b}:{s * 1e3:.4f}" for b, s in zip(probes, draft, strict=True)) + "  (ms)")
-    tier = None
-    if tiers:  # graph replay: a step costs its tier, which the tier table keeps exact
-        try:
-            tier_fit = fit_tier_table(result, tiers)
-        except ValueError as err:  # e.g. batch sizes too small to reach the largest tier
-            print(f"\ntier table not written: {err}")
-        else:
-            tier = tier_fit.table
-            print(f"\ntier table: RMS {tier_fit.rms_seconds * 1e3:.4f} ms   R² {tier_fit.r_squared:.5f}"
-                  + "".join(f"\n  note: {note}" for note in tier_fit.notes))
-            if not args.no_draft_time:
-                tier = dataclasses.replace(tier, draft_bs_probes=probes, draft_seconds=draft)
+    if tables.tier_note:
+        print(f"\n{tables.tier_note}")
     fingerprint = fingerprint_of_deployment(dep, tiers).to_json()
+    return write_profile(args.out, tables, result, fingerprint)
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedTables:
+    """What one profile fits: the 1D table always, the additive and tier tables where there is a grid."""
+
+    sps: SpsTable
+    additive: AdditiveCostTable | None = None
+    tier: TierCostTable | None = None
+    tier_note: str = ""  # the tier fit's quality, or why no tier table was written
+
+    def with_draft_time(self, probes: tuple[int, ...], seconds: tuple[float, ...]) -> FittedTables:
+        def add(table: Any) -> Any:
+            return None if table is None else dataclasses.replace(table, draft_bs_probes=probes,
+                                                                  draft_seconds=seconds)
+        return dataclasses.replace(self, sps=add(self.sps), additive=add(self.additive), tier=add(self.tier))
+
+
+def fit_tables(result: ProfileResult, tiers: tuple[int, ...]) -> FittedTables:
+    """Fit and print the report: every table for a compact profile, the 1D table alone without a grid."""
+    from dspark.measure.cost_fit import fit_sps_table, fit_tier_table
+    from dspark.measure.profiler import fit_profile, format_fit_report, format_sweep_report
+
+    if not result.grid:  # a static or cap-accept build: the static sweep is all there is
+        sps = fit_sps_table(result.static_samples(), result.max_batch_tokens)
+        print(format_sweep_report(result, sps), end="")
+        return FittedTables(sps)
+    sps, fit = fit_profile(result)
+    print(format_fit_report(result, sps, fit), end="")
+    if not tiers:
+        return FittedTables(sps, fit.table)
+    try:  # graph replay: a step costs its tier, which the tier table keeps exact
+        tier_fit = fit_tier_table(result, tiers)
+    except ValueError as err:  # e.g. batch sizes too small to reach the largest tier
+        return FittedTables(sps, fit.table, tier_note=f"tier table not written: {err}")
+    note = (f"tier table: RMS {tier_fit.rms_seconds * 1e3:.4f} ms   R² {tier_fit.r_squared:.5f}"
+            + "".join(f"\n  note: {note}" for note in tier_fit.notes))
+    return FittedTables(sps, fit.table, tier_fit.table, note)
+
+
+def write_profile(out: Path, tables: FittedTables, result: ProfileResult,
+                  fingerprint: dict[str, Any]) -> int:
+    from dspark.measure.profiler import leftover_tables, write_tables
+
     try:
-        written = write_tables(args.out, sps, additive, result, tier, fingerprint)
+        written = write_tables(out, tables.sps, tables.additive, result, tables.tier, fingerprint)
     except OSError as err:
-        raise CliError(f"cannot write the tables into {args.out}: {err.strerror or err}") from None
+        raise CliError(f"cannot write the tables into {out}: {err.strerror or err}") from None
     for name, path in written.items():
         print(f"wrote {name}: {path}")
+    for path in leftover_tables(out, written):
+        print(f"note: {path} is from an earlier profile, not this one (its samples are not in "
+              f"{out / 'profile.json'}); delete it or profile into another directory")
     return 0

@@ -13,6 +13,10 @@ from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
 
 HEADER_WIDTH = 100
+# Each backend's attention (module under dspark.runtime.attention, class), as its eager runner names it.
+ATTENTION_BACKENDS = {"cpu": ("torch_paged", "TorchPagedAttention"),
+                      "cuda": ("triton_paged", "TritonPagedAttention"),
+                      "ascend": ("ascend", "AscendFusedAttention")}
 
 
 def header_text(resolved: ResolvedSpec) -> str:
@@ -122,7 +126,6 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
     widest, widest_doc = _widest_request(mode)
     cost_file = getattr(spec.cost_model, "file", None)
     calibration_file = getattr(spec.calibration, "file", None)
-    ascend = backend == "ascend"
     return {
         "header": header_text(resolved),
         "compiler_version": __version__,
@@ -143,6 +146,8 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "pages_per_request": spec.serving.max_context_len // spec.serving.page_size,
         "max_running_requests": spec.serving.max_running_requests,
         "tiers": tuple(resolved.tiers),
+        "tiers_comment": ("rows a verify step is padded to" if mode.packs_rows
+                          else "rows a verify step is padded to: captured batch sizes x N"),
         "min_verify_len": spec.verify.min_verify_len,
         "max_verify_len": resolved.max_verify_len,
         "parallel": spec.parallelism,
@@ -161,7 +166,7 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "widest_request_doc": widest_doc,
         "verify_rows_doc": _verify_rows_doc(mode, ascend=False),
         "verify_rows_doc_ascend": _verify_rows_doc(mode, ascend=True),
-        "attention_module": "ascend" if ascend else "torch_paged",
-        "attention_class": "AscendFusedAttention" if ascend else "TorchPagedAttention",
+        "attention_module": ATTENTION_BACKENDS[backend][0],
+        "attention_class": ATTENTION_BACKENDS[backend][1],
         **_runner_docs(resolved),
     }

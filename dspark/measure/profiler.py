@@ -5,7 +5,9 @@ requests and `M` rows, synchronises the device, and returns wall seconds. This m
 measure (`ProfilePlan`), measures it (`run_profile`), keeps the raw samples (`ProfileResult`, the
 `profile.json` of `dspark.formats.profile`) so a fit can be redone without the device, fits the tables
 (`dspark.measure.cost_fit`) and reports how well the additive table reproduces the measurements, above
-all near graph tiers where it smooths cliffs.
+all near graph tiers where it smooths cliffs. A static or cap-accept build runs `B·N` rows in every
+step, so its plan (`min_verify_len == num_draft_tokens`) has no grid: its profile is the static sweep
+and the 1D table only (`format_sweep_report`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, Tier
 
 __all__ = [
     "AdditiveFit", "FitResidual", "ProfilePlan", "ProfileResult", "ProfileSample", "Sample", "StepTimer",
-    "bin_rows", "fit_additive", "fit_profile", "fit_sps_table", "format_fit_report", "nnls",
-    "rows_around", "run_profile", "write_tables",
+    "bin_rows", "fit_additive", "fit_profile", "fit_sps_table", "format_fit_report", "format_sweep_report",
+    "leftover_tables", "no_grid_note", "nnls", "rows_around", "run_profile", "write_tables",
 ]
 
 StepTimer = Callable[[int, int], float]
@@ -78,12 +80,7 @@ def format_fit_report(result: ProfileResult, sps: SpsTable, fit: AdditiveFit, fl
     The `flag_top` largest absolute residuals are marked `<<`; near graph tiers is where to expect them.
     """
     table = fit.table
-    lines = [f"static sweep (N={result.plan.num_draft_tokens}; SPS table, floor lookup)",
-             f"{'B':>6} {'M':>7} {'ms':>10} {'steps/s':>10} {'table':>10}"]
-    for s in sorted(result.static, key=lambda s: s.num_rows):
-        lines.append(f"{s.num_reqs:>6} {s.num_rows:>7} {s.median_seconds * 1e3:>10.4f} "
-                     f"{1.0 / s.median_seconds:>10.2f} {sps.lookup(s.num_rows):>10.2f}")
-
+    lines = _sweep_lines(result, sps)
     lines += ["", f"additive fit  T(B, M) = bias + alpha(B) + theta(M)   (M binned by {fit.m_bin})",
               f"  bias   {table.bias_seconds * 1e3:.4f} ms",
               "  alpha  " + _series("B", table.bs_probes, table.alpha_seconds),
@@ -102,15 +99,40 @@ def format_fit_report(result: ProfileResult, sps: SpsTable, fit: AdditiveFit, fl
     return "\n".join(lines) + "\n"
 
 
+def format_sweep_report(result: ProfileResult, sps: SpsTable) -> str:
+    """Plain-text report of a profile without a `(B, M)` grid (a static or cap-accept build): the
+    static sweep and why no additive or tier table comes with it."""
+    return "\n".join([*_sweep_lines(result, sps), "", no_grid_note(result)]) + "\n"
+
+
+def no_grid_note(result: ProfileResult) -> str:
+    """Why a profile without a grid fits only the 1D table, and where the grid comes from."""
+    mode = result.meta.get("verify_mode", "this")
+    return (f"no additive or tier table: a {mode} build runs all N={result.plan.num_draft_tokens} rows of "
+            "every request, so only the static sweep M = B·N was measured and there is no ragged (B, M) "
+            "grid to fit. Profile a compact build of the same deployment for those tables; "
+            "benchmarks/compare_profiles.py compares the two profiles point by point.")
+
+
+def _sweep_lines(result: ProfileResult, sps: SpsTable) -> list[str]:
+    lines = [f"static sweep (N={result.plan.num_draft_tokens}; SPS table, floor lookup)",
+             f"{'B':>6} {'M':>7} {'ms':>10} {'steps/s':>10} {'table':>10}"]
+    for s in sorted(result.static, key=lambda s: s.num_rows):
+        lines.append(f"{s.num_reqs:>6} {s.num_rows:>7} {s.median_seconds * 1e3:>10.4f} "
+                     f"{1.0 / s.median_seconds:>10.2f} {sps.lookup(s.num_rows):>10.2f}")
+    return lines
+
+
 def _series(name: str, probes: tuple[int, ...], seconds: tuple[float, ...]) -> str:
     return "  ".join(f"{name}={p}:{s * 1e3:.4f}" for p, s in zip(probes, seconds, strict=True)) + "  (ms)"
 
 
-def write_tables(out_dir: str | os.PathLike[str], sps: SpsTable, fit: AdditiveFit | AdditiveCostTable,
+def write_tables(out_dir: str | os.PathLike[str], sps: SpsTable, fit: AdditiveFit | AdditiveCostTable | None,
                  result: ProfileResult | None = None, tier: TierCostTable | None = None,
                  fingerprint: Mapping[str, Any] | None = None) -> dict[str, Path]:
-    """Write `sps_1d.json`, `additive.json`, (given one) `tier.json` and (given the result)
-    `profile.json` into `out_dir`; every table carries `fingerprint` when one is given.
+    """Write `sps_1d.json`, (given one) `additive.json` and `tier.json`, and (given the result)
+    `profile.json` into `out_dir`; every table carries `fingerprint` when one is given. A profile
+    without a `(B, M)` grid (a static build's) has no additive fit: pass `fit=None`.
 
     Every file is first written in full under a temporary name in `out_dir` and then renamed over its
     target, so an interrupted run never leaves a truncated table for a deployment to load.
@@ -120,7 +142,8 @@ def write_tables(out_dir: str | os.PathLike[str], sps: SpsTable, fit: AdditiveFi
     additive = fit.table if isinstance(fit, AdditiveFit) else fit
     staged: dict[str, Path] = {}
     try:
-        tables = {SPS_FILE: sps, ADDITIVE_FILE: additive, **({TIER_FILE: tier} if tier is not None else {})}
+        tables = {SPS_FILE: sps, **({ADDITIVE_FILE: additive} if additive is not None else {}),
+                  **({TIER_FILE: tier} if tier is not None else {})}
         for name, table in tables.items():
             staged[name] = staged_file(out, lambda p, t=table: write_cost_table(p, t.to_format(),
                                                                                 fingerprint))
@@ -136,3 +159,11 @@ def write_tables(out_dir: str | os.PathLike[str], sps: SpsTable, fit: AdditiveFi
         os.replace(tmp, out / name)
         written[name] = out / name
     return written
+
+
+def leftover_tables(out_dir: str | os.PathLike[str], written: Mapping[str, Path]) -> list[Path]:
+    """Tables in `out_dir` that this profile did not write (an earlier profile's additive or tier
+    table beside a static profile): they do not describe the new profile.json, and the user should know."""
+    out = Path(out_dir)
+    return [out / name for name in (SPS_FILE, ADDITIVE_FILE, TIER_FILE)
+            if name not in written and (out / name).is_file()]

@@ -2,7 +2,8 @@
 
 A step of `B` requests and `M` rows runs exactly as in serving — the generated metadata builder,
 the generated verify runner (tier padding or graph replay included), the LM head and argmax — on
-the deployment's backend, against KV caches holding `context_len` tokens per request.
+the deployment's backend, against KV caches holding `context_len` tokens per request. Every verify
+mode can be timed; only a compact build has steps with fewer than `B·N` rows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark.runtime.engine.runtime import Runtime
+from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 from dspark.runtime.sampling import sample, warp
 
 
@@ -37,43 +39,70 @@ def _synchronize(device: torch.device) -> None:
 
 
 class VerifyStepTimer:
-    """`timer(B, M)`: wall seconds of one synchronised verify step with B requests and M rows."""
+    """`timer(B, M)`: wall seconds of one synchronised verify step with B requests and M rows.
+
+    A compact build runs any M in `[B·floor, B·cap]`. A static or cap-accept build runs every request's
+    N rows whatever the plan says, so its only step per batch size is `M = B·N` (`floor == cap == N`):
+    profiling it gives the static sweep alone, which is what a compact build of the same deployment
+    is compared against (benchmarks/compare_profiles.py).
+    """
 
     def __init__(self, runtime: Runtime, context_len: int = 128, seed: int = 0) -> None:
         dep = runtime.deployment
-        if not dep.verify_mode.packs_rows:
-            raise ProfileError(
-                f"{dep.name} is a {dep.verify_mode} build, whose steps always run B x N rows; the "
-                "cost grid needs ragged steps. Profile a compact build of the same deployment "
-                "(verify.mode: compact, verify.allow_no_cost_model: true) and use its tables here")
         self.runtime = runtime
         self.context_len = context_len
-        self.floor = runtime.plan.schedule.floor
-        self.cap = runtime.plan.schedule.cap
-        self.max_reqs = dep.serving.max_running_requests
-        reserve = context_len + runtime.plan.num_draft_tokens
-        if reserve > dep.serving.max_context_len:
+        self.packs_rows = dep.verify_mode.packs_rows
+        plan = runtime.plan
+        n = plan.num_draft_tokens
+        floor, cap = n, n  # a static plan has no schedule: every request verifies N rows
+        if isinstance(plan, AdaptiveVerifyPlan):
+            floor, cap = plan.schedule.floor, plan.schedule.cap
+        # cap-accept plans verify_lens yet runs all N rows of every request: the mode says what runs.
+        self.floor, self.cap = dep.verify_mode.rows_per_request(floor, cap, n)
+        serving = dep.serving
+        reserve = context_len + n
+        if reserve > serving.max_context_len:
             raise ProfileError(f"context_len {context_len} + N exceeds serving.max_context_len "
-                               f"{dep.serving.max_context_len}; profile with a shorter context")
+                               f"{serving.max_context_len}; profile with a shorter context")
+        self.reserve_tokens = reserve
+        self.pages_per_request = -(-reserve // runtime.page_size)
+        # Two limits on how many requests one step can hold, reported apart because the fixes differ.
+        self.slot_limit = min(serving.max_running_requests, runtime.slots.num_free_slots)
+        self.pool_limit = runtime.slots.num_free_pages // self.pages_per_request
+        self.max_reqs = min(self.slot_limit, self.pool_limit)
         handles = []
         for _ in range(self.max_reqs):
-            if not runtime.slots.num_free_slots or runtime.slots.num_free_pages * runtime.page_size < reserve:
-                break
             handle = runtime.slots.admit()
             runtime.slots.reserve(handle.slot, reserve)
             handles.append(handle)
-        self.max_reqs = len(handles)
         self.page_table = runtime.slots.page_table[[h.slot for h in handles]].to(runtime.device)
         self.generator = torch.Generator().manual_seed(seed)
 
     def batch_sizes(self, requested: Sequence[int] | None = None) -> tuple[int, ...]:
         """The requested batch sizes, or powers of two up to the most requests the pool holds."""
         if requested:
-            too_big = [b for b in requested if b > self.max_reqs]
-            if too_big:
-                raise ProfileError(f"batch sizes {too_big} exceed the {self.max_reqs} requests this "
-                                   "deployment's KV pool and max_running_requests allow")
+            problems = []
+            serving = self.runtime.deployment.serving
+            over_slots = sorted(b for b in set(requested) if b > self.slot_limit)
+            if over_slots:
+                problems.append(f"batch sizes {over_slots} exceed serving.max_running_requests = "
+                                f"{self.slot_limit} of {self.runtime.deployment.name}; compile a variant of "
+                                f"its spec with serving.max_running_requests >= {over_slots[-1]}")
+            over_pool = sorted(b for b in set(requested) if b > self.pool_limit)
+            if over_pool:
+                tokens = over_pool[-1] * self.pages_per_request * self.runtime.page_size
+                problems.append(f"the KV pool (serving.max_total_tokens = {serving.max_total_tokens}) holds "
+                                f"only {self.pool_limit} requests of context_len {self.context_len} + N = "
+                                f"{self.reserve_tokens} tokens ({self.pages_per_request} pages of "
+                                f"{self.runtime.page_size}), fewer than batch sizes {over_pool}; lower "
+                                f"--context-len or raise serving.max_total_tokens to at least {tokens}")
+            if problems:
+                raise ProfileError("; ".join(problems))
             return tuple(sorted(set(requested)))
+        if self.max_reqs < 1:
+            raise ProfileError(f"the KV pool (serving.max_total_tokens = "
+                               f"{self.runtime.deployment.serving.max_total_tokens}) cannot hold one request "
+                               f"of context_len {self.context_len} + N tokens; lower --context-len")
         sizes = {1 << i for i in range(self.max_reqs.bit_length()) if 1 << i <= self.max_reqs}
         return tuple(sorted(sizes | {self.max_reqs}))
 

@@ -24,6 +24,7 @@ PAGES_PER_REQUEST = 64  # MAX_CONTEXT_LEN / PAGE_SIZE
 MAX_RUNNING_REQUESTS = 32  # the largest batch
 TOKEN_TIERS = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # rows a verify step is padded to
 
+
 DEPLOYMENT = DeploymentConfig(
     name='ascend_910c_compact',
     spec_path='specs/ascend_910c_compact.yaml',
@@ -49,6 +50,7 @@ DEPLOYMENT = DeploymentConfig(
             rms_norm_eps=1e-05,
         ),
         digest='',
+        load_format='auto',
     ),
     draft=DraftRef(
         checkpoint='/models/dspark-llama31-8b-draft',
@@ -56,6 +58,7 @@ DEPLOYMENT = DeploymentConfig(
         confidence_head=True,
         markov_embedding_size=64,
         digest='',
+        load_format='auto',
     ),
     parallel=ParallelPlan(
         tp=1,

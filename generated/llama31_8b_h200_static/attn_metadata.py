@@ -5,13 +5,14 @@ Deployment llama31_8b_h200_static: cuda/h200 backend, static verify mode."""
 
 from __future__ import annotations
 
-from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding
-from dspark.runtime.attention.torch_paged import TorchPagedAttention as AttentionBackend
+from dspark.runtime.attention.metadata import PagedAttnMetadata
+from dspark.runtime.attention.triton_paged import TritonPagedAttention as AttentionBackend
 from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
 from .deployment import NUM_DRAFT_TOKENS
 
-# The widest query block of a verify step: every request runs all N rows.
+# The widest query block of a verify step: every request runs all N rows. It sizes the attention
+# kernel's grid, so a captured graph's grid is the same at every replay.
 MAX_SEQLEN_Q = NUM_DRAFT_TOKENS
 
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
@@ -26,7 +27,6 @@ def build_extend_metadata(layout: ExtendLayout) -> PagedAttnMetadata:
         positions=layout.positions,
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=layout.max_rows,
-        padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, layout.max_rows),
     )
 
 
@@ -44,5 +44,4 @@ def build_verify_metadata(layout: VerifyLayout) -> PagedAttnMetadata:
         positions=layout.positions,
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=MAX_SEQLEN_Q,
-        padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, MAX_SEQLEN_Q),
     )

@@ -22,6 +22,7 @@ PAGES_PER_REQUEST = 512  # MAX_CONTEXT_LEN / PAGE_SIZE
 MAX_RUNNING_REQUESTS = 32  # the largest batch
 TOKEN_TIERS = (8, 16, 32, 64, 128, 256)  # rows a verify step is padded to: captured batch sizes x N
 
+
 DEPLOYMENT = DeploymentConfig(
     name='llama31_8b_h200_static',
     spec_path='specs/llama31_8b_h200_static.yaml',
@@ -47,6 +48,7 @@ DEPLOYMENT = DeploymentConfig(
             rms_norm_eps=1e-05,
         ),
         digest='',
+        load_format='auto',
     ),
     draft=DraftRef(
         checkpoint='/models/dspark-llama31-8b-draft',
@@ -54,6 +56,7 @@ DEPLOYMENT = DeploymentConfig(
         confidence_head=True,
         markov_embedding_size=64,
         digest='',
+        load_format='auto',
     ),
     parallel=ParallelPlan(
         tp=1,

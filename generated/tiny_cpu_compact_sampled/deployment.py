@@ -49,6 +49,7 @@ DEPLOYMENT = DeploymentConfig(
             rms_norm_eps=1e-05,
         ),
         digest='626dc254c80fbf308f468785262f8db052dd65ccb442a3658d7ae45bf6857961',
+        load_format='auto',
     ),
     draft=DraftRef(
         checkpoint='../../specs/checkpoints/tiny_draft_t08',
@@ -56,6 +57,7 @@ DEPLOYMENT = DeploymentConfig(
         confidence_head=True,
         markov_embedding_size=64,
         digest='86cda62a46fb5d45c8ab127bbb04d0dc793818ac872b9d5219c5c384c13d1297',
+        load_format='auto',
     ),
     parallel=ParallelPlan(
         tp=1,

@@ -24,6 +24,7 @@ PAGES_PER_REQUEST = 64  # MAX_CONTEXT_LEN / PAGE_SIZE
 MAX_RUNNING_REQUESTS = 32  # the largest batch
 TOKEN_TIERS = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # rows a verify step is padded to
 
+
 DEPLOYMENT = DeploymentConfig(
     name='tiny_cpu_compact_tiers',
     spec_path='specs/tiny_cpu_compact_tiers.yaml',
@@ -49,6 +50,7 @@ DEPLOYMENT = DeploymentConfig(
             rms_norm_eps=1e-05,
         ),
         digest='626dc254c80fbf308f468785262f8db052dd65ccb442a3658d7ae45bf6857961',
+        load_format='auto',
     ),
     draft=DraftRef(
         checkpoint='embedded:tiny',
@@ -56,6 +58,7 @@ DEPLOYMENT = DeploymentConfig(
         confidence_head=True,
         markov_embedding_size=64,
         digest='5cca7d3f80b8506e2ff4009535c707af48af7f8a8f137a704aa09edc93702a82',
+        load_format='auto',
     ),
     parallel=ParallelPlan(
         tp=1,

@@ -5,7 +5,7 @@ Deployment tiny_cpu_static: cpu/generic backend, static verify mode."""
 
 from __future__ import annotations
 
-from dspark.runtime.attention.metadata import PagedAttnMetadata, QueryPadding
+from dspark.runtime.attention.metadata import QueryPadding, TorchPagedMetadata, kv_read_bound
 from dspark.runtime.attention.torch_paged import TorchPagedAttention as AttentionBackend
 from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
@@ -17,9 +17,9 @@ MAX_SEQLEN_Q = NUM_DRAFT_TOKENS
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 
-def build_extend_metadata(layout: ExtendLayout) -> PagedAttnMetadata:
+def build_extend_metadata(layout: ExtendLayout) -> TorchPagedMetadata:
     """Rows appended after each request's cached prefix (prefill chunks, target-only decoding)."""
-    return PagedAttnMetadata(
+    return TorchPagedMetadata(
         qo_indptr=layout.qo_indptr,
         kv_lens=layout.kv_lens,
         page_table=layout.page_table,
@@ -27,17 +27,18 @@ def build_extend_metadata(layout: ExtendLayout) -> PagedAttnMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=layout.max_rows,
         padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, layout.max_rows),
+        kv_bound=kv_read_bound(layout.host_kv_lens),
     )
 
 
-def build_verify_metadata(layout: VerifyLayout) -> PagedAttnMetadata:
+def build_verify_metadata(layout: VerifyLayout) -> TorchPagedMetadata:
     """static verify: every request runs all N rows, so `qo_indptr = [0, N, 2N, ..., B*N]` and each
     KV length is `prefix + N`. Padding requests after the real ones (graph tiers) continue the same
     layout.
 
     Tensor code only (no host sync), so it can run inside a captured graph.
     """
-    return PagedAttnMetadata(
+    return TorchPagedMetadata(
         qo_indptr=layout.qo_indptr,
         kv_lens=layout.kv_lens,
         page_table=layout.page_table,
@@ -45,4 +46,5 @@ def build_verify_metadata(layout: VerifyLayout) -> PagedAttnMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=MAX_SEQLEN_Q,
         padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, MAX_SEQLEN_Q),
+        kv_bound=kv_read_bound(layout.host_kv_lens),
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attention.torch_paged import TorchPagedAttention
+from dspark.runtime.attention.triton_paged import TritonPagedAttention
 from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
 from dspark.runtime.models.llama import LlamaForCausalLM
 from dspark.runtime.runners.graph_buffers import StepBuffers
@@ -42,7 +42,7 @@ class VerifyRunner:
 
     shape = SHAPE
 
-    def __init__(self, target: LlamaForCausalLM, attn: TorchPagedAttention) -> None:
+    def __init__(self, target: LlamaForCausalLM, attn: TritonPagedAttention) -> None:
         self.target = target
         self.attn = attn
         self.device = target.lm_head.weight.device

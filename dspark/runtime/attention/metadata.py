@@ -8,6 +8,7 @@ never a fixed width, so the same containers serve static, cap-accept and compact
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,17 +55,26 @@ class QueryPadding:
         return QueryPadding(gather, scatter, padded_pos)
 
 
+# The torch attention reads keys in chunks of this many positions, always in the same order, so a
+# row's result does not depend on how far other requests' keys go (see torch_paged.py).
+KV_CHUNK = 64
+
+
+def kv_read_bound(kv_lens: Sequence[int]) -> int:
+    """Key positions a step must read per request: its longest KV length, in whole chunks."""
+    return max(KV_CHUNK, -(-max(kv_lens, default=1) // KV_CHUNK) * KV_CHUNK)
+
+
 @dataclass(frozen=True)
 class PagedAttnMetadata:
-    """Varlen paged-attention inputs (CPU and CUDA)."""
+    """Varlen paged-attention inputs: FlashInfer's / FlashAttention's form (CUDA's Triton kernel)."""
 
     qo_indptr: torch.Tensor  # int32 [B + 1]: cu_seqlens_q
     kv_lens: torch.Tensor  # int32 [B]: prefix + new rows (cache_seqlens)
     page_table: torch.Tensor  # int32 [B, pages_per_request]
     positions: torch.Tensor  # int64 [T]
     out_cache_loc: torch.Tensor  # int64 [T]: KV slot each row writes
-    max_seqlen_q: int
-    padding: QueryPadding
+    max_seqlen_q: int  # host: the most rows one request has (sizes a kernel's grid)
 
     @property
     def num_requests(self) -> int:
@@ -73,6 +83,21 @@ class PagedAttnMetadata:
     @property
     def total_rows(self) -> int:
         return self.positions.shape[0]
+
+
+@dataclass(frozen=True)
+class TorchPagedMetadata(PagedAttnMetadata):
+    """The varlen inputs plus what the plain-torch attention needs to run dense, batch-invariant
+    products: the padded query blocks and how far to read keys."""
+
+    padding: QueryPadding | None = None
+    kv_bound: int = KV_CHUNK  # host: key positions read per request, a multiple of KV_CHUNK
+
+    def __post_init__(self) -> None:
+        if self.padding is None:
+            raise ValueError("TorchPagedMetadata needs the query padding (QueryPadding.from_indptr)")
+        if self.kv_bound % KV_CHUNK:
+            raise ValueError(f"kv_bound must be a multiple of KV_CHUNK={KV_CHUNK}, got {self.kv_bound}")
 
 
 @dataclass(frozen=True)

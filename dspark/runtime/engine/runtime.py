@@ -21,7 +21,7 @@ from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
-from dspark.runtime.models.checkpoint import load_draft, load_target
+from dspark.runtime.models.checkpoint import load_models
 from dspark.runtime.models.dspark_draft import DSparkDraft
 from dspark.runtime.models.llama import LlamaForCausalLM
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
@@ -44,8 +44,7 @@ class Runtime:
             # An experiment override: verify this share of the candidate drafts every step.
             self.plan = self.plan.with_overrides(forced_budget_fraction=forced_budget_fraction)
         self.device = backend_device(dep.backend)
-        target = load_target(dep.model.checkpoint, dep.model.dtype, package.directory).to(self.device)
-        draft = load_draft(dep.draft.checkpoint, dep.model.dtype, package.directory).to(self.device)
+        target, draft = load_models(dep, package.directory, self.device)
         self._check_models(target, draft)
         s = dep.serving
         num_pages = s.max_total_tokens // s.page_size + 1  # + the null page

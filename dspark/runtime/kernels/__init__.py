@@ -1,4 +1,5 @@
-"""Device kernels of a verify step: ragged layout, greedy acceptance, packing to and from fixed stride.
+"""Device kernels of a verify step: ragged layout, paged attention, greedy acceptance, packing to and
+from fixed stride.
 
 Every kernel has a torch reference (any device, no host sync) and a Triton implementation; the
 public functions take Triton for CUDA tensors when it is installed and the reference otherwise,
