@@ -3,7 +3,8 @@
 # under 8): the GPU tests (the Triton paged-attention kernel against its reference, graph replay from
 # the planned layout, lossless decoding on CUDA), then the Llama-3.1-8B geometry with dummy weights:
 # `dspark profile` of its static and compact builds at B = 1, 8, 32, 64, 128 (context 128), their
-# point-by-point comparison and the plain-torch reference forward of the same rows; last the tiny
+# point-by-point comparison, the two builds' steps and the plain-torch reference forward of the same
+# rows interleaved in one run (benchmarks/bench_verify_step.py), the reference alone; last the tiny
 # H200 deployment's profile (with the draft-time term) and a static / cap-accept / compact benchmark.
 # Everything lands in $RES, packed at the end into $OUT/device_results.tgz (the device tool brings
 # back at most 8 files); the logs are copied beside it.
@@ -43,9 +44,10 @@ def write(base, name, **changes):
         spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
     with open(f"{w}/{name}.yaml", "w") as f:
         yaml.safe_dump({**spec, "name": name}, f, sort_keys=False)
-# Llama-3.1-8B geometry with dummy weights, up to B = 128 (tiers up to 128 x N = 1024 rows).
+# Llama-3.1-8B geometry with dummy weights, up to B = 128 (tiers up to 128 x N = 1024 rows); a KV pool of
+# 32768 tokens holds 128 requests of context 128 + N (4.3 GB), so two builds and the reference fit at once.
 dummy = {"model": {"load_format": "dummy"}, "draft": {"load_format": "dummy", "num_layers": 1},
-         "serving": {"max_running_requests": 128, "max_context_len": 1024, "max_total_tokens": 262144}}
+         "serving": {"max_running_requests": 128, "max_context_len": 1024, "max_total_tokens": 32768}}
 write("specs/llama31_8b_h200_static.yaml", "l8b_static", **dummy,
       graph={"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 96, 128], "token_tiers": []})
 write("specs/llama31_8b_h200_compact.yaml", "l8b_compact", **dummy,
@@ -75,6 +77,9 @@ for name in l8b_static l8b_compact; do
     | tee "$RES/$name.profile.txt" | tail -n 8
 done
 "$PY" benchmarks/compare_profiles.py "$RES/l8b_static" "$RES/l8b_compact" 2>&1 | tee "$RES/l8b_compare.txt"
+echo "== 8B geometry: static, compact and the reference forward interleaved in one run"
+"$PY" benchmarks/bench_verify_step.py "$W/pkgs/l8b_static" "$W/pkgs/l8b_compact" --batch-sizes 1,8,32,64,128 \
+  --fractions 0.125,0.25,0.5,1 --reference --repeats 10 2>&1 | tee "$RES/l8b_steps.txt"
 "$PY" benchmarks/reference_forward.py --geometry llama31_8b --batch-sizes 1,8,32,64,128 --rows 1,2,4,8 \
   --context-len 128 --repeats 10 2>&1 | tee "$RES/l8b_reference.txt"
 
@@ -91,5 +96,6 @@ done
   "$W/pkgs/h200_compact_aligned" --prompts 32 --max-new-tokens 128 --rounds 3 2>&1 | tee "$RES/tiny_bench.txt"
 
 tar -czf "$OUT/device_results.tgz" -C "$RES" .
-cp "$RES"/tests.log "$RES"/l8b_compare.txt "$RES"/l8b_reference.txt "$RES"/tiny_bench.txt "$OUT/" 2>/dev/null
+cp "$RES"/tests.log "$RES"/l8b_compare.txt "$RES"/l8b_steps.txt "$RES"/l8b_reference.txt "$RES"/tiny_bench.txt \
+  "$OUT/" 2>/dev/null
 ls "$OUT"

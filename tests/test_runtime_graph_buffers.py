@@ -4,6 +4,12 @@ A CUDA or NPU graph is captured once per tier, reading a view of `StepBuffers` l
 padding requests only; each replay copies the step's layout into the same buffers first. Running the
 captured computation eagerly from that view (what a replay re-executes) must give, for the real rows,
 exactly what the eager runner gives for the same layout.
+
+A replay cannot read the step's host values (the view's are the capture's), so the replayed attention
+here is the torch attention laid out from device tensors alone: every request in one query block of
+the widest request's width, reading keys up to the page table's capacity. The eager runner's CPU
+metadata plans blocks by row count and reads keys to the actual lengths; the two agree bit for bit
+because a row's result depends on neither.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ import math
 import pytest
 import torch
 
+from dspark.runtime.attention.metadata import KV_CHUNK, QueryBlock, QueryBlocks, TorchPagedMetadata
 from dspark.runtime.engine.runtime import Runtime
-from dspark.runtime.layout import StepShape, plan_verify
+from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
 from dspark.runtime.package import load_package
 from dspark.runtime.runners.eager import EagerVerifyRunner
 from dspark.runtime.runners.graph_buffers import StepBuffers
@@ -23,6 +30,23 @@ from .runtime_helpers import compile_variant, import_package_module
 
 TIERS = (8, 16, 24, 32)
 MAX_REQUESTS = 4
+
+
+def one_block_metadata(layout: VerifyLayout, width: int, page_size: int) -> TorchPagedMetadata:
+    """Torch-attention metadata from the layout's device tensors only (no host value is read)."""
+    qo, positions, table = layout.qo_indptr.long(), layout.positions.long(), layout.page_table
+    num_reqs, total = table.shape[0], positions.shape[0]
+    starts, lens = qo[:-1], qo[1:] - qo[:-1]
+    col = torch.arange(width)
+    gather = torch.where(col < lens[:, None], starts[:, None] + col, torch.full_like(starts[:, None], total))
+    req = torch.repeat_interleave(torch.arange(num_reqs), lens, output_size=total)
+    scatter = req * width + torch.arange(total) - starts[req]
+    padded_pos = torch.cat((positions, positions.new_full((1,), -1)))[gather]
+    bound = -(-table.shape[1] * page_size // KV_CHUNK) * KV_CHUNK
+    block = QueryBlock(gather=gather, positions=padded_pos, page_table=table, kv_bound=bound)
+    return TorchPagedMetadata(qo_indptr=layout.qo_indptr, kv_lens=layout.kv_lens, page_table=table,
+                              positions=layout.positions, out_cache_loc=layout.out_cache_loc,
+                              max_seqlen_q=width, blocks=QueryBlocks((block,), scatter))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +81,7 @@ def test_a_replay_from_static_buffers_equals_the_eager_forward(runtime: Runtime)
         buffers.load(layout, ids)
         view = captured[layout.tier]
         out = runtime.target.forward_paged(buffers.input_ids[: view.tier], view.positions, runtime.attn,
-                                           metadata.build_verify_metadata(view))
+                                           one_block_metadata(view, n, runtime.page_size))
         return out[: layout.total_rows]
 
     eager = EagerVerifyRunner(runtime.target, runtime.attn, shape, metadata.build_verify_metadata)

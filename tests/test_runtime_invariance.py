@@ -4,7 +4,7 @@ what makes greedy speculative output bit-exact with target-only output."""
 import pytest
 import torch
 
-from dspark.runtime.attention.metadata import KV_CHUNK, QueryPadding, TorchPagedMetadata, kv_read_bound
+from dspark.runtime.attention.metadata import KV_CHUNK, QueryBlocks, TorchPagedMetadata, kv_read_bound
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.layout import cache_slots
@@ -29,8 +29,8 @@ def _meta(prefix: list[int], extend: list[int], page_table: torch.Tensor, page: 
     pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
     kv = [p + e for p, e in zip(prefix, extend, strict=True)]
     return TorchPagedMetadata(qo, torch.tensor(kv), page_table, pos,
-                             cache_slots(page_table, row_req, pos, page), max(extend),
-                             QueryPadding.from_indptr(qo, pos, max(extend)), kv_read_bound(kv))
+                              cache_slots(page_table, row_req, pos, page), max(extend),
+                              QueryBlocks.plan(qo.tolist(), kv, pos, page_table))
 
 
 def test_paged_attention_row_is_the_same_alone_or_in_a_verify_block() -> None:
@@ -82,3 +82,50 @@ def test_a_row_does_not_depend_on_how_far_other_requests_keys_go() -> None:
                          _meta([short, long], [4, 4], table, page))
     assert kv_read_bound([short + 4]) < kv_read_bound([short + 4, long + 4])
     assert torch.equal(alone, beside[:4])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 2)])  # MHA, and GQA groups of 3 and 4
+def test_a_row_is_the_same_in_a_block_of_any_width(heads: int, kv_heads: int) -> None:
+    """Requests run in blocks of 1, 2, 4 or 8 rows (by their own row count): a request's rows must come
+    out the same whichever block it lands in and whoever shares it, down to a block of one row with
+    one query head per KV head (a single column in each product)."""
+    torch.manual_seed(3)
+    page, dim, ctx = 8, 16, 21
+    cache = PagedKVCache(1, 40, page, kv_heads, dim, torch.float32)
+    attn = TorchPagedAttention(cache, page, heads, dim ** -0.5)
+    table = torch.arange(1, 37, dtype=torch.int32).view(4, 9)
+    for r in range(4):
+        attn.attend(0, torch.randn(ctx + r, heads, dim), torch.randn(ctx + r, kv_heads, dim),
+                    torch.randn(ctx + r, kv_heads, dim), _meta([0], [ctx + r], table[r:r + 1], page))
+    q, k, v = torch.randn(7, heads, dim), torch.randn(7, kv_heads, dim), torch.randn(7, kv_heads, dim)
+    outs = []
+    for rows in (1, 2, 3, 5, 7):  # request 0's first `rows` rows, beside requests of other widths
+        others = [1, 4, 8][: rows % 3 + 1]
+        extra = sum(others)
+        meta = _meta([ctx, *(ctx + 1 + i for i in range(len(others)))], [rows, *others],
+                     table[: 1 + len(others)], page)
+        blocks = meta.blocks.blocks
+        assert sum(b.gather.numel() for b in blocks) <= 2 * (rows + extra)  # padding at most doubles the rows
+        out = attn.attend(0, torch.cat((q[:rows], torch.randn(extra, heads, dim))),
+                          torch.cat((k[:rows], torch.randn(extra, kv_heads, dim))),
+                          torch.cat((v[:rows], torch.randn(extra, kv_heads, dim))), meta)
+        outs.append(out[:rows])
+    for out in outs:
+        assert torch.equal(out, outs[-1][: out.shape[0]])
+
+
+def test_query_blocks_group_requests_by_row_count() -> None:
+    qo = [0, 1, 9, 9, 12, 14, 22]  # rows 1, 8, 0, 3, 2, 8
+    kv = [100, 30, 5, 200, 64, 65]
+    positions = torch.arange(22) + 1000
+    table = torch.arange(6 * 3, dtype=torch.int32).view(6, 3)
+    blocks = QueryBlocks.plan(qo, kv, positions, table)
+    widths = [(b.width, b.page_table[:, 0].tolist(), b.kv_bound) for b in blocks.blocks]
+    # Widths 1, 2, 4 (3 rows), 8; the request with no rows joins none; each block reads its own longest KV.
+    assert widths == [(1, [0], 128), (2, [12], 64), (3, [9], 256), (8, [3, 15], 128)]
+    by_width = {b.width: b for b in blocks.blocks}
+    assert by_width[3].gather.tolist() == [[9, 10, 11]]
+    assert by_width[8].positions[0].tolist() == list(range(1001, 1009))
+    # Laid end to end the blocks' rows are 1 + 2 + 3 + 16; scatter finds every row's place.
+    flat = torch.cat([b.gather.flatten() for b in blocks.blocks])
+    assert flat[blocks.scatter].tolist() == list(range(22))

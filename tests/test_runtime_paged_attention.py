@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from dspark.runtime.attention.metadata import QueryPadding, TorchPagedMetadata, kv_read_bound
+from dspark.runtime.attention.metadata import QueryBlocks, TorchPagedMetadata
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.kernels import dispatch
 from dspark.runtime.kernels import paged_attention as paged_attention_module
@@ -185,8 +185,8 @@ def _backend_vs_reference(layout: VerifyLayout | ExtendLayout, max_rows: int, nu
                               page_table=layout.page_table, positions=layout.positions,
                               out_cache_loc=layout.out_cache_loc,
                               max_seqlen_q=max_rows,
-                              padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, max_rows),
-                              kv_bound=kv_read_bound(layout.host_kv_lens))
+                              blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens,
+                                                      layout.positions, layout.page_table))
     scale = head_dim ** -0.5
     backend = TorchPagedAttention(cache, page_size, group * num_kv, scale).attend(0, q, k, v, meta)
     ours = paged_attention(q, cache.k[0], cache.v[0], meta.qo_indptr, meta.kv_lens, meta.positions,

@@ -55,8 +55,18 @@ def _widest_request(mode: VerifyMode) -> tuple[str, str]:
     return "NUM_DRAFT_TOKENS", "every request runs all N rows"
 
 
-def _verify_rows_doc(mode: VerifyMode, ascend: bool) -> str:
+# How each backend's metadata builder reads the layout (the tail of its `build_verify_metadata` docstring).
+_METADATA_READS = {
+    "cpu": "The attention's query blocks are planned from the layout's host copies of the row counts "
+           "and KV lengths.",
+    "cuda": "Tensor code only (no host sync), so it can run inside a captured graph.",
+    "ascend": "The operator reads the lengths from the layout's host copies.",
+}
+
+
+def _verify_rows_doc(mode: VerifyMode, backend: str) -> str:
     """The generated `build_verify_metadata` docstring: how this mode lays out a step's rows."""
+    ascend = backend == "ascend"
     if mode.packs_rows:
         rows = ("compact verify: request r runs only its `verify_lens[r]` planned rows, packed back to "
                 "back, so ")
@@ -71,9 +81,7 @@ def _verify_rows_doc(mode: VerifyMode, ascend: bool) -> str:
         if mode.plans:
             rows += " The plan's verify_lens cap only the acceptance afterwards."
     rows += " Padding requests after the real ones (graph tiers) continue the same layout."
-    tail = ("The operator reads the lengths from the layout's host copies." if ascend
-            else "Tensor code only (no host sync), so it can run inside a captured graph.")
-    return f"{rows}\n\n{tail}"
+    return f"{rows}\n\n{_METADATA_READS[backend]}"
 
 
 def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
@@ -164,8 +172,7 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
                               if resolved.cost_model else "no cost model: every candidate is verified"),
         "widest_request": widest,
         "widest_request_doc": widest_doc,
-        "verify_rows_doc": _verify_rows_doc(mode, ascend=False),
-        "verify_rows_doc_ascend": _verify_rows_doc(mode, ascend=True),
+        "verify_rows_doc": _verify_rows_doc(mode, backend),
         "attention_module": ATTENTION_BACKENDS[backend][0],
         "attention_class": ATTENTION_BACKENDS[backend][1],
         **_runner_docs(resolved),

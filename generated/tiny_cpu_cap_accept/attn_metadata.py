@@ -5,7 +5,7 @@ Deployment tiny_cpu_cap_accept: cpu/generic backend, cap-accept verify mode."""
 
 from __future__ import annotations
 
-from dspark.runtime.attention.metadata import QueryPadding, TorchPagedMetadata, kv_read_bound
+from dspark.runtime.attention.metadata import QueryBlocks, TorchPagedMetadata
 from dspark.runtime.attention.torch_paged import TorchPagedAttention as AttentionBackend
 from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
@@ -26,8 +26,8 @@ def build_extend_metadata(layout: ExtendLayout) -> TorchPagedMetadata:
         positions=layout.positions,
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=layout.max_rows,
-        padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, layout.max_rows),
-        kv_bound=kv_read_bound(layout.host_kv_lens),
+        blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
+                                layout.page_table),
     )
 
 
@@ -36,7 +36,8 @@ def build_verify_metadata(layout: VerifyLayout) -> TorchPagedMetadata:
     each KV length is `prefix + N`. The plan's verify_lens cap only the acceptance afterwards.
     Padding requests after the real ones (graph tiers) continue the same layout.
 
-    Tensor code only (no host sync), so it can run inside a captured graph.
+    The attention's query blocks are planned from the layout's host copies of the row counts and KV
+    lengths.
     """
     return TorchPagedMetadata(
         qo_indptr=layout.qo_indptr,
@@ -45,6 +46,6 @@ def build_verify_metadata(layout: VerifyLayout) -> TorchPagedMetadata:
         positions=layout.positions,
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=MAX_SEQLEN_Q,
-        padding=QueryPadding.from_indptr(layout.qo_indptr, layout.positions, MAX_SEQLEN_Q),
-        kv_bound=kv_read_bound(layout.host_kv_lens),
+        blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
+                                layout.page_table),
     )

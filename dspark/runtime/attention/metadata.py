@@ -8,52 +8,12 @@ never a fixed width, so the same containers serve static, cap-accept and compact
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from dspark.runtime.models.ops import padded_rows
-
-# Every step's query block (1 row per request when decoding, N when verifying) is padded to the same
-# width, so the batched attention products have one shape whatever the step; their row count is
-# (query heads per KV head) x width, which the GEMM floor does not need to raise further. Padding the
-# block to the larger floor of the row-wise linears would double the CPU attention's work.
-QUERY_BLOCK_MIN_ROWS = 8
-
-
-@dataclass(frozen=True)
-class QueryPadding:
-    """How ragged query rows map onto a dense `[B, rows_padded]` block.
-
-    `gather[b, i]` is the row index of request b's i-th query (or `total_rows`, a zero row, past
-    its end); `scatter[t]` is row t's flat index in the dense block; `positions[b, i]` is the
-    query's position (-1 for padding). Precomputing these keeps the attention free of host
-    synchronisation, so it can run inside a captured graph.
-    """
-
-    gather: torch.Tensor
-    scatter: torch.Tensor
-    positions: torch.Tensor
-
-    @staticmethod
-    def from_indptr(qo_indptr: torch.Tensor, positions: torch.Tensor, max_rows: int) -> QueryPadding:
-        num_reqs = qo_indptr.shape[0] - 1
-        total = positions.shape[0]
-        width = padded_rows(max_rows, QUERY_BLOCK_MIN_ROWS)
-        starts = qo_indptr[:-1].long()
-        lens = (qo_indptr[1:] - qo_indptr[:-1]).long()
-        col = torch.arange(width, device=positions.device)
-        valid = col[None, :] < lens[:, None]
-        past_end = torch.full_like(valid, total, dtype=torch.long)
-        gather = torch.where(valid, starts[:, None] + col[None, :], past_end)
-        req = torch.repeat_interleave(torch.arange(num_reqs, device=positions.device), lens,
-                                      output_size=total)
-        scatter = req * width + (torch.arange(total, device=positions.device) - starts[req])
-        padded_pos = torch.cat((positions.long(), positions.new_full((1,), -1).long()))[gather]
-        return QueryPadding(gather, scatter, padded_pos)
-
 
 # The torch attention reads keys in chunks of this many positions, always in the same order, so a
 # row's result does not depend on how far other requests' keys go (see torch_paged.py).
@@ -61,8 +21,77 @@ KV_CHUNK = 64
 
 
 def kv_read_bound(kv_lens: Sequence[int]) -> int:
-    """Key positions a step must read per request: its longest KV length, in whole chunks."""
+    """Key positions a set of requests must read: their longest KV length, in whole chunks."""
     return max(KV_CHUNK, -(-max(kv_lens, default=1) // KV_CHUNK) * KV_CHUNK)
+
+
+def block_width(rows: int) -> int:
+    """The query block a request with `rows` rows joins: the next power of two, so a step's requests
+    fall into a few blocks and no block pads a request to more than twice its rows."""
+    return 1 << (rows - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    """Requests whose query rows run as one dense `[requests, width]` block of the torch attention.
+
+    `gather[b, i]` is the row index of the block's request b's i-th query (or `total_rows`, a zero
+    row, past its end); `positions[b, i]` is that query's position (-1 past the end). Built on the
+    host side of a step, once for every layer.
+    """
+
+    gather: torch.Tensor  # int64 [b, width]
+    positions: torch.Tensor  # int64 [b, width]
+    page_table: torch.Tensor  # int32 [b, pages_per_request]: the block's requests' rows of it
+    kv_bound: int  # host: key positions read per request, a multiple of KV_CHUNK
+
+    def __post_init__(self) -> None:
+        if self.kv_bound <= 0 or self.kv_bound % KV_CHUNK:
+            raise ValueError(f"kv_bound must be a positive multiple of KV_CHUNK={KV_CHUNK}, "
+                             f"got {self.kv_bound}")
+
+    @property
+    def width(self) -> int:
+        return self.gather.shape[1]
+
+
+@dataclass(frozen=True)
+class QueryBlocks:
+    """A step's ragged query rows as dense blocks of requests with similar row counts.
+
+    Requests are grouped by `block_width` of their row count, so the attention's work follows the
+    rows a step runs (a compact step of two rows per request does a quarter of the work of eight
+    rows) instead of padding every request to the widest one. Requests with no rows join no block.
+    `scatter[t]` is row t's index in the blocks' `[b * width]` outputs laid end to end.
+    """
+
+    blocks: tuple[QueryBlock, ...]
+    scatter: torch.Tensor  # int64 [T]
+
+    @staticmethod
+    def plan(host_qo_indptr: Sequence[int], host_kv_lens: Sequence[int], positions: torch.Tensor,
+             page_table: torch.Tensor) -> QueryBlocks:
+        device = positions.device
+        total = positions.shape[0]
+        lens = [end - start for start, end in itertools.pairwise(host_qo_indptr)]
+        members: dict[int, list[int]] = {}
+        for req, rows in enumerate(lens):
+            if rows:
+                members.setdefault(block_width(rows), []).append(req)
+        padded_pos = torch.cat((positions.long(), positions.new_full((1,), -1).long()))
+        blocks, scatter, offset = [], [0] * total, 0
+        for reqs in (members[w] for w in sorted(members)):
+            width = max(lens[r] for r in reqs)
+            gather = [[host_qo_indptr[r] + i if i < lens[r] else total for i in range(width)] for r in reqs]
+            for b, r in enumerate(reqs):
+                for i in range(lens[r]):
+                    scatter[host_qo_indptr[r] + i] = offset + b * width + i
+            offset += len(reqs) * width
+            gather_t = torch.tensor(gather, dtype=torch.long, device=device)
+            blocks.append(QueryBlock(gather=gather_t, positions=padded_pos[gather_t],
+                                     page_table=page_table[torch.tensor(reqs, device=device)],
+                                     kv_bound=kv_read_bound([host_kv_lens[r] for r in reqs])))
+        return QueryBlocks(tuple(blocks), torch.tensor(scatter, dtype=torch.long, device=device))
 
 
 @dataclass(frozen=True)
@@ -88,16 +117,13 @@ class PagedAttnMetadata:
 @dataclass(frozen=True)
 class TorchPagedMetadata(PagedAttnMetadata):
     """The varlen inputs plus what the plain-torch attention needs to run dense, batch-invariant
-    products: the padded query blocks and how far to read keys."""
+    products: the step's query blocks, each with how far its requests read keys."""
 
-    padding: QueryPadding | None = None
-    kv_bound: int = KV_CHUNK  # host: key positions read per request, a multiple of KV_CHUNK
+    blocks: QueryBlocks | None = None
 
     def __post_init__(self) -> None:
-        if self.padding is None:
-            raise ValueError("TorchPagedMetadata needs the query padding (QueryPadding.from_indptr)")
-        if self.kv_bound % KV_CHUNK:
-            raise ValueError(f"kv_bound must be a multiple of KV_CHUNK={KV_CHUNK}, got {self.kv_bound}")
+        if self.blocks is None:
+            raise ValueError("TorchPagedMetadata needs the query blocks (QueryBlocks.plan)")
 
 
 @dataclass(frozen=True)

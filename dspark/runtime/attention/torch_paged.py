@@ -1,22 +1,28 @@
 """Paged attention in plain torch over `TorchPagedMetadata` (the CPU backend; it runs on any device).
 
-Each request's padded block of query rows (`QueryPadding`) reads its keys through its page table in
-chunks of `KV_CHUNK` positions, up to the step's `kv_bound` (its longest KV length, so the cost
-follows the actual lengths, not the page table's capacity), and combines the chunks with an online
-softmax in a fixed order. Greedy speculative decoding is bit-exact with target-only decoding only if
-a row's output does not depend on which other rows share its step; here it does not:
+The step's requests run in query blocks of similar row counts (`QueryBlocks`), so the work follows
+the rows the step runs. Each block reads its requests' keys through their page tables in chunks of
+`KV_CHUNK` positions, up to its longest KV length (not the page table's capacity), and combines the
+chunks with an online softmax in a fixed order. Greedy speculative decoding is bit-exact with
+target-only decoding only if a row's output does not depend on which other rows share its step;
+here it does not:
 
-- every product has one shape whatever the step (the query block's width is fixed, the chunk too);
+- the query rows are the free (vectorised) dimension of both products: `keys @ q.T` and
+  `values.T @ probs.T`, so a row's dot products run the same instructions in the same order
+  whatever the block's width or request count (the other operand is always `[KV_CHUNK, head_dim]`);
+- the softmax reduces a contiguous row of `KV_CHUNK` scores, one shape in every step;
 - a chunk whose keys are all past a row's position changes nothing, bit for bit: its scores are
   -inf, the running maximum stays, the rescale factor is exp(0) = 1 and it adds exact zeros, so
   reading further because another request's keys go further leaves this row's result unchanged.
+
+`tests/test_runtime_invariance.py` checks the property on the machine it runs on.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attention.metadata import KV_CHUNK, TorchPagedMetadata
+from dspark.runtime.attention.metadata import KV_CHUNK, QueryBlock, TorchPagedMetadata
 from dspark.runtime.kv_cache import PagedKVCache
 
 
@@ -30,42 +36,66 @@ class TorchPagedAttention:
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: TorchPagedMetadata) -> torch.Tensor:
         self.cache.write(layer_id, meta.out_cache_loc, k, v)
-        pad = meta.padding
-        assert pad is not None  # TorchPagedMetadata checks it
-        num_reqs, width = pad.gather.shape
-        head_dim, num_kv = q.shape[-1], k.shape[1]
-        group = self.num_heads // num_kv
-        rows = group * width  # one GEMM row per (query head of the group, query row)
+        blocks = meta.blocks
+        assert blocks is not None  # TorchPagedMetadata checks it
+        q_padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # the zero row padding gathers
+        outs = [self._attend_block(layer_id, q_padded, block) for block in blocks.blocks]
+        if not outs:
+            return q.new_zeros(q.shape)
+        return torch.cat(outs)[blocks.scatter]
 
-        q_rows = torch.cat((q, q.new_zeros(1, *q.shape[1:])))[pad.gather]  # B, W, H, D
-        q_rows = q_rows.view(num_reqs, width, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
-        q_rows = q_rows.reshape(num_reqs, num_kv, rows, head_dim)
-        query_pos = pad.positions[:, None, None, :].expand(num_reqs, 1, group, width)
-        query_pos = query_pos.reshape(num_reqs, 1, rows)
-
-        running_max = q.new_full((num_reqs, num_kv, rows), float("-inf"), dtype=torch.float32)
-        total = torch.zeros_like(running_max)
-        acc = q.new_zeros((num_reqs, num_kv, rows, head_dim), dtype=torch.float32)
+    def _read_kv(self, layer_id: int, block: QueryBlock) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's requests' first `kv_bound` positions: keys `[B, Hkv, kv_bound, D]` and values
+        with a column of ones appended, `[B, Hkv, kv_bound, D + 1]` (so the product with the
+        probabilities also sums them). Read a whole page at a time; keys past a request's length are
+        read but masked."""
+        num_reqs, bound = block.page_table.shape[0], block.kv_bound
+        num_pages = -(-bound // self.page_size)
+        last_page = block.page_table.shape[1] - 1
+        columns = torch.arange(num_pages, device=block.page_table.device).clamp_max(last_page)
+        pages = block.page_table[:, columns].long().flatten()
         k_cache, v_cache = self.cache.k[layer_id], self.cache.v[layer_id]
-        last_page = meta.page_table.shape[1] - 1
-        for start in range(0, meta.kv_bound, KV_CHUNK):
-            key_pos = torch.arange(start, start + KV_CHUNK, device=q.device)
-            # A chunk may run past the page table; those keys are past every query and masked.
-            pages = meta.page_table[:, (key_pos // self.page_size).clamp_max(last_page)].long()
-            slots = pages * self.page_size + key_pos % self.page_size  # B, C
-            keys = k_cache[slots].permute(0, 2, 3, 1)  # B, Hkv, D, C
-            vals = v_cache[slots].transpose(1, 2)  # B, Hkv, C, D
-            scores = torch.matmul(q_rows, keys).float() * self.scale  # B, Hkv, rows, C
-            scores = scores.masked_fill(key_pos[None, None, None, :] > query_pos[..., None], float("-inf"))
-            new_max = torch.maximum(running_max, scores.amax(-1))
-            # A row with no visible key yet (a padding row, or none so far) shifts by 0, not by -inf.
-            shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            rescale = torch.exp(running_max - shift)
-            probs = torch.exp(scores - shift[..., None])
-            total = total * rescale + probs.sum(-1)
-            acc = acc * rescale[..., None] + torch.matmul(probs.to(vals.dtype), vals).float()
-            running_max = new_max
-        seen = total[..., None] > 0  # padding rows see no key at all: their output is zero
-        out = torch.where(seen, acc / total.clamp_min(1e-30)[..., None], torch.zeros_like(acc))
-        out = out.to(q.dtype).view(num_reqs, num_kv, group, width, head_dim).permute(0, 3, 1, 2, 4)
-        return out.reshape(num_reqs * width, self.num_heads, head_dim)[pad.scatter]
+        num_kv, head_dim = k_cache.shape[1:]
+
+        def read(cache: torch.Tensor) -> torch.Tensor:  # B, bound, Hkv, D
+            paged = cache.view(-1, self.page_size * num_kv * head_dim).index_select(0, pages)
+            return paged.view(num_reqs, num_pages * self.page_size, num_kv, head_dim)[:, :bound]
+
+        keys = read(k_cache).transpose(1, 2).contiguous()
+        vals = v_cache.new_empty((num_reqs, num_kv, bound, head_dim + 1))
+        vals[..., :head_dim] = read(v_cache).transpose(1, 2)
+        vals[..., head_dim] = 1
+        return keys, vals
+
+    def _attend_block(self, layer_id: int, q_padded: torch.Tensor, block: QueryBlock) -> torch.Tensor:
+        """`[b * width, H, D]`: the block's padded query rows attended over their requests' keys."""
+        num_reqs, width = block.gather.shape
+        head_dim = q_padded.shape[-1]
+        num_kv = self.cache.k.shape[-2]
+        group = self.num_heads // num_kv
+        rows = group * width  # one column of the products per (query head of the group, query row)
+        chunks = block.kv_bound // KV_CHUNK
+
+        # Queries pre-scaled, as the columns of the products: B, Hkv, D, rows.
+        q_cols = (q_padded[block.gather] * self.scale).view(num_reqs, width, num_kv, group, head_dim)
+        q_cols = q_cols.permute(0, 2, 4, 3, 1).reshape(num_reqs, num_kv, head_dim, rows)
+        query_pos = block.positions[:, None, :].expand(num_reqs, group, width).reshape(num_reqs, 1, 1, rows)
+        key_pos = torch.arange(block.kv_bound, device=q_padded.device)[:, None]
+        keys, vals = self._read_kv(layer_id, block)
+
+        scores = torch.matmul(keys, q_cols).float()  # B, Hkv, kv_bound, rows
+        scores.masked_fill_(key_pos > query_pos, float("-inf"))
+        # A max is exact in any order (here over a transposed copy: a contiguous reduction is several
+        # times faster); a row with no visible key (a padding row) shifts by 0, not by -inf.
+        top = scores.transpose(-1, -2).contiguous().amax(-1)[..., None, :]
+        probs = torch.exp(scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
+        # Per chunk: [values | 1]^T @ probs, both sums over the chunk's KV_CHUNK keys in one product.
+        per_chunk = vals.view(num_reqs, num_kv, chunks, KV_CHUNK, head_dim + 1).transpose(-1, -2)
+        sums = torch.matmul(per_chunk, probs.to(vals.dtype).view(num_reqs, num_kv, chunks, KV_CHUNK, rows))
+        acc = sums[:, :, 0].float()  # B, Hkv, D + 1, rows
+        for chunk in range(1, chunks):  # in key order; a chunk past every row's keys adds exact zeros
+            acc = acc + sums[:, :, chunk].float()
+        total = acc[:, :, head_dim:]
+        out = torch.where(total > 0, acc[:, :, :head_dim] / total.clamp_min(1e-30), torch.zeros_like(total))
+        out = out.to(q_padded.dtype).view(num_reqs, num_kv, head_dim, group, width).permute(0, 4, 1, 3, 2)
+        return out.reshape(num_reqs * width, self.num_heads, head_dim)
