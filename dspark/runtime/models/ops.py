@@ -25,9 +25,10 @@ def padded_rows(rows: int, minimum: int = MIN_ROWS) -> int:
 
 
 def pad_rows(x: torch.Tensor) -> torch.Tensor:
-    """Zero-pad dim -2 up to `padded_rows` (a no-op when it is already that shape)."""
+    """Zero-pad dim -2 up to `padded_rows` (`x` itself when it is already that shape: F.pad would copy)."""
     rows = x.shape[-2]
-    return F.pad(x, (0, 0, 0, padded_rows(rows) - rows))
+    extra = padded_rows(rows) - rows
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
