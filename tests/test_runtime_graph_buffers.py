@@ -43,7 +43,10 @@ def one_block_metadata(layout: VerifyLayout, width: int, page_size: int) -> Torc
     scatter = req * width + torch.arange(total) - starts[req]
     padded_pos = torch.cat((positions, positions.new_full((1,), -1)))[gather]
     bound = -(-table.shape[1] * page_size // KV_CHUNK) * KV_CHUNK
-    block = QueryBlock(gather=gather, positions=padded_pos, page_table=table, kv_bound=bound)
+    columns = torch.arange(-(-bound // page_size)).clamp_max(table.shape[1] - 1)
+    hidden = torch.arange(bound)[None, :, None] > padded_pos[:, None, :]
+    block = QueryBlock(gather=gather, pages=table[:, columns].long().flatten(), hidden=hidden[:, :, None],
+                       kv_bound=bound)
     return TorchPagedMetadata(qo_indptr=layout.qo_indptr, kv_lens=layout.kv_lens, page_table=table,
                               positions=layout.positions, out_cache_loc=layout.out_cache_loc,
                               max_seqlen_q=width, blocks=QueryBlocks((block,), scatter))

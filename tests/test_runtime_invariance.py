@@ -30,7 +30,7 @@ def _meta(prefix: list[int], extend: list[int], page_table: torch.Tensor, page: 
     kv = [p + e for p, e in zip(prefix, extend, strict=True)]
     return TorchPagedMetadata(qo, torch.tensor(kv), page_table, pos,
                               cache_slots(page_table, row_req, pos, page), max(extend),
-                              QueryBlocks.plan(qo.tolist(), kv, pos, page_table))
+                              QueryBlocks.plan(qo.tolist(), kv, pos, page_table, page))
 
 
 def test_paged_attention_row_is_the_same_alone_or_in_a_verify_block() -> None:
@@ -115,17 +115,20 @@ def test_a_row_is_the_same_in_a_block_of_any_width(heads: int, kv_heads: int) ->
 
 
 def test_query_blocks_group_requests_by_row_count() -> None:
-    qo = [0, 1, 9, 9, 12, 14, 22]  # rows 1, 8, 0, 3, 2, 8
+    qo = [0, 1, 9, 9, 12, 14, 19]  # rows 1, 8, 0, 3, 2, 5
     kv = [100, 30, 5, 200, 64, 65]
-    positions = torch.arange(22) + 1000
-    table = torch.arange(6 * 3, dtype=torch.int32).view(6, 3)
-    blocks = QueryBlocks.plan(qo, kv, positions, table)
-    widths = [(b.width, b.page_table[:, 0].tolist(), b.kv_bound) for b in blocks.blocks]
-    # Widths 1, 2, 4 (3 rows), 8; the request with no rows joins none; each block reads its own longest KV.
-    assert widths == [(1, [0], 128), (2, [12], 64), (3, [9], 256), (8, [3, 15], 128)]
-    by_width = {b.width: b for b in blocks.blocks}
-    assert by_width[3].gather.tolist() == [[9, 10, 11]]
-    assert by_width[8].positions[0].tolist() == list(range(1001, 1009))
+    positions = torch.arange(19)
+    table = torch.arange(6 * 3, dtype=torch.int32).view(6, 3)  # 3 pages of 64 per request
+    blocks = QueryBlocks.plan(qo, kv, positions, table, page_size=64)
+    # Widths 1, 2, 3 (joins 4), 8 (8 and 5 rows); the request with no rows joins none; each block reads
+    # its own longest KV length, page by page (past the page table: its last page again, masked).
+    assert [(b.width, b.kv_bound, b.pages.tolist()) for b in blocks.blocks] == [
+        (1, 128, [0, 1]), (2, 64, [12]), (3, 256, [9, 10, 11, 11]), (8, 128, [3, 4, 15, 16])]
+    wide = blocks.blocks[-1]
+    assert wide.gather.tolist() == [list(range(1, 9)), [14, 15, 16, 17, 18, 19, 19, 19]]  # 19: zero row
+    assert wide.hidden.shape == (2, 128, 1, 8)
+    assert wide.hidden[0, :4, 0, 0].tolist() == [False, False, True, True]  # row at position 1
+    assert wide.hidden[1, :, 0, 5:].all()  # padding entries see no key
     # Laid end to end the blocks' rows are 1 + 2 + 3 + 16; scatter finds every row's place.
     flat = torch.cat([b.gather.flatten() for b in blocks.blocks])
-    assert flat[blocks.scatter].tolist() == list(range(22))
+    assert flat[blocks.scatter].tolist() == list(range(19))

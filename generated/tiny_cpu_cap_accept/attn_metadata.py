@@ -9,7 +9,7 @@ from dspark.runtime.attention.metadata import QueryBlocks, TorchPagedMetadata
 from dspark.runtime.attention.torch_paged import TorchPagedAttention as AttentionBackend
 from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
-from .deployment import NUM_DRAFT_TOKENS
+from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE
 
 # The widest query block of a verify step: every request runs all N rows (the plan caps only acceptance).
 MAX_SEQLEN_Q = NUM_DRAFT_TOKENS
@@ -27,7 +27,7 @@ def build_extend_metadata(layout: ExtendLayout) -> TorchPagedMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=layout.max_rows,
         blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
-                                layout.page_table),
+                                layout.page_table, PAGE_SIZE),
     )
 
 
@@ -47,5 +47,5 @@ def build_verify_metadata(layout: VerifyLayout) -> TorchPagedMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=MAX_SEQLEN_Q,
         blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
-                                layout.page_table),
+                                layout.page_table, PAGE_SIZE),
     )

@@ -9,7 +9,7 @@ from dspark.runtime.attention.metadata import QueryBlocks, TorchPagedMetadata
 from dspark.runtime.attention.torch_paged import TorchPagedAttention as AttentionBackend
 from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
-from .deployment import MAX_VERIFY_LEN
+from .deployment import MAX_VERIFY_LEN, PAGE_SIZE
 
 # The widest query block of a verify step: a request runs at most max_verify_len rows.
 MAX_SEQLEN_Q = MAX_VERIFY_LEN
@@ -27,7 +27,7 @@ def build_extend_metadata(layout: ExtendLayout) -> TorchPagedMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=layout.max_rows,
         blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
-                                layout.page_table),
+                                layout.page_table, PAGE_SIZE),
     )
 
 
@@ -48,5 +48,5 @@ def build_verify_metadata(layout: VerifyLayout) -> TorchPagedMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=MAX_SEQLEN_Q,
         blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
-                                layout.page_table),
+                                layout.page_table, PAGE_SIZE),
     )

@@ -33,16 +33,18 @@ def block_width(rows: int) -> int:
 
 @dataclass(frozen=True)
 class QueryBlock:
-    """Requests whose query rows run as one dense `[requests, width]` block of the torch attention.
+    """Requests whose query rows run as one dense `[requests, width]` block of the torch attention,
+    with what every layer reads the same way: built once per step, on the host side of it.
 
     `gather[b, i]` is the row index of the block's request b's i-th query (or `total_rows`, a zero
-    row, past its end); `positions[b, i]` is that query's position (-1 past the end). Built on the
-    host side of a step, once for every layer.
+    row, past its end). The block reads each request's first `kv_bound` key positions, a whole page
+    at a time: `pages` lists them request by request. `hidden[b, j, 0, i]` is True where key j is
+    past query i's position (every key, for a padding entry).
     """
 
     gather: torch.Tensor  # int64 [b, width]
-    positions: torch.Tensor  # int64 [b, width]
-    page_table: torch.Tensor  # int32 [b, pages_per_request]: the block's requests' rows of it
+    pages: torch.Tensor  # int64 [b * ceil(kv_bound / page_size)]
+    hidden: torch.Tensor  # bool [b, kv_bound, 1, width]
     kv_bound: int  # host: key positions read per request, a multiple of KV_CHUNK
 
     def __post_init__(self) -> None:
@@ -53,6 +55,10 @@ class QueryBlock:
     @property
     def width(self) -> int:
         return self.gather.shape[1]
+
+    @property
+    def num_requests(self) -> int:
+        return self.gather.shape[0]
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class QueryBlocks:
 
     @staticmethod
     def plan(host_qo_indptr: Sequence[int], host_kv_lens: Sequence[int], positions: torch.Tensor,
-             page_table: torch.Tensor) -> QueryBlocks:
+             page_table: torch.Tensor, page_size: int) -> QueryBlocks:
         device = positions.device
         total = positions.shape[0]
         lens = [end - start for start, end in itertools.pairwise(host_qo_indptr)]
@@ -79,6 +85,7 @@ class QueryBlocks:
             if rows:
                 members.setdefault(block_width(rows), []).append(req)
         padded_pos = torch.cat((positions.long(), positions.new_full((1,), -1).long()))
+        last_page = page_table.shape[1] - 1
         blocks, scatter, offset = [], [0] * total, 0
         for reqs in (members[w] for w in sorted(members)):
             width = max(lens[r] for r in reqs)
@@ -88,9 +95,13 @@ class QueryBlocks:
                     scatter[host_qo_indptr[r] + i] = offset + b * width + i
             offset += len(reqs) * width
             gather_t = torch.tensor(gather, dtype=torch.long, device=device)
-            blocks.append(QueryBlock(gather=gather_t, positions=padded_pos[gather_t],
-                                     page_table=page_table[torch.tensor(reqs, device=device)],
-                                     kv_bound=kv_read_bound([host_kv_lens[r] for r in reqs])))
+            bound = kv_read_bound([host_kv_lens[r] for r in reqs])
+            # A bound past the page table reads its last page again; those keys are masked.
+            columns = torch.arange(-(-bound // page_size), device=device).clamp_max(last_page)
+            pages = page_table[torch.tensor(reqs, device=device)][:, columns].long().flatten()
+            key_pos = torch.arange(bound, device=device)[None, :, None, None]
+            hidden = key_pos > padded_pos[gather_t][:, None, None]
+            blocks.append(QueryBlock(gather=gather_t, pages=pages, hidden=hidden, kv_bound=bound))
         return QueryBlocks(tuple(blocks), torch.tensor(scatter, dtype=torch.long, device=device))
 
 

@@ -52,19 +52,14 @@ class TorchPagedAttention:
 
     def _read_kv(self, layer_id: int, block: QueryBlock) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's requests' first `kv_bound` keys and values, `[B, kv_bound, Hkv, D]` each,
-        read a whole page at a time (keys past a request's length are read but masked). A KV head's
-        keys are then a strided `[B, kv_bound, D]` view that a batched product reads in place."""
-        num_reqs, bound = block.page_table.shape[0], block.kv_bound
-        num_pages = -(-bound // self.page_size)
-        last_page = block.page_table.shape[1] - 1
-        columns = torch.arange(num_pages, device=block.page_table.device).clamp_max(last_page)
-        pages = block.page_table[:, columns].long().flatten()
+        read a whole page at a time. A KV head's keys are then a strided `[B, kv_bound, D]` view
+        that a batched product reads in place."""
         k_cache, v_cache = self.cache.k[layer_id], self.cache.v[layer_id]
         num_kv, head_dim = k_cache.shape[1:]
 
         def read(cache: torch.Tensor) -> torch.Tensor:
-            paged = cache.view(-1, self.page_size * num_kv * head_dim).index_select(0, pages)
-            return paged.view(num_reqs, num_pages * self.page_size, num_kv, head_dim)[:, :bound]
+            paged = cache.view(-1, self.page_size * num_kv * head_dim).index_select(0, block.pages)
+            return paged.view(block.num_requests, -1, num_kv, head_dim)[:, :block.kv_bound]
 
         return read(k_cache), read(v_cache)
 
@@ -82,14 +77,13 @@ class TorchPagedAttention:
         # Queries pre-scaled, as the columns of the products: Hkv, B, D, rows.
         q_cols = (q_padded[block.gather] * self.scale).view(num_reqs, width, num_kv, group, head_dim)
         q_cols = q_cols.permute(2, 0, 4, 3, 1).reshape(num_kv, num_reqs, head_dim, rows)
-        query_pos = block.positions[:, None, :].expand(num_reqs, group, width).reshape(num_reqs, 1, rows)
-        key_pos = torch.arange(bound, device=q_padded.device)[:, None]
         keys, vals = self._read_kv(layer_id, block)
 
         scores = keys.new_empty((num_kv, num_reqs, bound, rows))
         for h in range(num_kv):
             torch.bmm(keys[:, :, h], q_cols[h], out=scores[h])
-        scores = scores.float().masked_fill_(key_pos > query_pos, float("-inf"))  # Hkv, B, kv_bound, rows
+        scores = scores.float()  # Hkv, B, kv_bound, rows
+        scores.view(num_kv, num_reqs, bound, group, width).masked_fill_(block.hidden, float("-inf"))
         # A max is exact in any order (here over a transposed copy: a contiguous reduction is several
         # times faster); a row with no visible key (a padding row) shifts by 0, not by -inf.
         top = scores.transpose(-1, -2).contiguous().amax(-1)[..., None, :]
