@@ -56,7 +56,8 @@ def test_package_files_and_header(write_spec, tmp_path):
         'if __name__ == "__main__":\n    raise SystemExit(main(Path(__file__).resolve().parent))\n')
     deployment = package.files["deployment.py"].decode()
     assert "NUM_DRAFT_TOKENS = 4  # N = gamma + 1" in deployment and "\nPAGE_SIZE = 16  #" in deployment
-    assert "from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE\n" in package.files["attn_metadata.py"].decode()
+    metadata = package.files["attn_metadata.py"].decode()
+    assert "from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE\n" in metadata
 
 
 SHARED = ("VERIFY_MODE", "GAMMA", "NUM_DRAFT_TOKENS", "MIN_VERIFY_LEN", "MAX_VERIFY_LEN", "PAGE_SIZE",
