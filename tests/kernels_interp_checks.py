@@ -345,6 +345,34 @@ def check_paged_attention_rows_independent() -> None:
                 _equal(f"case {case} slot {r} rows {first}..{end - 1}", alone, full[first:end])
 
 
+def check_triton_attention_lossless() -> None:
+    """The CUDA attention end to end on the CPU: the embedded compact deployment with the Triton
+    kernel (interpreted) as its attention decodes greedily exactly as target-only decoding through
+    the same kernel: the kernel's rows do not depend on their neighbours, and the metadata, the
+    ragged compact rows and the prefill chunks reach it as the CUDA runtime passes them."""
+    import dataclasses
+    import functools
+    from pathlib import Path
+
+    from dspark.corpus import held_out_text
+    from dspark.runtime.attention.triton_paged import TritonPagedAttention
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+
+    pkg = load_package(Path(__file__).resolve().parents[1] / "generated" / "tiny_cpu_compact")
+    triton_attention = functools.partial(TritonPagedAttention, impl="triton")
+    pkg = dataclasses.replace(pkg, parts=dataclasses.replace(pkg.parts, attention_backend=triton_attention))
+    texts = held_out_text(50_000)
+    prompts = [pkg.tokenizer.encode(texts[i][:9 + 17 * i]) for i in range(3)]
+    runtime = Runtime(pkg)
+    assert isinstance(runtime.models.attn, TritonPagedAttention)
+    expected, _ = runtime.generate(prompts, 20, target_only=True)
+    outputs, stats = Runtime(pkg).generate(prompts, 20)
+    assert sum(stats.drafts_accepted) > 0
+    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert got == want, f"prompt {i}: speculative output differs from target-only"
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     "layout_worked_example": check_layout_worked_example,
     "layout_random": check_layout_random,
@@ -355,6 +383,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "paged_attention_random": check_paged_attention_random,
     "paged_attention_sentinels": check_paged_attention_sentinels,
     "paged_attention_rows_independent": check_paged_attention_rows_independent,
+    "triton_attention_lossless": check_triton_attention_lossless,
 }
 
 

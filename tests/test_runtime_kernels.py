@@ -28,7 +28,7 @@ from dspark.runtime.kernels.verify_rows import build_verify_rows
 REPO = Path(__file__).resolve().parents[1]
 INTERP_CHECKS = ["layout_worked_example", "layout_random", "accept_cap_example", "accept_random",
                  "pack_random", "scatter_random", "paged_attention_random", "paged_attention_sentinels",
-                 "paged_attention_rows_independent"]
+                 "paged_attention_rows_independent", "triton_attention_lossless"]
 
 
 # -- independent oracles: the semantics spelled out one row at a time -------------------------

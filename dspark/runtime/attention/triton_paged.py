@@ -11,16 +11,19 @@ from __future__ import annotations
 import torch
 
 from dspark.runtime.attention.metadata import PagedAttnMetadata
+from dspark.runtime.kernels.dispatch import Impl
 from dspark.runtime.kernels.paged_attention import paged_attention
 from dspark.runtime.kv_cache import PagedKVCache
 
 
 class TritonPagedAttention:
-    def __init__(self, cache: PagedKVCache, page_size: int, num_heads: int, scale: float) -> None:
+    def __init__(self, cache: PagedKVCache, page_size: int, num_heads: int, scale: float,
+                 impl: Impl = "auto") -> None:
         self.cache = cache
         self.page_size = page_size
         self.num_heads = num_heads
         self.scale = scale
+        self.impl = impl  # "triton" runs the kernel on CPU tensors under the Triton interpreter (tests)
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: PagedAttnMetadata) -> torch.Tensor:
@@ -28,4 +31,4 @@ class TritonPagedAttention:
         k_cache, v_cache = self.cache.k[layer_id], self.cache.v[layer_id]
         return paged_attention(q, k_cache, v_cache, meta.qo_indptr, meta.kv_lens, meta.positions,
                                meta.page_table, page_size=self.page_size, scale=self.scale,
-                               max_rows_per_request=meta.max_seqlen_q)
+                               max_rows_per_request=meta.max_seqlen_q, impl=self.impl)
