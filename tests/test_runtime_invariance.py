@@ -4,7 +4,13 @@ what makes greedy speculative output bit-exact with target-only output."""
 import pytest
 import torch
 
-from dspark.runtime.attention.metadata import KV_CHUNK, QueryBlocks, TorchPagedMetadata, kv_read_bound
+from dspark.runtime.attention.metadata import (
+    KV_CHUNK,
+    SLAB_ROWS,
+    QueryBlocks,
+    TorchPagedMetadata,
+    kv_read_bound,
+)
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.layout import cache_slots
@@ -132,3 +138,25 @@ def test_query_blocks_group_requests_by_row_count() -> None:
     # Laid end to end the blocks' rows are 1 + 2 + 3 + 16; scatter finds every row's place.
     flat = torch.cat([b.gather.flatten() for b in blocks.blocks])
     assert flat[blocks.scatter].tolist() == list(range(19))
+
+
+def test_a_long_prefill_chunk_runs_in_slabs_that_read_only_their_keys() -> None:
+    """300 rows after 20 cached tokens: slabs of SLAB_ROWS rows, each a block of its own reading keys
+    up to its last row; the attention equals the unsplit causal attention."""
+    torch.manual_seed(5)
+    page, heads, kv_heads, dim, ctx, rows = 16, 4, 2, 8, 20, 300
+    assert rows > 2 * SLAB_ROWS
+    table = torch.arange(1, 22, dtype=torch.int32).view(1, 21)
+    meta = _meta([ctx], [rows], table, page)
+    blocks = meta.blocks.blocks
+    assert [(b.width, b.kv_bound) for b in blocks] == [(128, 192), (128, 320), (44, 320)]
+    cache = PagedKVCache(1, 22, page, kv_heads, dim, torch.float32)
+    attn = TorchPagedAttention(cache, page, heads, dim ** -0.5)
+    q, k, v = torch.randn(ctx + rows, heads, dim), torch.randn(ctx + rows, kv_heads, dim), \
+        torch.randn(ctx + rows, kv_heads, dim)
+    attn.attend(0, q[:ctx], k[:ctx], v[:ctx], _meta([0], [ctx], table, page))
+    out = attn.attend(0, q[ctx:], k[ctx:], v[ctx:], meta)
+    keys, vals = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], is_causal=True)
+    torch.testing.assert_close(out, ref[0].transpose(0, 1)[ctx:], rtol=1e-5, atol=1e-5)

@@ -25,6 +25,12 @@ def kv_read_bound(kv_lens: Sequence[int]) -> int:
     return max(KV_CHUNK, -(-max(kv_lens, default=1) // KV_CHUNK) * KV_CHUNK)
 
 
+# A request with more rows than this (a long prefill chunk) runs in slabs of this many rows, each its
+# own block reading keys only up to its last row: a block's scores stay bounded, and the early slabs
+# of a causal prompt read fewer keys.
+SLAB_ROWS = 128
+
+
 def block_width(rows: int) -> int:
     """The query block a request with `rows` rows joins: the next power of two, so a step's requests
     fall into a few blocks and no block pads a request to more than twice its rows."""
@@ -67,7 +73,8 @@ class QueryBlocks:
 
     Requests are grouped by `block_width` of their row count, so the attention's work follows the
     rows a step runs (a compact step of two rows per request does a quarter of the work of eight
-    rows) instead of padding every request to the widest one. Requests with no rows join no block.
+    rows) instead of padding every request to the widest one; a request of more than `SLAB_ROWS`
+    rows runs as slabs, one block each. Requests with no rows join no block.
     `scatter[t]` is row t's index in the blocks' `[b * width]` outputs laid end to end.
     """
 
@@ -80,25 +87,32 @@ class QueryBlocks:
         device = positions.device
         total = positions.shape[0]
         lens = [end - start for start, end in itertools.pairwise(host_qo_indptr)]
-        members: dict[int, list[int]] = {}
+        # Entries (request, first row, rows): a request's rows, or one slab of a long prefill chunk.
+        members: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
         for req, rows in enumerate(lens):
-            if rows:
-                members.setdefault(block_width(rows), []).append(req)
+            if rows > SLAB_ROWS:
+                for first in range(0, rows, SLAB_ROWS):
+                    members[(-1, req, first)] = [(req, first, min(SLAB_ROWS, rows - first))]
+            elif rows:
+                members.setdefault((block_width(rows),), []).append((req, 0, rows))
         padded_pos = torch.cat((positions.long(), positions.new_full((1,), -1).long()))
         last_page = page_table.shape[1] - 1
         blocks, scatter, offset = [], [0] * total, 0
-        for reqs in (members[w] for w in sorted(members)):
-            width = max(lens[r] for r in reqs)
-            gather = [[host_qo_indptr[r] + i if i < lens[r] else total for i in range(width)] for r in reqs]
-            for b, r in enumerate(reqs):
-                for i in range(lens[r]):
-                    scatter[host_qo_indptr[r] + i] = offset + b * width + i
-            offset += len(reqs) * width
+        for entries in (members[key] for key in sorted(members)):
+            width = max(n for _, _, n in entries)
+            gather = [[host_qo_indptr[r] + first + i if i < n else total for i in range(width)]
+                      for r, first, n in entries]
+            for b, (r, first, n) in enumerate(entries):
+                for i in range(n):
+                    scatter[host_qo_indptr[r] + first + i] = offset + b * width + i
+            offset += len(entries) * width
             gather_t = torch.tensor(gather, dtype=torch.long, device=device)
-            bound = kv_read_bound([host_kv_lens[r] for r in reqs])
+            # Rows are their request's last positions: an entry needs keys up to its own last row.
+            bound = kv_read_bound([host_kv_lens[r] - lens[r] + first + n for r, first, n in entries])
             # A bound past the page table reads its last page again; those keys are masked.
             columns = torch.arange(-(-bound // page_size), device=device).clamp_max(last_page)
-            pages = page_table[torch.tensor(reqs, device=device)][:, columns].long().flatten()
+            reqs = torch.tensor([r for r, _, _ in entries], device=device)
+            pages = page_table[reqs][:, columns].long().flatten()
             key_pos = torch.arange(bound, device=device)[None, :, None, None]
             hidden = key_pos > padded_pos[gather_t][:, None, None]
             blocks.append(QueryBlock(gather=gather_t, pages=pages, hidden=hidden, kv_bound=bound))
