@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# One prepared run on a CUDA machine (the device tool lends one for minutes; planned to finish in
-# under 8): the GPU tests (the Triton paged-attention kernel against its reference, graph replay from
-# the planned layout, lossless decoding on CUDA), then the Llama-3.1-8B geometry with dummy weights:
-# `dspark profile` of its static and compact builds at B = 1, 8, 32, 64, 128 (context 128), their
-# point-by-point comparison, the two builds' steps and the plain-torch reference forward of the same
-# rows interleaved in one run (benchmarks/bench_verify_step.py), the reference alone; last the tiny
-# H200 deployment's profile (with the draft-time term) and a static / cap-accept / compact benchmark.
-# Everything lands in $RES, packed at the end into $OUT/device_results.tgz (the device tool brings
-# back at most 8 files); the logs are copied beside it.
+# One prepared run on a CUDA machine. The device tool lends one for 15 minutes a task and stops a
+# command at 10, so the phases run most important first, each under its own time limit (about 9
+# minutes together; run it with timeout_s 600), and the results are saved to $OUT after every
+# phase (a run stopped early still brings back what it did):
+#   1. the GPU tests (the Triton paged-attention kernel against its reference, graph replay from the
+#      planned layout, lossless decoding on CUDA);
+#   2. the Llama-3.1-8B geometry with dummy weights: its static and compact builds' verify steps and
+#      the plain-torch reference forward of the same rows, interleaved in one run at B = 1, 8, 32,
+#      64, 128 (benchmarks/bench_verify_step.py);
+#   3. `dspark profile` of both 8B builds at those batch sizes (the tables for specs/tables/) and
+#      their point-by-point comparison;
+#   4. the tiny H200 deployment's profile (with the draft-time term) and a static / cap-accept /
+#      compact benchmark.
+# Everything lands in $RES, packed into $OUT/device_results.tgz with the main logs beside it (the
+# device tool brings back at most 8 files).
 #
 #   OUT=runs/device benchmarks/device_check.sh
 set -uo pipefail
@@ -22,16 +28,25 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+
+save() {  # after every phase: what is done so far comes back even if a later phase is stopped
+  tar -czf "$OUT/device_results.tgz" -C "$RES" .
+  for f in tests.log l8b_steps.txt l8b_compare.txt tiny_bench.txt; do
+    [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/"
+  done
+}
+
 nvidia-smi -L | tee "$RES/device.txt"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$RES/device.txt"
 
 # The Triton interpreter checks run on the CPU under the pinned triton; a device image may carry
 # another triton whose interpreter differs, so they are left out here.
-echo "== GPU tests"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_attention.py tests/test_runtime_cuda.py \
-  tests/test_runtime_kernels.py tests/test_runtime_layout.py tests/test_runtime_metadata.py \
+echo "== 1. GPU tests"
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_attention.py \
+  tests/test_runtime_cuda.py tests/test_runtime_kernels.py tests/test_runtime_layout.py tests/test_runtime_metadata.py \
   tests/test_runtime_graph_buffers.py tests/test_runtime_device_placement.py -k "not under_interpreter" \
   2>&1 | tee "$RES/tests.log" | tail -n 25
+save
 
 W=$(mktemp -d)
 "$PY" - "$W" <<'PYEOF'
@@ -69,33 +84,34 @@ for name, verify, cost in [("h200_profile", {"mode": "compact", "allow_no_cost_m
         yaml.safe_dump(spec, f, sort_keys=False)
 PYEOF
 
-echo "== 8B geometry, dummy weights: static and compact profiles"
+echo "== 2. 8B geometry, dummy weights: static, compact and the reference forward interleaved"
 for name in l8b_static l8b_compact; do
   "$PY" -m dspark.cli.compile build "$W/$name.yaml" -o "$W/pkgs/$name" >/dev/null
-  "$PY" -m dspark.cli.main profile "$W/pkgs/$name" -o "$RES/$name" --batch-sizes 1,8,32,64,128 \
+done
+timeout 150 "$PY" benchmarks/bench_verify_step.py "$W/pkgs/l8b_static" "$W/pkgs/l8b_compact" \
+  --batch-sizes 1,8,32,64,128 --fractions 0.125,0.25,0.5,1 --reference --repeats 10 2>&1 | tee "$RES/l8b_steps.txt"
+save
+
+echo "== 3. 8B geometry: profiles of both builds (the tables) and their comparison"
+for name in l8b_static l8b_compact; do
+  timeout 80 "$PY" -m dspark.cli.main profile "$W/pkgs/$name" -o "$RES/$name" --batch-sizes 1,8,32,64,128 \
     --context-len 128 --repeats 5 --warmup 2 --grid-density 6 --m-bin 64 --no-progress 2>&1 \
     | tee "$RES/$name.profile.txt" | tail -n 8
 done
 "$PY" benchmarks/compare_profiles.py "$RES/l8b_static" "$RES/l8b_compact" 2>&1 | tee "$RES/l8b_compare.txt"
-echo "== 8B geometry: static, compact and the reference forward interleaved in one run"
-"$PY" benchmarks/bench_verify_step.py "$W/pkgs/l8b_static" "$W/pkgs/l8b_compact" --batch-sizes 1,8,32,64,128 \
-  --fractions 0.125,0.25,0.5,1 --reference --repeats 10 2>&1 | tee "$RES/l8b_steps.txt"
-"$PY" benchmarks/reference_forward.py --geometry llama31_8b --batch-sizes 1,8,32,64,128 --rows 1,2,4,8 \
-  --context-len 128 --repeats 10 2>&1 | tee "$RES/l8b_reference.txt"
+save
 
-echo "== tiny H200 deployment: profile with the draft term, then static vs cap-accept vs compact"
+echo "== 4. tiny H200 deployment: profile with the draft term, then static vs cap-accept vs compact"
 "$PY" -m dspark.cli.compile build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile" >/dev/null
-"$PY" -m dspark.cli.main profile "$W/pkgs/h200_profile" -o "$W/tiny_tables" --repeats 5 --grid-density 8 \
-  --m-bin 16 --no-progress 2>&1 | tee "$RES/tiny_profile.txt" | tail -n 6
+timeout 45 "$PY" -m dspark.cli.main profile "$W/pkgs/h200_profile" -o "$W/tiny_tables" --repeats 5 \
+  --grid-density 8 --m-bin 16 --no-progress 2>&1 | tee "$RES/tiny_profile.txt" | tail -n 6
 mkdir -p "$RES/tiny_tables" && cp "$W"/tiny_tables/*.json "$RES/tiny_tables/"
 for name in h200_cap_accept h200_compact h200_compact_aligned; do
   "$PY" -m dspark.cli.compile build "$W/$name.yaml" -o "$W/pkgs/$name" >/dev/null
 done
 "$PY" -m dspark.cli.compile build specs/tiny_h200_static.yaml -o "$W/pkgs/h200_static" >/dev/null
-"$PY" benchmarks/bench_modes.py "$W/pkgs/h200_static" "$W/pkgs/h200_cap_accept" "$W/pkgs/h200_compact" \
-  "$W/pkgs/h200_compact_aligned" --prompts 32 --max-new-tokens 128 --rounds 3 2>&1 | tee "$RES/tiny_bench.txt"
-
-tar -czf "$OUT/device_results.tgz" -C "$RES" .
-cp "$RES"/tests.log "$RES"/l8b_compare.txt "$RES"/l8b_steps.txt "$RES"/l8b_reference.txt "$RES"/tiny_bench.txt \
-  "$OUT/" 2>/dev/null
+timeout 60 "$PY" benchmarks/bench_modes.py "$W/pkgs/h200_static" "$W/pkgs/h200_cap_accept" \
+  "$W/pkgs/h200_compact" "$W/pkgs/h200_compact_aligned" --prompts 32 --max-new-tokens 128 --rounds 3 2>&1 \
+  | tee "$RES/tiny_bench.txt"
+save
 ls "$OUT"
