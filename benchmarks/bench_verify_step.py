@@ -26,7 +26,6 @@ import functools
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,7 @@ from reference_forward import (  # noqa: E402  (a sibling script, not a package)
     cuda_graph,
     package_model,
     positive_ints,
-    synchronize,
+    time_steps,
     verify_step,
 )
 
@@ -94,16 +93,6 @@ def row_counts(num_reqs: int, timer: VerifyStepTimer, fractions: Sequence[float]
     return sorted({min(high, max(low, round(f * num_reqs * n))) for f in fractions})
 
 
-def timed(run: Callable[[], Any], device: torch.device) -> Callable[[], float]:
-    def step() -> float:
-        synchronize(device)
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        return time.perf_counter() - start
-    return step
-
-
 def step_timers(static: Runtime, compact: Runtime, batch_sizes: Sequence[int],
                 context_len: int) -> tuple[VerifyStepTimer, VerifyStepTimer]:
     """Both builds' step timers; refuses batch sizes either cannot hold, saying what to change."""
@@ -111,6 +100,10 @@ def step_timers(static: Runtime, compact: Runtime, batch_sizes: Sequence[int],
     for timer in timers:
         timer.batch_sizes(batch_sizes)
     return timers
+
+
+def one_step(run: Callable[[], Any], device: torch.device) -> float:
+    return time_steps(run, device, warmup=0, repeats=1)[0]
 
 
 def measure(st: VerifyStepTimer, ct: VerifyStepTimer, batch_sizes: Sequence[int], fractions: Sequence[float],
@@ -140,7 +133,7 @@ def measure(st: VerifyStepTimer, ct: VerifyStepTimer, batch_sizes: Sequence[int]
                     run: Callable[[], Any] = functools.partial(verify_step, model, ids, cache, context_len)
                     if device.type == "cuda":
                         run = cuda_graph(run, warmup)[0]
-                    steps["reference", b * r] = timed(run, device)
+                    steps["reference", b * r] = functools.partial(one_step, run, device)
             for step in steps.values():
                 for _ in range(warmup):
                     step()

@@ -97,8 +97,9 @@ def test_templates_fill_in_rather_than_decide(template):
 
 @pytest.mark.parametrize("kind,device,absent", [
     ("cpu", "generic", ("Ascend", "npu", "cuda", "CUDAGraph", "if ", "elif ")),
-    ("cuda", "h200", ("Ascend", "npu", "NPUGraph", "TorchPagedAttention", "QueryPadding")),
-    ("ascend", "910c", ("cuda", "CUDAGraph", "TorchPagedAttention", "PagedAttnMetadata")),
+    ("cuda", "h200", ("Ascend", "npu", "NPUGraph", "TorchPagedAttention", "QueryBlocks")),
+    ("ascend", "910c", ("cuda", "CUDAGraph", "TorchPagedAttention", "TritonPagedAttention",
+                        "PagedAttnMetadata")),
 ])
 def test_backend_modules_have_no_dead_branches(write_spec, tmp_path, kind, device, absent):
     overrides = {"backend": {"kind": kind, "device": device}}

@@ -6,7 +6,6 @@ public functions take Triton for CUDA tensors when it is installed and the refer
 and accept `impl="torch" | "triton"` to force one (tests run the Triton kernels on CPU under
 `TRITON_INTERPRET=1`). Sizes that shape outputs or launch grids are Python ints from the caller,
 so nothing here waits on the device and every kernel can be captured in a CUDA graph.
-`greedy_accept` itself lives in `dspark.runtime.accept`, next to its `AcceptResult`.
 """
 
 from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
