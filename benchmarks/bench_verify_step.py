@@ -7,7 +7,9 @@ Does verify cost follow rows? For every batch size B this times, round after rou
 - the compact build's step of M rows for each `--fractions` f (M = f·B·N, at least B·floor);
 - with `--reference`, the plain-torch forward of the same model (benchmarks/reference_forward.py:
   dense per-request KV cache, SDPA, CUDA graphs on a GPU) at R = M/B rows per request, where M/B is
-  whole, and at N rows.
+  whole, and at N rows;
+- with `--anchor PACKAGE`, a second compact build of the same deployment (the same spec with
+  `backend.attention: flashinfer`, say) at the same M: the compact build's kernel against it.
 
 It prints the medians and the ratios the fast-verify targets name: compact over static at the same
 B, compact over the reference at the same rows, static over the reference at B·N.
@@ -62,6 +64,7 @@ class Point:
     compact_ms: float
     reference_ms: float | None  # the reference at `rows` rows (when rows / B is whole)
     reference_full_ms: float | None  # the reference at B·N rows
+    anchor_ms: float | None = None  # the anchor build's compact step at `rows` rows
 
     def to_json(self) -> dict[str, Any]:
         def over(a: float, b: float | None) -> float | None:
@@ -71,7 +74,8 @@ class Point:
                 "reference_full_ms": self.reference_full_ms,
                 "compact_over_static": self.compact_ms / self.static_ms,
                 "compact_over_reference": over(self.compact_ms, self.reference_ms),
-                "static_over_reference": over(self.static_ms, self.reference_full_ms)}
+                "static_over_reference": over(self.static_ms, self.reference_full_ms),
+                "anchor_ms": self.anchor_ms, "compact_over_anchor": over(self.compact_ms, self.anchor_ms)}
 
 
 def check_comparable(static: Runtime, compact: Runtime) -> None:
@@ -93,10 +97,10 @@ def row_counts(num_reqs: int, timer: VerifyStepTimer, fractions: Sequence[float]
     return sorted({min(high, max(low, round(f * num_reqs * n))) for f in fractions})
 
 
-def step_timers(static: Runtime, compact: Runtime, batch_sizes: Sequence[int],
-                context_len: int) -> tuple[VerifyStepTimer, VerifyStepTimer]:
-    """Both builds' step timers; refuses batch sizes either cannot hold, saying what to change."""
-    timers = VerifyStepTimer(static, context_len), VerifyStepTimer(compact, context_len)
+def step_timers(runtimes: Sequence[Runtime], batch_sizes: Sequence[int],
+                context_len: int) -> list[VerifyStepTimer]:
+    """Each build's step timer; refuses batch sizes any cannot hold, saying what to change."""
+    timers = [VerifyStepTimer(rt, context_len) for rt in runtimes]
     for timer in timers:
         timer.batch_sizes(batch_sizes)
     return timers
@@ -107,8 +111,8 @@ def one_step(run: Callable[[], Any], device: torch.device) -> float:
 
 
 def measure(st: VerifyStepTimer, ct: VerifyStepTimer, batch_sizes: Sequence[int], fractions: Sequence[float],
-            repeats: int, warmup: int, reference: bool,
-            progress: Callable[[str], None] | None = None) -> list[Point]:
+            repeats: int, warmup: int, reference: bool, progress: Callable[[str], None] | None = None,
+            anchor: VerifyStepTimer | None = None) -> list[Point]:
     static, context_len = st.runtime, st.context_len
     n = static.plan.num_draft_tokens
     device = static.device
@@ -124,6 +128,8 @@ def measure(st: VerifyStepTimer, ct: VerifyStepTimer, batch_sizes: Sequence[int]
             steps: dict[tuple[str, int], Callable[[], float]] = {}
             steps["static", b * n] = functools.partial(st, b, b * n)
             steps.update({("compact", m): functools.partial(ct, b, m) for m in rows})
+            if anchor is not None:
+                steps.update({("anchor", m): functools.partial(anchor, b, m) for m in rows})
             cache = None
             if model is not None:
                 cache = DenseCache.allocate(model.cfg, b, context_len + n, dtype, device,
@@ -148,9 +154,9 @@ def measure(st: VerifyStepTimer, ct: VerifyStepTimer, batch_sizes: Sequence[int]
             ms = {key: statistics.median(v) * 1e3 for key, v in seconds.items()}
             for m in rows:
                 points.append(Point(b, m, ms["static", b * n], ms["compact", m], ms.get(("reference", m)),
-                                    ms.get(("reference", b * n))))
+                                    ms.get(("reference", b * n)), ms.get(("anchor", m))))
                 if progress is not None:
-                    progress(format_point(points[-1]))
+                    progress(format_point(points[-1], anchor is not None))
             del steps, cache
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -167,12 +173,15 @@ def _ms(value: float | None) -> str:
 
 HEADER = ("B", "M", "static B·N ms", "compact ms", "compact/static", "reference ms", "compact/ref",
           "static/ref B·N")
+ANCHOR_HEADER = ("anchor ms", "compact/anchor")
 
 
-def format_point(p: Point) -> str:
+def format_point(p: Point, anchor: bool = False) -> str:
     cells = (p.num_reqs, p.rows, _ms(p.static_ms), _ms(p.compact_ms), _ratio(p.compact_ms, p.static_ms),
              _ms(p.reference_ms), _ratio(p.compact_ms, p.reference_ms),
              _ratio(p.static_ms, p.reference_full_ms))
+    if anchor:
+        cells += (_ms(p.anchor_ms), _ratio(p.compact_ms, p.anchor_ms))
     return "".join(f"{c:>16}" for c in cells)
 
 
@@ -187,6 +196,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7, help="timed rounds (default: 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each kind first (default: 2)")
     p.add_argument("--reference", action="store_true", help="also time the plain-torch reference forward")
+    p.add_argument("--anchor", type=Path, default=None, metavar="PACKAGE",
+                   help="also time this compact build of the same deployment (another attention backend)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead")
     args = p.parse_args(argv)
@@ -206,21 +217,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        static, compact = (Runtime(load_package(d)) for d in (args.static, args.compact))
-        check_comparable(static, compact)
-        st, ct = step_timers(static, compact, args.batch_sizes, args.context_len)
-        print(f"{static.deployment.name} vs {compact.deployment.name}: {static.device.type}, context "
+        packages = [args.static, args.compact] + ([args.anchor] if args.anchor else [])
+        runtimes = [Runtime(load_package(d)) for d in packages]
+        static, compact = runtimes[:2]
+        for other in runtimes[1:]:
+            check_comparable(static, other)
+        st, ct, *at = step_timers(runtimes, args.batch_sizes, args.context_len)
+        anchor = f" (anchor {runtimes[2].deployment.name})" if at else ""
+        print(f"{static.deployment.name} vs {compact.deployment.name}{anchor}: {static.device.type}, context "
               f"{args.context_len}, median of {args.repeats} interleaved rounds", file=sys.stderr)
         if not args.json:
-            print("".join(f"{h:>16}" for h in HEADER))
+            print("".join(f"{h:>16}" for h in HEADER + (ANCHOR_HEADER if at else ())))
         report = None if args.json else print
         points = measure(st, ct, args.batch_sizes, args.fractions, args.repeats, args.warmup, args.reference,
-                         report)
+                         report, at[0] if at else None)
     except (BenchError, ProfileError, ValueError) as exc:
         print(f"bench_verify_step: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"static": str(args.static), "compact": str(args.compact),
+                          "anchor": str(args.anchor) if args.anchor else None,
                           "context_len": args.context_len, "repeats": args.repeats,
                           "device": static.device.type, "cpu_threads": torch.get_num_threads(),
                           "points": [p.to_json() for p in points]}, indent=2))

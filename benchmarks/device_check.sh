@@ -11,7 +11,9 @@
 #   3. `dspark profile` of both 8B builds at those batch sizes (the tables for specs/tables/) and
 #      their point-by-point comparison;
 #   4. the tiny H200 deployment's profile (with the draft-time term) and a static / cap-accept /
-#      compact benchmark.
+#      compact benchmark;
+#   5. only where flashinfer-python imports: the FlashInfer GPU tests and the 8B compact build with
+#      `backend.attention: flashinfer` as the anchor of the Triton compact build, in one run.
 # Everything lands in $RES, packed into $OUT/device_results.tgz with the main logs beside it (the
 # device tool brings back at most 8 files).
 #
@@ -65,9 +67,10 @@ dummy = {"model": {"load_format": "dummy"}, "draft": {"load_format": "dummy", "n
          "serving": {"max_running_requests": 128, "max_context_len": 1024, "max_total_tokens": 32768}}
 write("specs/llama31_8b_h200_static.yaml", "l8b_static", **dummy,
       graph={"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 96, 128], "token_tiers": []})
-write("specs/llama31_8b_h200_compact.yaml", "l8b_compact", **dummy,
-      graph={"enabled": True, "capture_batch_sizes": [],
-             "token_tiers": [8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024]})
+compact_tiers = {"enabled": True, "capture_batch_sizes": [],
+                 "token_tiers": [8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024]}
+write("specs/llama31_8b_h200_compact.yaml", "l8b_compact", **dummy, graph=compact_tiers)
+write("specs/llama31_8b_h200_flashinfer.yaml", "l8b_flashinfer", **dummy, graph=compact_tiers)
 # The tiny deployment on the H200: a compact build without a table (to profile), and the builds to compare.
 tiny = yaml.safe_load(open("specs/tiny_h200_compact.yaml"))
 calibration = {"file": os.path.abspath("specs/tables/tiny_cpu/sts.json")}
@@ -114,4 +117,17 @@ timeout 60 "$PY" benchmarks/bench_modes.py "$W/pkgs/h200_static" "$W/pkgs/h200_c
   "$W/pkgs/h200_compact" "$W/pkgs/h200_compact_aligned" --prompts 32 --max-new-tokens 128 --rounds 3 2>&1 \
   | tee "$RES/tiny_bench.txt"
 save
+
+if "$PY" -c "import flashinfer" 2>/dev/null; then
+  echo "== 5. FlashInfer: its GPU tests, then the 8B compact build against it"
+  timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_flashinfer.py \
+    tests/test_runtime_flashinfer_gpu.py 2>&1 | tee "$RES/flashinfer_tests.log" | tail -n 8
+  "$PY" -m dspark.cli.compile build "$W/l8b_flashinfer.yaml" -o "$W/pkgs/l8b_flashinfer" >/dev/null
+  timeout 120 "$PY" benchmarks/bench_verify_step.py "$W/pkgs/l8b_static" "$W/pkgs/l8b_compact" \
+    --anchor "$W/pkgs/l8b_flashinfer" --batch-sizes 1,8,32,128 --fractions 0.25,0.5,1 --repeats 7 2>&1 \
+    | tee "$RES/l8b_flashinfer_steps.txt"
+  save
+else
+  echo "== 5. skipped: flashinfer-python is not installed here" | tee "$RES/flashinfer_skipped.txt"
+fi
 ls "$OUT"

@@ -51,6 +51,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dspark.backends import ATTENTION_BY_BACKEND
 from dspark.modes import VerifyMode
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class FingerprintError(ValueError):
 class Fingerprint:
     """The deployment a table was measured on (see the module docstring for what each field is for)."""
 
-    backend: str
+    backend: str  # the backend kind, with "+attention" when it runs a non-default attention
     device: str
     dtype: str
     model_geometry: str  # short sha256 of the target geometry's canonical JSON
@@ -230,6 +231,14 @@ def sampling_policy(temperature: float, top_p: float, top_k: int) -> str:
     return f"sample:temperature={_number(temperature)},top_p={_number(top_p)},top_k={int(top_k)}"
 
 
+def backend_identity(kind: str, attention: str | None) -> str:
+    """The backend as fingerprints store it: a table measured with FlashInfer's attention is not one
+    measured with the project's Triton kernel, but the default attention keeps the bare kind."""
+    if attention is None or attention == ATTENTION_BY_BACKEND[kind][0]:
+        return kind
+    return f"{kind}+{attention}"
+
+
 def _build(*, backend: str, device: str, dtype: str, geometry: Any, model_digest: str,
            draft_weights_digest: str, gamma: int, confidence_head: bool, markov_embedding_size: int,
            dummy_draft_layers: int | None, tp: int, dp: int, tiers: Sequence[int], verify_mode: str,
@@ -251,7 +260,8 @@ def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: GeometrySpec, tier
     (`model_digest`, `draft_digest`: `checkpoint_digest` of each checkpoint, "" when absent)."""
     generation = spec.serving.generation
     return _build(
-        backend=spec.backend.kind, device=spec.backend.device, dtype=spec.model.dtype, geometry=geometry,
+        backend=backend_identity(spec.backend.kind, spec.backend.attention), device=spec.backend.device,
+        dtype=spec.model.dtype, geometry=geometry,
         model_digest=model_digest, draft_weights_digest=draft_digest, gamma=spec.draft.gamma,
         confidence_head=spec.draft.confidence_head,
         markov_embedding_size=spec.draft.markov_embedding_size,
@@ -275,7 +285,8 @@ def fingerprint_of_deployment(deployment: DeploymentConfig, tiers: Sequence[int]
     """
     serving = deployment.serving
     return _build(
-        backend=deployment.backend, device=deployment.device, dtype=deployment.model.dtype,
+        backend=backend_identity(deployment.backend, deployment.attention), device=deployment.device,
+        dtype=deployment.model.dtype,
         geometry=deployment.model.geometry, model_digest=deployment.model.digest,
         draft_weights_digest=deployment.draft.digest, gamma=deployment.draft.gamma,
         confidence_head=deployment.draft.confidence_head,

@@ -37,6 +37,22 @@ def test_one_run_times_every_point_and_prints_the_ratios(capsys) -> None:
     assert table[1].split()[:2] == ["1", "4"] and table[1].split()[-2:] == ["-", "-"]  # no reference
 
 
+def test_an_anchor_build_is_timed_at_the_same_points(capsys) -> None:
+    """A second compact build of the deployment (here the tiered one; on a GPU, FlashInfer's) in the
+    same rounds, its ratio beside the others."""
+    anchor = str(REPO / "generated" / "tiny_cpu_compact_tiers")
+    argv = [STATIC, COMPACT, "--anchor", anchor, "--batch-sizes", "2", "--fractions", "0.5", "--repeats", "1",
+            "--warmup", "0"]
+    assert bench.main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (point,) = result["points"]
+    assert result["anchor"] == anchor and point["anchor_ms"] > 0
+    assert point["compact_over_anchor"] == pytest.approx(point["compact_ms"] / point["anchor_ms"])
+    assert bench.main(argv) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert header.split()[-3:] == ["anchor", "ms", "compact/anchor"] and len(row.split()) == 10
+
+
 def test_rows_stay_within_what_a_compact_step_runs() -> None:
     class Timer:
         floor, cap = 1, 8

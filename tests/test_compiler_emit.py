@@ -95,14 +95,20 @@ def test_templates_fill_in_rather_than_decide(template):
     assert "{% for" not in source and "{% elif" not in source, template
 
 
-@pytest.mark.parametrize("kind,device,absent", [
-    ("cpu", "generic", ("Ascend", "npu", "cuda", "CUDAGraph", "if ", "elif ")),
-    ("cuda", "h200", ("Ascend", "npu", "NPUGraph", "TorchPagedAttention", "QueryBlocks")),
-    ("ascend", "910c", ("cuda", "CUDAGraph", "TorchPagedAttention", "TritonPagedAttention",
-                        "PagedAttnMetadata")),
+@pytest.mark.parametrize("kind,device,attention,absent", [
+    ("cpu", "generic", None, ("Ascend", "npu", "cuda", "CUDAGraph", "FlashInfer", "if ", "elif ")),
+    ("cuda", "h200", None, ("Ascend", "npu", "NPUGraph", "TorchPagedAttention", "QueryBlocks", "FlashInfer",
+                            "FlashInferMetadata")),
+    ("cuda", "h200", "flashinfer", ("Ascend", "npu", "NPUGraph", "TorchPagedAttention", "QueryBlocks",
+                                    "TritonPagedAttention", "PagedAttnMetadata", "MAX_SEQLEN_Q")),
+    ("ascend", "910c", None, ("cuda", "CUDAGraph", "TorchPagedAttention", "TritonPagedAttention",
+                              "PagedAttnMetadata", "FlashInfer")),
 ])
-def test_backend_modules_have_no_dead_branches(write_spec, tmp_path, kind, device, absent):
+def test_backend_modules_have_no_dead_branches(write_spec, tmp_path, kind, device, attention, absent):
     overrides = {"backend": {"kind": kind, "device": device}}
+    if attention:  # FlashInfer's kernels need 16-bit weights and a head_dim of 64 or more
+        overrides["backend"]["attention"] = attention
+        overrides["model"] = {"dtype": "bfloat16", "geometry": {"num_heads": 1, "num_kv_heads": 1}}
     if kind != "cpu":
         overrides["graph"] = {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32]}
     package = compile_spec(write_spec(overrides), tmp_path / "out" / "demo")

@@ -118,6 +118,16 @@ def test_spec_and_generated_package_fingerprints_agree(spec, monkeypatch):
     assert runtime == fingerprint_of_spec(resolved)
 
 
+def test_a_table_names_the_attention_it_was_measured_with():
+    """FlashInfer's steps are not the Triton kernel's: their tables must not pass for each other,
+    while the default attention keeps the bare backend (tables measured before the field existed)."""
+    triton = fingerprint_of_spec(load_spec(REPO / "specs" / "llama31_8b_h200_compact.yaml"))
+    flashinfer = fingerprint_of_spec(load_spec(REPO / "specs" / "llama31_8b_h200_flashinfer.yaml"))
+    assert (triton.backend, flashinfer.backend) == ("cuda", "cuda+flashinfer")
+    differences = triton.differences(flashinfer, COST_FIELDS)
+    assert len(differences) == 1 and differences[0].startswith("backend: ")
+
+
 def test_relative_draft_checkpoints_agree_from_the_package(write_spec, tmp_path):
     # deployment.py stores a relative checkpoint relative to the package, the spec relative to itself.
     spec = write_spec({"draft": {"checkpoint": "ckpt/draft-v2"},

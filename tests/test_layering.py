@@ -19,8 +19,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "dspark"
 
-LIGHT = ("dspark.spec", "dspark.compiler", "dspark.formats", "dspark.modes", "dspark.fingerprint",
-         "dspark.checkpoints", "dspark.atomic", "dspark.cli.compile")
+LIGHT = ("dspark.spec", "dspark.compiler", "dspark.formats", "dspark.modes", "dspark.backends",
+         "dspark.fingerprint", "dspark.checkpoints", "dspark.atomic", "dspark.cli.compile")
 HEAVY = ("torch", "triton", "dspark.runtime", "dspark.measure", "dspark.report", "dspark.bench",
          "dspark.train", "dspark.cli")
 # The one file format stored as torch tensors.

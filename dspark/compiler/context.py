@@ -13,10 +13,17 @@ from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
 
 HEADER_WIDTH = 100
-# Each backend's attention (module under dspark.runtime.attention, class), as its eager runner names it.
-ATTENTION_BACKENDS = {"cpu": ("torch_paged", "TorchPagedAttention"),
-                      "cuda": ("triton_paged", "TritonPagedAttention"),
-                      "ascend": ("ascend", "AscendFusedAttention")}
+# Each attention implementation (`backend.attention`): its module under dspark.runtime.attention and
+# class, as its eager runner names them, and the template folder of its metadata builder and graph runner.
+ATTENTION_BACKENDS = {"torch": ("torch_paged", "TorchPagedAttention", "cpu"),
+                      "triton": ("triton_paged", "TritonPagedAttention", "cuda"),
+                      "flashinfer": ("flashinfer_paged", "FlashInferPagedAttention", "flashinfer"),
+                      "fused_infer_attention": ("ascend", "AscendFusedAttention", "ascend")}
+
+
+def attention_templates(resolved: ResolvedSpec) -> str:
+    """The template folder of the spec's attention implementation."""
+    return ATTENTION_BACKENDS[resolved.spec.backend.attention_impl][2]
 
 
 def header_text(resolved: ResolvedSpec) -> str:
@@ -61,10 +68,12 @@ _METADATA_READS = {
            "and KV lengths.",
     "cuda": "Tensor code only (no host sync), so it can run inside a captured graph.",
     "ascend": "The operator reads the lengths from the layout's host copies.",
+    "flashinfer": "FlashInfer plans on the host: the CSR page arrays are derived from the layout's host "
+                  "copies of the row counts and KV lengths, outside any captured graph.",
 }
 
 
-def _verify_rows_doc(mode: VerifyMode, backend: str) -> str:
+def _verify_rows_doc(mode: VerifyMode, backend: str, attention: str) -> str:
     """The generated `build_verify_metadata` docstring: how this mode lays out a step's rows."""
     ascend = backend == "ascend"
     if mode.packs_rows:
@@ -81,7 +90,8 @@ def _verify_rows_doc(mode: VerifyMode, backend: str) -> str:
         if mode.plans:
             rows += " The plan's verify_lens cap only the acceptance afterwards."
     rows += " Padding requests after the real ones (graph tiers) continue the same layout."
-    return f"{rows}\n\n{_METADATA_READS[backend]}"
+    reads = _METADATA_READS["flashinfer" if attention == "flashinfer" else backend]
+    return f"{rows}\n\n{reads}"
 
 
 def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
@@ -119,8 +129,14 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
                  "on that page.")
     else:
         graph = f"One CUDA graph per {graph_key}.\n\n{replay} {padding}"
-    graph += (" A step's layout is planned outside the graph and copied into static buffers; inside the "
-              "graph only the attention metadata is derived from it.")
+    if spec.backend.attention_impl == "flashinfer":
+        graph += (" A step's layout is planned outside the graph and copied into static buffers, and "
+                  "FlashInfer's plan() for the tier's wrapper runs on the host before every replay (it "
+                  "writes the CSR page arrays into the wrapper's fixed buffers); the graph holds only the "
+                  "layers' run() kernels.")
+    else:
+        graph += (" A step's layout is planned outside the graph and copied into static buffers; inside "
+                  "the graph only the attention metadata is derived from it.")
     return {"eager_doc": eager, "graph_runner_doc": graph}
 
 
@@ -130,7 +146,7 @@ def _source(kind: str, file: str | None) -> str:
 
 def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any]:
     spec = resolved.spec
-    mode, backend = spec.verify.mode, spec.backend.kind
+    mode, backend, attention = spec.verify.mode, spec.backend.kind, spec.backend.attention_impl
     widest, widest_doc = _widest_request(mode)
     cost_file = getattr(spec.cost_model, "file", None)
     calibration_file = getattr(spec.calibration, "file", None)
@@ -172,8 +188,9 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
                               if resolved.cost_model else "no cost model: every candidate is verified"),
         "widest_request": widest,
         "widest_request_doc": widest_doc,
-        "verify_rows_doc": _verify_rows_doc(mode, backend),
-        "attention_module": ATTENTION_BACKENDS[backend][0],
-        "attention_class": ATTENTION_BACKENDS[backend][1],
+        "verify_rows_doc": _verify_rows_doc(mode, backend, attention),
+        "attention": attention,
+        "attention_module": ATTENTION_BACKENDS[attention][0],
+        "attention_class": ATTENTION_BACKENDS[attention][1],
         **_runner_docs(resolved),
     }

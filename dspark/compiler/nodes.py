@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dspark.compiler.context import attention_templates
 from dspark.fingerprint import Fingerprint
 from dspark.spec import ResolvedSpec
 
@@ -132,15 +133,14 @@ def _shared(name: str) -> TemplateChoice:
 
 
 def _attention_metadata(resolved: ResolvedSpec) -> Mapping[str, str]:
-    return {"attn_metadata.py": f"{resolved.spec.backend.kind}/attn_metadata.py.j2"}
+    return {"attn_metadata.py": f"{attention_templates(resolved)}/attn_metadata.py.j2"}
 
 
 def _graph_runner(resolved: ResolvedSpec) -> Mapping[str, str]:
     """Graph capture is CUDA's or Ascend's own mechanics; without it (and on the CPU, which pads
     to its tiers eagerly) every backend runs the same eager runner."""
-    backend = resolved.spec.backend.kind
-    captures = resolved.spec.graph.enabled and backend != "cpu"
-    return {"graph_runner.py": f"{backend if captures else 'eager'}/graph_runner.py.j2"}
+    captures = resolved.spec.graph.enabled and resolved.spec.backend.kind != "cpu"
+    return {"graph_runner.py": f"{attention_templates(resolved) if captures else 'eager'}/graph_runner.py.j2"}
 
 
 def _entry(resolved: ResolvedSpec) -> Mapping[str, str]:

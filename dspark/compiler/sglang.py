@@ -69,6 +69,15 @@ NO_SGLANG_EQUIVALENT: dict[str, str] = {
 }
 
 
+# What `backend.attention` means for SGLang when it is not FlashInfer (which SGLang also runs).
+ATTENTION_NOTES = {
+    "torch": "no SGLang equivalent: dspark's batch-invariant CPU attention",
+    "triton": "no SGLang equivalent: dspark's own Triton kernel; SGLang's default attention backend "
+              "(no flag) is its own choice for the device",
+    "fused_infer_attention": "--attention-backend ascend, set with backend.kind",
+}
+
+
 @dataclass(frozen=True)
 class SglangLaunch:
     """An SGLang launch: environment, server flags (each with its values), notes and the field
@@ -182,6 +191,10 @@ def sglang_launch(resolved: ResolvedSpec, cwd: Path | None = None) -> SglangLaun
         out.says("backend.kind", "no SGLang equivalent: SGLang's DSpark runs on CUDA or NPU devices only")
     else:
         out.says("backend.kind", "CUDA, SGLang's default device (no flag)")
+    if backend.attention_impl == "flashinfer":
+        out.flag(("backend.attention",), "--attention-backend", "flashinfer")
+    else:
+        out.says("backend.attention", ATTENTION_NOTES[backend.attention_impl])
     header = (f"SGLang launch for deployment {spec.name} (spec {resolved.display_path}), printed by "
               f"`dspark-compile export-sglang`.",
               *resolved.stale_tables)

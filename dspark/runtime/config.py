@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dspark.backends import ATTENTION_BY_BACKEND
 from dspark.formats.hf_config import HF_DEFAULTS, HF_GEOMETRY_KEYS, geometry_values
 from dspark.modes import VerifyMode, num_draft_tokens
 
@@ -128,6 +129,7 @@ class DeploymentConfig:
     compiler_version: str
     backend: str
     device: str
+    attention: str  # backend.attention: torch (cpu), triton or flashinfer (cuda), fused_infer_attention
     verify_mode: VerifyMode
     model: ModelRef
     draft: DraftRef
@@ -137,6 +139,8 @@ class DeploymentConfig:
 
     def __post_init__(self) -> None:
         _require(self.backend in ("cpu", "cuda", "ascend"), f"unknown backend {self.backend!r}")
+        _require(self.attention in ATTENTION_BY_BACKEND[self.backend],
+                 f"attention {self.attention!r} does not run on the {self.backend} backend")
         _require(isinstance(self.verify_mode, VerifyMode), f"verify_mode must be a VerifyMode, got "
                  f"{self.verify_mode!r}")
         _require(self.model.geometry.num_heads % self.parallel.tp == 0,

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
+from dspark.backends import ATTENTION_BY_BACKEND
 from dspark.formats.fields import FieldValueError, IntTuple, Section, strictly_increasing
 from dspark.modes import VerifyMode
 from dspark.spec.tables import CalibrationSpec, CostModelSpec
@@ -131,6 +132,12 @@ class BackendSpec(Section):
     device: str = Field(
         description="Device model: cpu → generic; cuda → h100, h200, a100, b200, l40s; "
                     "ascend → 910b, 910c.")
+    attention: str | None = Field(
+        default=None,
+        description="Attention implementation: cpu → torch; cuda → triton (the project's own kernel, the "
+                    "default) or flashinfer (FlashInfer's paged prefill wrapper; needs flashinfer-python "
+                    "where the deployment runs); ascend → fused_infer_attention. Left out: the "
+                    "backend's default.")
 
     @field_validator("device")
     @classmethod
@@ -141,6 +148,22 @@ class BackendSpec(Section):
             raise FieldValueError(f"device {value!r} is not a {kind} device",
                                  f"use one of: {', '.join(allowed)}")
         return value
+
+    @field_validator("attention")
+    @classmethod
+    def _attention_fits_kind(cls, value: str | None, info: ValidationInfo) -> str | None:
+        kind = info.data.get("kind")
+        allowed = ATTENTION_BY_BACKEND.get(kind, ()) if isinstance(kind, str) else ()
+        if value is not None and kind is not None and value not in allowed:
+            others = f" or use {', '.join(allowed[1:])}" if len(allowed) > 1 else ""
+            raise FieldValueError(f"attention {value!r} does not run on the {kind} backend",
+                                 f"leave backend.attention out for the {kind} backend's {allowed[0]}{others}")
+        return value
+
+    @property
+    def attention_impl(self) -> str:
+        """The attention implementation this backend runs (the spec's, or the backend's default)."""
+        return self.attention or ATTENTION_BY_BACKEND[self.kind][0]
 
 
 class VerifySpec(Section):

@@ -133,6 +133,28 @@ def check_draft_checkpoint(facts: SpecFacts) -> Iterator[SpecIssue]:
                             f"has {expected}", "use a draft trained for this target model")
 
 
+# What FlashInfer's paged prefill kernels are built for.
+FLASHINFER_DTYPES = ("bfloat16", "float16")
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def check_flashinfer(facts: SpecFacts) -> Iterator[SpecIssue]:
+    spec, geometry = facts.spec, facts.geometry
+    if spec.backend.attention_impl != "flashinfer":
+        return
+    if spec.model.dtype not in FLASHINFER_DTYPES:
+        yield SpecIssue(("backend", "attention"),
+                        f"FlashInfer's attention runs bfloat16 or float16, but model.dtype is "
+                        f"{spec.model.dtype}",
+                        "set model.dtype: bfloat16, or backend.attention: triton (which also runs float32)")
+    if geometry is not None and geometry.head_dim not in FLASHINFER_HEAD_DIMS:
+        dims = ", ".join(map(str, FLASHINFER_HEAD_DIMS))
+        yield SpecIssue(("backend", "attention"),
+                        f"FlashInfer's attention is built for head_dim {dims}, but the model's is "
+                        f"{geometry.head_dim}",
+                        "use backend.attention: triton for this model")
+
+
 def check_dummy_weights(facts: SpecFacts) -> Iterator[SpecIssue]:
     spec, geometry = facts.spec, facts.geometry
     draft = spec.draft
@@ -232,6 +254,7 @@ RULES: tuple[Rule, ...] = (
     check_dp_attention,
     check_draft_checkpoint,
     check_dummy_weights,
+    check_flashinfer,
     check_compact_cost_model,
     check_context_len,
     check_context_holds_a_request,

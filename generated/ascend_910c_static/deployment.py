@@ -30,6 +30,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='ascend',
     device='910c',
+    attention='fused_infer_attention',
     verify_mode=VERIFY_MODE,
     model=ModelRef(
         family='llama',

@@ -31,6 +31,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='cpu',
     device='generic',
+    attention='torch',
     verify_mode=VERIFY_MODE,
     model=ModelRef(
         family='llama',

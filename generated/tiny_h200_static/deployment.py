@@ -30,6 +30,7 @@ DEPLOYMENT = DeploymentConfig(
     compiler_version='0.1.0',
     backend='cuda',
     device='h200',
+    attention='triton',
     verify_mode=VERIFY_MODE,
     model=ModelRef(
         family='llama',

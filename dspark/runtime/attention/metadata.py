@@ -1,8 +1,9 @@
 """Attention metadata containers that the generated backend modules fill in from a step's layout.
 
-CPU and CUDA share the FlashInfer / FlashAttention varlen form (`qo_indptr` = `cu_seqlens_q`,
-per-request KV lengths, a page table); Ascend uses the TND inputs of
-`npu_fused_infer_attention_score`. Both are read off the step's ragged rows (`dspark.runtime.layout`),
+CPU and CUDA's Triton kernel share the varlen form (`qo_indptr` = `cu_seqlens_q`, per-request KV
+lengths, a page table); FlashInfer takes the same rows with its pages in CSR form (`paged_kv_indptr`,
+`paged_kv_indices`, `paged_kv_last_page_len`); Ascend uses the TND inputs of
+`npu_fused_infer_attention_score`. All are read off the step's ragged rows (`dspark.runtime.layout`),
 never a fixed width, so the same containers serve static, cap-accept and compact steps.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 # The torch attention reads keys in chunks of this many positions, always in the same order, so a
@@ -178,7 +180,73 @@ class AscendTndMetadata:
         return self.positions.shape[0]
 
 
-AttentionMetadata = PagedAttnMetadata | AscendTndMetadata
+@dataclass(frozen=True)
+class FlashInferMetadata:
+    """The inputs of FlashInfer's paged prefill `plan()` (CSR page arrays) plus the KV write slots.
+
+    FlashInfer plans a step on the host once and every layer's `run()` reuses the plan, so the row
+    and page offsets stay on the host; only the page ids the kernel reads live on the device.
+    """
+
+    qo_indptr: torch.Tensor  # int32 [B + 1], host: cu_seqlens_q
+    paged_kv_indptr: torch.Tensor  # int32 [B + 1], host: request b's pages are indices[indptr[b]:indptr[b+1]]
+    paged_kv_indices: torch.Tensor  # int32 [paged_kv_indptr[-1]], device: page ids in position order
+    paged_kv_last_page_len: torch.Tensor  # int32 [B], host: entries of each request's last page, 1..page_size
+    page_size: int
+    positions: torch.Tensor  # int64 [T]
+    out_cache_loc: torch.Tensor  # int64 [T]: KV slot each row writes
+
+    def __post_init__(self) -> None:
+        num = self.paged_kv_last_page_len.shape[0]
+        host = (self.qo_indptr, self.paged_kv_indptr, self.paged_kv_last_page_len)
+        if any(t.device.type != "cpu" for t in host):
+            raise ValueError("FlashInfer plans on the host: qo_indptr, paged_kv_indptr and "
+                             "paged_kv_last_page_len must be CPU tensors")
+        if self.qo_indptr.shape != (num + 1,) or self.paged_kv_indptr.shape != (num + 1,):
+            raise ValueError(f"qo_indptr and paged_kv_indptr need {num + 1} entries for {num} requests, "
+                             f"got {tuple(self.qo_indptr.shape)} and {tuple(self.paged_kv_indptr.shape)}")
+        if self.paged_kv_indices.shape != (int(self.paged_kv_indptr[-1]),):
+            raise ValueError(f"paged_kv_indices has {self.paged_kv_indices.shape[0]} pages, "
+                             f"paged_kv_indptr ends at {int(self.paged_kv_indptr[-1])}")
+
+    @classmethod
+    def plan(cls, host_qo_indptr: Sequence[int], host_kv_lens: Sequence[int], page_table: torch.Tensor,
+             page_size: int, positions: torch.Tensor, out_cache_loc: torch.Tensor) -> FlashInferMetadata:
+        """The CSR page arrays of requests with KV lengths `host_kv_lens` (each at least 1) over their
+        page-table rows: request b holds `ceil(kv_b / page_size)` pages, its last one
+        `kv_b - (pages_b - 1) * page_size` entries. One host-to-device copy of the gather index."""
+        kv = np.asarray(host_kv_lens, dtype=np.int64)
+        if kv.size and kv.min() < 1:
+            raise ValueError("every request of a FlashInfer plan holds at least one KV entry (a padding "
+                             "slot reads the null page)")
+        pages = -(-kv // page_size)
+        if pages.size and pages.max() > page_table.shape[1]:
+            raise ValueError(f"a KV length of {int(kv.max())} needs {int(pages.max())} pages, more than the "
+                             f"page table's {page_table.shape[1]}")
+        kv_indptr = np.concatenate(([0], np.cumsum(pages)))
+        # Row b's first pages_b entries of the flattened page table, in order.
+        first = np.repeat(np.arange(kv.size) * page_table.shape[1] - kv_indptr[:-1], pages)
+        gather = torch.from_numpy(first + np.arange(kv_indptr[-1]))
+        return cls(
+            qo_indptr=torch.tensor(host_qo_indptr, dtype=torch.int32),
+            paged_kv_indptr=torch.from_numpy(kv_indptr.astype(np.int32)),
+            paged_kv_indices=page_table.reshape(-1)[gather.to(page_table.device, non_blocking=True)],
+            paged_kv_last_page_len=torch.from_numpy((kv - (pages - 1) * page_size).astype(np.int32)),
+            page_size=page_size,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return self.paged_kv_last_page_len.shape[0]
+
+    @property
+    def total_rows(self) -> int:
+        return self.positions.shape[0]
+
+
+AttentionMetadata = PagedAttnMetadata | AscendTndMetadata | FlashInferMetadata
 
 
 class AttentionBackend(Protocol):
