@@ -9,10 +9,12 @@ so their K/V writes land in the null page no real request reads) and, where a ca
 a fixed number of request slots, to empty slots after them (docs/architecture.md, "A decode step").
 
 A layout is planned once per step (FlashInfer's plan/run split): the small per-request arithmetic
-on the host, from values the host already has, then one host-to-device copy and one kernel for the
-per-row arrays. The engine (pack/scatter indices, draft-context rows), the verify runner (tier,
-static graph buffers) and the generated metadata builder (qo_indptr, KV lengths, write slots) all
-read the same object; nothing is built twice and nothing here waits on the device.
+on the host (numpy), from values the host already has, then one host-to-device copy and one kernel
+for the per-row arrays; when the device is the host itself, numpy lays out the rows as well, as that
+kernel would be a dozen torch dispatches on a few hundred values. The engine (pack/scatter indices,
+draft-context rows), the verify runner (tier, static graph buffers) and the generated metadata
+builder (qo_indptr, KV lengths, write slots) all read the same object; nothing is built twice and
+nothing here waits on the device.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark.runtime.kernels import build_verify_rows, pack_rows, scatter_rows
@@ -172,18 +175,38 @@ class VerifyLayout:
         return scatter_rows(rows, self.src_index, self.num_requests * self.num_draft_tokens, fill=fill)
 
 
-def _padded_slots(run_lens: Sequence[int], shape: StepShape, tier: int) -> list[int]:
+def _padded_slots(run_lens: np.ndarray, shape: StepShape, tier: int) -> np.ndarray:
     """`run_lens` followed by the padding requests that carry the tier's unused rows and the empty
     slots a fixed-slot graph needs."""
-    full, rest = divmod(tier - sum(run_lens), shape.padding_request_rows or 1)
-    lens = [*run_lens, *[shape.padding_request_rows] * full, *([rest] if rest else [])]
+    full, rest = divmod(tier - int(run_lens.sum()), shape.padding_request_rows or 1)
+    count = run_lens.size + full + (1 if rest else 0)
+    slots = count
     if shape.slots_for_tier is not None:
         slots = shape.slots_for_tier(tier)
-        if len(lens) > slots:
-            raise LayoutError(f"{len(run_lens)} requests plus {len(lens) - len(run_lens)} padding requests "
+        if count > slots:
+            raise LayoutError(f"{run_lens.size} requests plus {count - run_lens.size} padding requests "
                               f"exceed the {slots} request slots captured for tier {tier}")
-        lens += [0] * (slots - len(lens))
+    lens = np.zeros(max(slots, count), np.int64)
+    lens[: run_lens.size] = run_lens
+    lens[run_lens.size : run_lens.size + full] = shape.padding_request_rows
+    if rest:
+        lens[run_lens.size + full] = rest
     return lens
+
+
+def _host_rows(lens: np.ndarray, ends: np.ndarray, prefix: np.ndarray, table: np.ndarray, page_size: int,
+               num_rows: int, num_draft_tokens: int) -> tuple[np.ndarray, ...]:
+    """`build_verify_rows` computed with numpy (`ends` = cumsum(lens)), for a step whose device is the
+    host: a dozen numpy calls on a few hundred rows cost a fraction of the same dozen torch
+    dispatches."""
+    qo_indptr = np.zeros(lens.size + 1, np.int32)
+    qo_indptr[1:] = ends
+    row_req = np.repeat(np.arange(lens.size), lens)
+    offset = np.arange(num_rows) - (ends - lens)[row_req]
+    positions = prefix[row_req] + offset
+    pages = table[row_req, positions // page_size].astype(np.int64)
+    out_cache_loc = pages * page_size + positions % page_size
+    return qo_indptr, row_req, positions, out_cache_loc, row_req * num_draft_tokens + offset
 
 
 def plan_verify(run_lens: Sequence[int], verify_lens: Sequence[int], prefix_lens: Sequence[int],
@@ -201,42 +224,54 @@ def plan_verify(run_lens: Sequence[int], verify_lens: Sequence[int], prefix_lens
         raise LayoutError(f"a verify step needs one run length, verify_len, prefix length and page-table "
                           f"row per request, got {num_reqs}, {len(verify_lens)}, {len(prefix_lens)} and "
                           f"{page_table.shape[0]}")
-    if any(not 1 <= r <= n for r in run_lens) or any(not 1 <= v <= r for v, r in zip(verify_lens, run_lens,
-                                                                                         strict=True)):
+    # The per-request arithmetic in numpy: a step's B values cost one conversion each, not a Python
+    # loop per check and a list per tensor.
+    run = np.fromiter(run_lens, np.int64, num_reqs)
+    verify = np.fromiter(verify_lens, np.int64, num_reqs)
+    if num_reqs and (run.min() < 1 or run.max() > n or verify.min() < 1 or (verify > run).any()):
         raise LayoutError(f"every request runs 1..N={n} rows and verifies at most the rows it runs, got "
                           f"run_lens {list(run_lens)} and verify_lens {list(verify_lens)}")
-    total = sum(run_lens)
+    total = int(run.sum())
     if tier is None:
         tier = tier_for(total, shape.tiers) if shape.tiers else total
     elif tier < total:
         raise LayoutError(f"a step of {total} rows does not fit tier {tier}")
-    lens = _padded_slots(run_lens, shape, tier) if tier > total or shape.slots_for_tier else list(run_lens)
-    prefix = [*prefix_lens, *[0] * (len(lens) - num_reqs)]
-    kv = tuple(max(p + r, 1) for p, r in zip(prefix, lens, strict=True))
+    lens = _padded_slots(run, shape, tier) if tier > total or shape.slots_for_tier else run
+    num_slots = lens.size
+    prefix = np.zeros(num_slots, np.int64)
+    prefix[:num_reqs] = np.fromiter(prefix_lens, np.int64, num_reqs)
+    kv = np.maximum(prefix + lens, 1)
+    ends = np.cumsum(lens)
     # One host-to-device copy of every per-slot value.
-    host = torch.tensor([*lens, *prefix, *kv, *verify_lens], dtype=torch.int32, device="cpu")
-    lens_d, prefix_d, kv_d, verify_d = host.to(device).split([len(lens)] * 3 + [num_reqs])
+    host = torch.from_numpy(np.concatenate((lens, prefix, kv, verify)).astype(np.int32))
+    lens_d, prefix_d, kv_d, verify_d = host.to(device).split([num_slots] * 3 + [num_reqs])
     table = page_table
-    if len(lens) > num_reqs:
-        table = torch.cat((page_table, page_table.new_zeros(len(lens) - num_reqs, page_table.shape[1])))
+    if num_slots > num_reqs:
+        table = torch.cat((page_table, page_table.new_zeros(num_slots - num_reqs, page_table.shape[1])))
     table = table.to(device)
-    rows = build_verify_rows(lens_d, prefix_d, table, shape.page_size, tier, num_draft_tokens=n)
+    if device.type == "cpu" and table.device.type == "cpu" and (ends[-1] if num_slots else 0) == tier:
+        qo_indptr, row_req, positions, out_cache_loc, src_index = (torch.from_numpy(a) for a in _host_rows(
+            lens, ends, prefix, table.numpy(), shape.page_size, tier, n))
+    else:
+        rows = build_verify_rows(lens_d, prefix_d, table, shape.page_size, tier, num_draft_tokens=n)
+        qo_indptr, row_req, positions, out_cache_loc, src_index = (
+            rows.qo_indptr, rows.row_req, rows.positions, rows.out_cache_loc, rows.src_index)
     return VerifyLayout(
         verify_lens=verify_d,
         rows_per_slot=lens_d,
         prefix_lens=prefix_d,
         page_table=table,
-        qo_indptr=rows.qo_indptr,
+        qo_indptr=qo_indptr,
         kv_lens=kv_d,
-        positions=rows.positions,
-        row_req=rows.row_req,
-        out_cache_loc=rows.out_cache_loc,
-        src_index=rows.src_index[:total],
+        positions=positions,
+        row_req=row_req,
+        out_cache_loc=out_cache_loc,
+        src_index=src_index[:total],
         num_requests=num_reqs,
         num_draft_tokens=n,
         total_rows=total,
         tier=tier,
         packed=total < num_reqs * n,
-        host_qo_indptr=tuple(itertools.accumulate(lens, initial=0)),
-        host_kv_lens=kv,
+        host_qo_indptr=(0, *ends.tolist()),
+        host_kv_lens=tuple(kv.tolist()),
     )

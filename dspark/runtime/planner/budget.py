@@ -10,6 +10,11 @@ drafts 1..f-1; the candidates are drafts f..L-1 with `survival >= survival_eps`.
 verifies `M = B*f + b` rows with expected committed tokens
 `tau(b) = B + sum(survival of drafts 1..f-1) + sum(the b best candidates)`.
 Candidates rank by survival descending, ties by earlier position, then lower request index.
+
+The planner runs on the host every step, so it is built for B*gamma of a few thousand values: one copy
+of the survival to the host, numpy from there on, one ordering of the candidates that the budget and
+the allocation share (`Ranking`; `choose_budget` leaves its ordering for the `allocate_verify_lens`
+call on the same values), and cost tables answering a step's consecutive M values with a slice.
 """
 
 from __future__ import annotations
@@ -114,38 +119,162 @@ class Candidates:
     positions: np.ndarray  # 0-based offset of each ranked candidate from draft f
 
 
-def check_survival(survival: torch.Tensor, cfg: ScheduleConfig) -> torch.Tensor:
+def survival_host(survival: torch.Tensor, cfg: ScheduleConfig) -> np.ndarray:
+    """The survival `[B, gamma]` as a validated float64 host array (a view of `survival_by_position`)."""
+    return survival_by_position(survival, cfg).T
+
+
+def survival_by_position(survival: torch.Tensor, cfg: ScheduleConfig) -> np.ndarray:
+    """The survival, validated, as a float64 host array `[gamma, B]` (position-major).
+
+    This is the one device-to-host copy a step's plan needs: the budget and the layout are host
+    decisions. float64 compares with `survival_eps` and sums tau exactly as the scalar definition
+    does. Position-major because the rank order breaks ties by position first, and because numpy
+    reduces across contiguous rows (per request, over positions) far faster than along them.
+    """
+    return _by_position(_host_copy(survival, cfg))
+
+
+def _host_copy(survival: torch.Tensor, cfg: ScheduleConfig) -> np.ndarray:
+    """The survival `[B, gamma]` on the host as float32 or float64, checked for shape and dtype only
+    (it may share memory with a CPU tensor)."""
     if survival.dim() != 2 or survival.shape[1] != cfg.gamma:
         raise ValueError(f"survival must be [B, gamma={cfg.gamma}], got shape {tuple(survival.shape)}")
     if not survival.is_floating_point():
         raise ValueError(f"survival must be a floating tensor, got {survival.dtype}")
-    # The scan is tiny (B*gamma values); float64 keeps tau's prefix sums exact enough to compare budgets.
-    s = survival.detach().to(device="cpu", dtype=torch.float64)
-    if not bool(((s >= 0) & (s <= 1)).all()):
-        raise ValueError("survival must be probabilities in [0, 1] (no NaN); build it with "
-                         "survival_from_logits")
-    rises = s[:, 1:] > s[:, :-1]
-    if bool(rises.any()):
-        r, k = (int(i) for i in torch.nonzero(rises)[0])
+    s = survival.detach()
+    if s.device.type != "cpu":
+        s = s.cpu()
+    if s.dtype not in (torch.float32, torch.float64):  # numpy has no half or bfloat16
+        s = s.to(torch.float64)
+    return s.numpy()
+
+
+def _by_position(host: np.ndarray) -> np.ndarray:
+    by_pos = np.ascontiguousarray(host.T, dtype=np.float64)
+    # Non-increasing along positions and within [0, 1] at both ends means within [0, 1] everywhere;
+    # any NaN fails a comparison. Only a failure pays for finding what exactly is wrong.
+    if by_pos.size and not ((by_pos[1:] <= by_pos[:-1]).all() and by_pos[0].max() <= 1
+                            and by_pos[-1].min() >= 0):
+        host = by_pos.T
+        if not ((host >= 0) & (host <= 1)).all():
+            raise ValueError("survival must be probabilities in [0, 1] (no NaN); build it with "
+                             "survival_from_logits")
+        r, k = (int(i) for i in np.argwhere(host[:, 1:] > host[:, :-1])[0])
         raise ValueError(f"survival must be non-increasing along positions (a cumulative product), but "
-                         f"request {r} rises from {float(s[r, k])} at draft {k + 1} to {float(s[r, k + 1])} "
-                         f"at draft {k + 2}; build it with survival_from_logits")
-    return s
+                         f"request {r} rises from {float(host[r, k])} at draft {k + 1} to "
+                         f"{float(host[r, k + 1])} at draft {k + 2}; build it with survival_from_logits")
+    return by_pos
+
+
+def check_survival(survival: torch.Tensor, cfg: ScheduleConfig) -> torch.Tensor:
+    """`survival_host` as a float64 CPU tensor."""
+    return torch.from_numpy(survival_host(survival, cfg))
+
+
+class Ranking:
+    """One step's candidates, ordered once and shared by the budget and the allocation.
+
+    The budget needs every candidate's survival best first (tau's prefix sums); the allocation needs
+    only the b-th best value v: each request holds its candidates above v (a prefix of its row, as
+    survival is non-increasing along it) plus the ties at v that the rank order reaches first. So one
+    sort serves both, and an allocation on its own needs only a selection.
+    """
+
+    def __init__(self, by_position: np.ndarray, cfg: ScheduleConfig) -> None:
+        f = cfg.floor
+        self.num_reqs: int = by_position.shape[1]
+        self.floor = f
+        # Drafts 1..f-1 are verified whatever their value.
+        self.floor_sum = float(by_position[: f - 1].sum()) if f > 1 else 0.0
+        self.block = by_position[f - 1 : cfg.cap - 1]  # drafts f..L-1 [L - f, B]: one row per position
+        valid = self.block >= cfg.survival_eps
+        # Candidates of a request are a prefix of its drafts: survival never rises along them.
+        self.valid_counts = np.add.reduce(valid, axis=0, dtype=np.intp)
+        self._values = self.block[valid]
+        self.num_candidates: int = self._values.size
+        self._descending: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, survival: torch.Tensor, cfg: ScheduleConfig) -> Ranking:
+        return cls(survival_by_position(survival, cfg), cfg)
+
+    @classmethod
+    def shared(cls, survival: torch.Tensor, cfg: ScheduleConfig, keep: bool) -> Ranking:
+        """The ranking of `survival`, reusing the one `choose_budget` last sorted when the values and
+        the config are the same, so that the budget and then the allocation of one survival order its
+        candidates once. `keep` sorts this ranking and remembers it for the next call.
+
+        Reuse is decided by comparing values, not by tensor identity: a tensor changed in place (even
+        through numpy) is ranked afresh. A kept ranking is sorted before it is shared and never
+        changed afterwards, so concurrent planners may read it.
+        """
+        global _last_sorted
+        host = _host_copy(survival, cfg)
+        last = _last_sorted
+        if (last is not None and (last.cfg is cfg or last.cfg == cfg) and last.values.dtype == host.dtype
+                and last.values.shape == host.shape and np.array_equal(last.values, host)):
+            return last.ranking
+        ranking = cls(_by_position(host), cfg)
+        if keep:
+            ranking.descending  # noqa: B018  (sorted here, before any other caller can see it)
+            _last_sorted = _SortedRanking(host.copy(), cfg, ranking)  # a copy: the tensor may change
+        return ranking
+
+    @property
+    def descending(self) -> np.ndarray:
+        """Every candidate's survival, best first (equal values are interchangeable in a prefix sum)."""
+        if self._descending is None:
+            self._values.sort()
+            self._descending = self._values[::-1]
+        return self._descending
+
+    def counts(self, budget: int) -> np.ndarray:
+        """How many of the `budget` best candidates each request holds (all of them past their number)."""
+        if budget >= self.num_candidates:
+            return self.valid_counts.copy()  # a shared ranking's own array stays unchanged
+        if budget == 0:
+            return np.zeros(self.num_reqs, np.intp)
+        if self._descending is not None:
+            kth = self._descending[budget - 1]
+        else:
+            kth = np.partition(self._values, self.num_candidates - budget)[self.num_candidates - budget]
+        counts = np.add.reduce(self.block > kth, axis=0, dtype=np.intp)
+        # The rest are ties at kth, taken in rank order: earlier position, then lower request index,
+        # which is the order of the position-major block's flat indices.
+        tied = np.flatnonzero(self.block == kth)[: budget - int(counts.sum())]
+        counts += np.bincount(tied % self.num_reqs, minlength=self.num_reqs)
+        return counts
+
+    def verify_lens(self, budget: int) -> np.ndarray:
+        """`verify_lens` [B] int32: the floor plus each request's share of the budget."""
+        return (self.floor + self.counts(budget)).astype(np.int32)
+
+
+@dataclass(frozen=True)
+class _SortedRanking:
+    values: np.ndarray  # the survival it ranks, as the host first saw it
+    cfg: ScheduleConfig
+    ranking: Ranking
+
+
+_last_sorted: _SortedRanking | None = None  # choose_budget's, for the allocation that follows it
 
 
 def rank_candidates(survival: torch.Tensor, cfg: ScheduleConfig) -> Candidates:
-    s = check_survival(survival, cfg)
-    num_reqs, f, cap = s.shape[0], cfg.floor, cfg.cap
-    floor_sum = float(s[:, : f - 1].sum())
-    # Drafts f..L-1 (1-based) are columns f-1..L-2. Flattening position-major makes a stable descending
-    # sort break ties by earlier position, then lower request index.
-    block = s[:, f - 1 : cap - 1].T.reshape(-1)
-    flat_index = torch.nonzero(block >= cfg.survival_eps).squeeze(1)
+    """Every candidate with its request and position, in rank order (for analyses that need the
+    order itself; the planner needs only `Ranking`)."""
+    ranking = Ranking.of(survival, cfg)
+    num_reqs = ranking.num_reqs
+    # Flattening position-major makes a stable descending sort break ties by earlier position, then
+    # lower request index.
+    block = ranking.block.ravel()
+    flat_index = np.flatnonzero(block >= cfg.survival_eps)
     values = block[flat_index]
-    order = torch.sort(values, descending=True, stable=True).indices
-    ranked = flat_index[order].numpy()
+    order = np.argsort(-values, kind="stable")
+    ranked = flat_index[order]
     divisor = max(num_reqs, 1)  # no candidates exist when B = 0; avoids a modulo by zero
-    return Candidates(num_reqs, floor_sum, values[order].numpy(), ranked % divisor, ranked // divisor)
+    return Candidates(num_reqs, ranking.floor_sum, values[order], ranked % divisor, ranked // divisor)
 
 
 def _row_limit(cost_model: CostModel | None, max_rows: int | None) -> int | None:
@@ -159,6 +288,12 @@ def _row_limit(cost_model: CostModel | None, max_rows: int | None) -> int | None
     return min(limits) if limits else None
 
 
+def _check_cost_model(cost_model: CostModel | None) -> None:
+    if cost_model is not None and not isinstance(cost_model, (SpsTable, AdditiveCostTable, TierCostTable)):
+        raise TypeError(f"cost_model must be an SpsTable, an AdditiveCostTable, a TierCostTable or None, got "
+                        f"{type(cost_model).__name__}")
+
+
 def choose_budget(survival: torch.Tensor, cost_model: CostModel | None, cfg: ScheduleConfig,
                   max_rows: int | None = None) -> BudgetDecision:
     """The budget b (extra rows beyond the floor) maximising expected progress per second.
@@ -169,11 +304,14 @@ def choose_budget(survival: torch.Tensor, cost_model: CostModel | None, cfg: Sch
     `max_rows` are feasible; the first maximum wins ties. Without a cost model every candidate is
     verified, as far as `max_rows` allows.
     """
-    if cost_model is not None and not isinstance(cost_model, (SpsTable, AdditiveCostTable, TierCostTable)):
-        raise TypeError(f"cost_model must be an SpsTable, an AdditiveCostTable, a TierCostTable or None, got "
-                        f"{type(cost_model).__name__}")
-    cands = rank_candidates(survival, cfg)
-    num_reqs = cands.num_reqs
+    _check_cost_model(cost_model)
+    return decide_budget(Ranking.shared(survival, cfg, keep=True), cost_model, cfg, max_rows)
+
+
+def decide_budget(ranking: Ranking, cost_model: CostModel | None, cfg: ScheduleConfig,
+                  max_rows: int | None = None) -> BudgetDecision:
+    """`choose_budget` of an already ranked survival."""
+    num_reqs = ranking.num_reqs
     base_rows = num_reqs * cfg.floor
     limit = _row_limit(cost_model, max_rows)
     if limit is not None and base_rows > limit:
@@ -181,25 +319,36 @@ def choose_budget(survival: torch.Tensor, cost_model: CostModel | None, cfg: Sch
                          f"most {limit} are feasible (max_rows={max_rows}, cost model max_rows="
                          f"{cost_model.max_rows if cost_model else None}); split the batch, lower "
                          "min_verify_len, or capture/profile larger steps")
-    top = cands.values.size if limit is None else min(cands.values.size, limit - base_rows)
-    tau = num_reqs + cands.floor_sum + np.concatenate(([0.0], np.cumsum(cands.values[:top])))
+    top = ranking.num_candidates if limit is None else min(ranking.num_candidates, limit - base_rows)
+    tau = np.empty(top + 1)
+    tau[0] = 0.0
+    np.add.accumulate(ranking.descending[:top], out=tau[1:])  # np.cumsum, less its wrapper
+    tau += num_reqs + ranking.floor_sum
     if cost_model is None:
         return BudgetDecision(top, base_rows + top, float(tau[top]), None, None)
 
-    rows = base_rows + np.arange(top + 1)
+    # The budgets' M values are consecutive, so each table answers with a slice of its values
+    # tabulated at every M (cost_models: `rates_for_rows`, `step_time_for_rows`).
     draft_seconds = cost_model.draft_time(num_reqs)
     if isinstance(cost_model, SpsTable):
-        steps_per_sec = cost_model.lookup_many(rows)
-        step_seconds = 1.0 / steps_per_sec + draft_seconds
-        # Without a draft term use the table's rate directly: tau * SPS is the source's formula.
-        objective = tau * steps_per_sec if draft_seconds == 0 else tau / step_seconds
+        steps_per_sec = cost_model.rates_for_rows(base_rows, top + 1)
+        if draft_seconds == 0:
+            # Without a draft term use the table's rate directly: tau * SPS is the source's formula.
+            objective = tau * steps_per_sec
+        else:
+            objective = tau / (1.0 / steps_per_sec + draft_seconds)
     else:
-        step_seconds = cost_model.step_time_many(num_reqs, rows) + draft_seconds
+        step_seconds = cost_model.step_time_for_rows(num_reqs, base_rows, top + 1)
+        if draft_seconds:
+            step_seconds = step_seconds + draft_seconds
         objective = tau / step_seconds
     best = objective.max()
     budget = int(np.argmax(objective >= best - TIE_RTOL * best))
-    return BudgetDecision(budget, int(rows[budget]), float(tau[budget]), float(step_seconds[budget]),
-                          float(objective[budget]))
+    if isinstance(cost_model, SpsTable):
+        seconds = 1.0 / float(steps_per_sec[budget]) + draft_seconds
+    else:
+        seconds = float(step_seconds[budget])
+    return BudgetDecision(budget, base_rows + budget, float(tau[budget]), seconds, float(objective[budget]))
 
 
 def allocate_verify_lens_host(survival: torch.Tensor, budget: int, cfg: ScheduleConfig) -> np.ndarray:
@@ -208,14 +357,7 @@ def allocate_verify_lens_host(survival: torch.Tensor, budget: int, cfg: Schedule
     budget = require_int("budget", budget)
     if budget < 0:
         raise ValueError(f"budget must be >= 0 extra rows, got {budget}")
-    cands = rank_candidates(survival, cfg)
-    chosen_reqs = cands.requests[:budget]
-    counts = np.bincount(chosen_reqs, minlength=cands.num_reqs)
-    # Survival is non-increasing per request and ties go to earlier positions, so each request's chosen
-    # offsets are exactly 0..count-1: distinct non-negative integers sum to count*(count-1)/2 only then.
-    offset_sums = np.bincount(chosen_reqs, weights=cands.positions[:budget], minlength=cands.num_reqs)
-    assert np.array_equal(offset_sums, counts * (counts - 1) / 2), "chosen set is not a per-request prefix"
-    return (cfg.floor + counts).astype(np.int32)
+    return Ranking.shared(survival, cfg, keep=False).verify_lens(budget)
 
 
 def allocate_verify_lens(survival: torch.Tensor, budget: int, cfg: ScheduleConfig) -> torch.Tensor:
@@ -226,9 +368,17 @@ def allocate_verify_lens(survival: torch.Tensor, budget: int, cfg: ScheduleConfi
 def forced_budget(survival: torch.Tensor, cfg: ScheduleConfig, fraction: float) -> int:
     """Experiment override: verify `fraction` of the candidates (rounded, halves up) instead of the
     cost model's choice."""
+    check_fraction(fraction)
+    return fraction_of(Ranking.of(survival, cfg).num_candidates, fraction)
+
+
+def check_fraction(fraction: float) -> None:
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
         raise ValueError(f"fraction must be in [0, 1] (share of the candidates to verify), got {fraction!r}")
-    num_candidates = rank_candidates(survival, cfg).values.size
+
+
+def fraction_of(num_candidates: int, fraction: float) -> int:
+    """`fraction` of `num_candidates`, rounded with halves up (`forced_budget`)."""
     return int(math.floor(fraction * num_candidates + 0.5))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -50,6 +50,7 @@ class _FromFormat:
     format_model: ClassVar[type[Any]]
     _draft_probes: np.ndarray
     _draft_seconds: np.ndarray
+    _memo: dict[tuple[str, int], Any]
 
     def _fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}  # type: ignore[arg-type]
@@ -65,6 +66,8 @@ class _FromFormat:
             object.__setattr__(self, name, getattr(model, name))
         object.__setattr__(self, "_draft_probes", np.array(model.draft_bs_probes, np.float64))
         object.__setattr__(self, "_draft_seconds", np.array(model.draft_seconds, np.float64))
+        # Lookups derived from the (immutable) table: per-B scalars and per-M arrays (_per_batch, _dense).
+        object.__setattr__(self, "_memo", {})
 
     @classmethod
     def from_format(cls, model: CostTable) -> Any:
@@ -83,12 +86,51 @@ class _FromFormat:
         _check_rows("num_reqs", num_reqs)
         if self._draft_seconds.size == 0:
             return 0.0
-        return float(np.interp(num_reqs, self._draft_probes, self._draft_seconds))
+        return self._per_batch("draft", num_reqs,  # type: ignore[no-any-return]
+                               lambda b: float(np.interp(b, self._draft_probes, self._draft_seconds)))
+
+    def _per_batch(self, name: str, num_reqs: int, compute: Callable[[int], Any]) -> Any:
+        """`compute(num_reqs)`, remembered per batch size: the planner asks about the same few B every
+        step, and a scalar np.interp costs more than the dict lookup."""
+        cache: dict[tuple[str, int], Any] = self._memo
+        key = (name, num_reqs)
+        value = cache.get(key)
+        if value is None:
+            value = cache[key] = compute(num_reqs)
+        return value
+
+    def _dense(self, name: str, length: int, compute: Callable[[np.ndarray], np.ndarray],
+               limit: int | None = None) -> np.ndarray:
+        """`compute(np.arange(n))` for some n >= `length` (n <= `limit`), built on first use and regrown by
+        doubling.
+
+        A step's M values are consecutive (B·f .. B·f + top), so with the table tabulated at every
+        integer M the planner's lookup is a slice instead of a search or an interpolation per
+        candidate; each entry is what `compute` gives for that M alone, so the values are the same.
+        """
+        dense: np.ndarray | None = self._memo.get((name, -1))
+        if dense is None or dense.size < length:
+            size = max(length, 64 if dense is None else 2 * dense.size)
+            size = size if limit is None else min(size, limit)  # limit >= length: callers check the range
+            dense = compute(np.arange(size))
+            dense.flags.writeable = False  # slices of it are handed out
+            self._memo[(name, -1)] = dense
+        return dense
 
 
 def _check_rows(what: str, num: int) -> None:
     if isinstance(num, bool) or not isinstance(num, (int, np.integer)) or num < 0:
         raise CostModelError(f"{what} must be an integer >= 0, got {num!r}")
+
+
+def _check_range(first_row: int, count: int) -> None:
+    """The integers of a run of `count` consecutive M values from `first_row` (each table checks the
+    range against its own limits)."""
+    for what, value in (("first_row", first_row), ("count", count)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise CostModelError(f"{what} must be an integer, got {value!r}")
+    if count < 0:
+        raise CostModelError(f"count must be >= 0 (how many consecutive M values), got {count}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +177,18 @@ class SpsTable(_FromFormat):
                                  "; keep M within the profiled range or profile larger steps")
         index = np.searchsorted(self._tokens, rows, side="right") - 1
         return self._rates[np.maximum(index, 0)]
+
+    def rates_for_rows(self, first_row: int, count: int) -> np.ndarray:
+        """`lookup_many(np.arange(first_row, first_row + count))`, as a read-only slice of the table
+        tabulated at every M."""
+        _check_range(first_row, count)
+        last = first_row + count - 1
+        if count and (first_row < 0 or last > self.max_batch_tokens):
+            bad = last if last > self.max_batch_tokens else first_row
+            raise CostModelError(f"num_rows {bad} is outside [0, max_batch_tokens={self.max_batch_tokens}]"
+                                 "; keep M within the profiled range or profile larger steps")
+        rates = self._dense("rates", first_row + count, self.lookup_many, limit=self.max_batch_tokens + 1)
+        return rates[first_row:first_row + count]
 
 
 @dataclass(frozen=True)
@@ -183,6 +237,17 @@ class AdditiveCostTable(_FromFormat):
             raise CostModelError(f"num_rows must be >= 0, got {int(rows.min())}")
         alpha = float(np.interp(num_reqs, self._bs, self._alpha))
         return self.bias_seconds + alpha + np.interp(rows, self._ms, self._theta)
+
+    def step_time_for_rows(self, num_reqs: int, first_row: int, count: int) -> np.ndarray:
+        """`step_time_many(num_reqs, np.arange(first_row, first_row + count))`, from alpha remembered per B
+        and theta tabulated at every M."""
+        _check_rows("num_reqs", num_reqs)
+        _check_range(first_row, count)
+        if count and first_row < 0:
+            raise CostModelError(f"num_rows must be >= 0, got {first_row}")
+        alpha = self._per_batch("alpha", num_reqs, lambda b: float(np.interp(b, self._bs, self._alpha)))
+        theta = self._dense("theta", first_row + count, lambda rows: np.interp(rows, self._ms, self._theta))
+        return self.bias_seconds + alpha + theta[first_row:first_row + count]  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -257,6 +322,18 @@ class TierCostTable(_FromFormat):
     def step_time_many(self, num_reqs: int, num_rows: np.ndarray) -> np.ndarray:
         """`step_time` for one B over an array of M values."""
         return self._seconds_at(num_reqs)[self._tier_index(np.asarray(num_rows))]
+
+    def step_time_for_rows(self, num_reqs: int, first_row: int, count: int) -> np.ndarray:
+        """`step_time_many(num_reqs, np.arange(first_row, first_row + count))`, from the per-tier seconds
+        remembered per B and the tier index tabulated at every M."""
+        _check_rows("num_reqs", num_reqs)
+        _check_range(first_row, count)
+        last = first_row + count - 1
+        if count and (first_row < 0 or last > self.tiers[-1]):
+            self._tier_index(np.array([last if last > self.tiers[-1] else first_row]))  # raises its error
+        index = self._dense("tier_index", first_row + count, self._tier_index, limit=self.tiers[-1] + 1)
+        seconds: np.ndarray = self._per_batch("seconds", num_reqs, self._seconds_at)
+        return seconds[index[first_row:first_row + count]]
 
 
 CostModel = SpsTable | AdditiveCostTable | TierCostTable

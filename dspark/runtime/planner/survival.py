@@ -6,6 +6,7 @@ reaches draft k + 1 (docs/planner.md).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,8 +31,15 @@ def survival_from_logits(logits: torch.Tensor,
                              "one T_k per draft position")
         if not all(0 < v < float("inf") for v in values):
             raise ValueError(f"temperatures must all be finite and > 0 (1.0 = uncalibrated), got {values}")
-        z = z / torch.tensor(values, dtype=z.dtype, device=z.device)
+        z = z / _divisor(tuple(values), z.dtype, z.device)
     return torch.cumprod(torch.sigmoid(z), dim=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _divisor(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The temperatures as a tensor, made once per device: building it every step would be a blocking
+    host-to-device copy, which waits for the draft's kernels before planning needs to."""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)

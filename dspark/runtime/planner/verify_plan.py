@@ -18,10 +18,11 @@ import torch
 from dspark.modes import VerifyMode, num_draft_tokens
 from dspark.runtime.planner.budget import (
     BudgetDecision,
+    Ranking,
     ScheduleConfig,
-    allocate_verify_lens_host,
-    choose_budget,
-    forced_budget,
+    check_fraction,
+    decide_budget,
+    fraction_of,
     tier_aligned_budget,
 )
 from dspark.runtime.planner.cost_models import CostModel, cost_model_from_dict
@@ -165,18 +166,23 @@ class AdaptiveVerifyPlan:
         if history is not None:
             budget_survival = history.lagged(slots, generations, survival)
             history.record(slots, generations, survival)
+        # One copy to the host and one ranking of each survival: without lag the budget and the
+        # allocation share both.
+        budget_ranking = Ranking.of(budget_survival, cfg)
         # Packed rows must fit the largest captured tier; a full-block step always runs B x N rows.
         max_rows = self.token_tiers[-1] if self.token_tiers and self.mode.packs_rows else None
-        decision = choose_budget(budget_survival, self.table, cfg, max_rows=max_rows)
+        decision = decide_budget(budget_ranking, self.table, cfg, max_rows=max_rows)
+        ranking = budget_ranking if budget_survival is survival else Ranking.of(survival, cfg)
         budget = decision.budget
         if self.forced_budget_fraction is not None:
-            budget = forced_budget(survival, cfg, self.forced_budget_fraction)
+            check_fraction(self.forced_budget_fraction)
+            budget = fraction_of(ranking.num_candidates, self.forced_budget_fraction)
             if max_rows is not None:
                 budget = min(budget, max_rows - num_reqs * cfg.floor)
         aligned = None
         if self.align_to_graph_tier and self.mode.packs_rows:
             aligned = tier_aligned_budget(num_reqs, budget, cfg.floor, cfg.cap, self.token_tiers)
             budget = aligned
-        verify_lens = tuple(allocate_verify_lens_host(survival, budget, cfg).tolist())
+        verify_lens = tuple(ranking.verify_lens(budget).tolist())
         run_lens = verify_lens if self.mode.packs_rows else (self.num_draft_tokens,) * num_reqs
         return StepPlan(verify_lens, run_lens, survival, decision, aligned)
