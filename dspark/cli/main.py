@@ -14,6 +14,7 @@ from dspark.cli.common import run_handler
 from dspark.cli.cost_eval import add_cost_eval_parser, run_cost_eval
 from dspark.cli.fit_confidence import add_fit_confidence_parser, run_fit_confidence
 from dspark.cli.profile import add_profile_parser
+from dspark.cli.refit_tables import add_refit_tables_parser
 from dspark.cli.report import add_report_parser
 from dspark.cli.run import add_run_parser
 from dspark.cli.serve import add_serve_parser
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub).set_defaults(handler=run_bench)
     add_profile_parser(sub)
+    add_refit_tables_parser(sub)
     add_calibrate_parser(sub).set_defaults(handler=run_calibrate)
     add_fit_confidence_parser(sub).set_defaults(handler=run_fit_confidence)
     add_cost_eval_parser(sub).set_defaults(handler=run_cost_eval)

@@ -36,6 +36,26 @@ class CostTableError(FormatError):
     """A cost table (a file, or the object a generated config embeds) is malformed; names where and why."""
 
 
+REFIT_HINT = ("re-fit the table from the profile it came from with `dspark refit-tables DIR` (this "
+              "dspark fits monotone tables), or profile again")
+
+
+def never_cheaper(values: tuple[float, ...], probes: tuple[int, ...] | None, what: str, probe_name: str,
+                  law: str, decreasing: bool = False) -> None:
+    """Refuse a series that prices more work as cheaper: `values` must not decrease along `probes`
+    (must not increase, for a rate, when `decreasing`)."""
+    named = probes is not None and len(probes) == len(values)
+
+    def at(k: int) -> str:
+        return f"{probe_name}[{k}] = {probes[k]}" if named else f"item {k}"
+
+    for i in range(1, len(values)):
+        a, b = values[i - 1], values[i]
+        if (b > a) if decreasing else (b < a):
+            raise FieldValueError(f"{what} must not {'increase' if decreasing else 'decrease'} ({law}), "
+                                  f"but it is {a:.6g} at {at(i - 1)} and {b:.6g} at {at(i)}", REFIT_HINT)
+
+
 def _draft_probes_field() -> Any:
     return Field(default=(), description="Optional: batch sizes at which the draft's step time was "
                                          "measured, strictly increasing.")
@@ -61,6 +81,8 @@ class _DraftCostTerm(Section):
         same_length(value, info, "draft_bs_probes")
         if any(seconds < 0 for seconds in value):
             raise FieldValueError("draft times must be ≥ 0", "re-measure the draft step")
+        never_cheaper(value, info.data.get("draft_bs_probes"), "draft_seconds", "draft_bs_probes",
+                      "drafting for more requests never takes less time")
         return value
 
     @model_validator(mode="after")
@@ -99,6 +121,8 @@ class Sps1dCostModel(_DraftCostTerm):
         if any(rate <= 0 for rate in value):
             raise FieldValueError("steps per second must all be > 0",
                                  "re-measure or drop the probes with a zero rate")
+        never_cheaper(value, info.data.get("sample_batch_tokens"), "sample_steps_per_sec",
+                      "sample_batch_tokens", "a step of more tokens is never faster", decreasing=True)
         return value
 
     @field_validator("max_batch_tokens")
@@ -140,6 +164,12 @@ class AdditiveCostModel(_DraftCostTerm):
         same_length(value, info, "bs_probes" if info.field_name == "alpha_seconds" else "m_probes")
         if any(seconds < 0 for seconds in value):
             raise FieldValueError("times must be ≥ 0", "check the fit; negative times are invalid")
+        if info.field_name == "alpha_seconds":
+            never_cheaper(value, info.data.get("bs_probes"), "alpha_seconds", "bs_probes",
+                          "more requests never make a step cheaper")
+        else:
+            never_cheaper(value, info.data.get("m_probes"), "theta_seconds", "m_probes",
+                          "verifying more rows never costs less")
         return value
 
     @model_validator(mode="after")
@@ -187,6 +217,11 @@ class TierCostModel(_DraftCostTerm):
             if any(seconds <= 0 for seconds in row):
                 raise FieldValueError(f"row {i} has a step time ≤ 0",
                                      "re-measure that cell or re-fit the table; step times are > 0")
+            never_cheaper(row, tiers, f"row {i}", "tiers", "a larger tier never costs less")
+        probes = info.data.get("bs_probes")
+        for j in range(min(map(len, value), default=0)):
+            never_cheaper(tuple(row[j] for row in value), probes, f"column {j}", "bs_probes",
+                          "more requests never make a step cheaper")
         return value
 
     draft_bs_probes: IntTuple = _draft_probes_field()

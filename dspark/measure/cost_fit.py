@@ -3,13 +3,19 @@
 Three tables come out of one profile (docs/planner.md):
 
 * the 1D SPS table, `steps/s` at `M = B·N` for each profiled batch size, looked up by floor, which
-  reproduces the measured static sweep exactly (a tier cliff included);
+  reproduces the measured static sweep (a tier cliff included) wherever it does not dip: a larger
+  step measured faster than a smaller one is pooled with it (isotonic regression);
 * the additive table `T(B, M) = bias + alpha(B) + theta(M)`, fitted by non-negative least squares on
-  binned `M` and evaluated by the runtime with `theta` linearly interpolated at the *unbinned* `M`.
+  binned `M` with alpha and theta built from non-negative increments (so neither ever decreases),
+  and evaluated by the runtime with `theta` linearly interpolated at the *unbinned* `M`.
   The fit's residuals are therefore computed with the table's own `step_time`, which is what the
   planner will see, not with the binned design matrix;
 * the tier table, `T(B, tier)` per profiled batch size and graph tier, the median of the samples whose
-  `M` falls in `(previous tier, tier]`: the piecewise law of graph replay, cliffs kept exactly.
+  `M` falls in `(previous tier, tier]`: the piecewise law of graph replay, cliffs kept exactly; a
+  dip along the tiers is pooled (isotonic) and a dip along B lifted to the smaller B's cell.
+
+Every table comes out monotone (docs/planner.md): more rows or more requests never cost less, which
+the table files also require of any table they are given.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.formats.profile import DEFAULT_M_BIN, ProfileResult, Sample
+from dspark.measure.monotone import cumulative_design, isotonic
 from dspark.measure.residuals import FitResidual, fit_quality
 from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, TierCostTable
 
@@ -121,16 +128,25 @@ def _check_samples(samples: Iterable[Sample]) -> list[Sample]:
     return out
 
 
+def fit_draft_seconds(seconds: Iterable[float]) -> tuple[float, ...]:
+    """The draft's per-B step times made non-decreasing in B (isotonic): drafting for more requests
+    never takes less time, whatever one noisy median says."""
+    return tuple(float(s) for s in isotonic(list(seconds)))
+
+
 def fit_sps_table(static_samples: Iterable[Sample], max_batch_tokens: int) -> SpsTable:
     """The 1D SPS table from static-sweep samples `(B, M = B·N, seconds)`: steps/s = 1 / seconds.
 
-    Samples that share `M` are pooled by their median, so the probes come out strictly increasing.
+    Samples that share `M` are pooled by their median, so the probes come out strictly increasing; the
+    medians are then made non-decreasing in `M` (isotonic, weighted by sample count), so no larger
+    step is priced faster than a smaller one.
     """
     by_rows: dict[int, list[float]] = defaultdict(list)
     for _, num_rows, seconds in _check_samples(static_samples):
         by_rows[num_rows].append(seconds)
     rows = tuple(sorted(by_rows))
-    sps = tuple(1.0 / float(np.median(by_rows[m])) for m in rows)
+    seconds = isotonic([float(np.median(by_rows[m])) for m in rows], [len(by_rows[m]) for m in rows])
+    sps = tuple(1.0 / float(s) for s in seconds)
     return SpsTable(sample_batch_tokens=rows, sample_steps_per_sec=sps, max_batch_tokens=max_batch_tokens)
 
 
@@ -150,9 +166,10 @@ def fit_additive(samples: Iterable[Sample], m_bin: int = DEFAULT_M_BIN) -> Addit
     """Fit `seconds ≈ bias + alpha[B] + theta[bin(M)]` by non-negative least squares.
 
     Identifiability: alpha at the smallest `B` and theta at the smallest bin are pinned to 0, so `bias`
-    is the step time at the cheapest measured corner. Every coefficient is constrained to be >= 0,
-    which the table requires and which encodes the physical assumption that more requests or more rows
-    never make a step cheaper than that corner; measurement noise that says otherwise is clamped.
+    is the step time at the cheapest measured corner. alpha and theta are sums of non-negative
+    increments (column k of each is 1 from its k-th probe on), which encodes the physical law that
+    more requests or more rows never make a step cheaper; measurement noise that says otherwise is
+    clamped rather than written into the table.
     The bias is also kept at or above half the fastest measured step: with noisy timings the
     least-squares optimum can otherwise move all of the cost into alpha and theta and leave a table
     that prices the cheapest corner at zero seconds (which the table rightly rejects).
@@ -160,29 +177,22 @@ def fit_additive(samples: Iterable[Sample], m_bin: int = DEFAULT_M_BIN) -> Addit
     checked = _check_samples(samples)
     batch_sizes = sorted({b for b, _, _ in checked})
     bins = sorted({bin_rows(m, m_bin) for _, m, _ in checked})
-    alpha_col = {b: 1 + i for i, b in enumerate(batch_sizes[1:])}
-    theta_col = {m: 1 + len(alpha_col) + i for i, m in enumerate(bins[1:])}
-
-    design = np.zeros((len(checked), 1 + len(alpha_col) + len(theta_col)))
-    design[:, 0] = 1.0
+    design = np.hstack((np.ones((len(checked), 1)),
+                        cumulative_design([b for b, _, _ in checked], batch_sizes),
+                        cumulative_design([bin_rows(m, m_bin) for _, m, _ in checked], bins)))
     measured = np.array([s for _, _, s in checked])
-    for row, (num_reqs, num_rows, _) in enumerate(checked):
-        if num_reqs in alpha_col:
-            design[row, alpha_col[num_reqs]] = 1.0
-        if (m := bin_rows(num_rows, m_bin)) in theta_col:
-            design[row, theta_col[m]] = 1.0
 
     # Solve in units of the largest measurement so the tolerance does not depend on seconds vs ms.
     scale = float(measured.max())
     bias_floor = 0.5 * float(measured.min())
     coef = nnls(design, (measured - bias_floor) / scale) * scale
-    coef[0] += bias_floor
+    alpha_steps, theta_steps = np.split(coef[1:], [len(batch_sizes) - 1])
     table = AdditiveCostTable(
-        bias_seconds=float(coef[0]),
+        bias_seconds=float(coef[0] + bias_floor),
         bs_probes=tuple(batch_sizes),
-        alpha_seconds=(0.0, *(float(coef[alpha_col[b]]) for b in batch_sizes[1:])),
+        alpha_seconds=(0.0, *(float(x) for x in np.cumsum(alpha_steps))),
         m_probes=tuple(bins),
-        theta_seconds=(0.0, *(float(coef[theta_col[m]]) for m in bins[1:])),
+        theta_seconds=(0.0, *(float(x) for x in np.cumsum(theta_steps))),
     )
 
     residuals = tuple(FitResidual(b, m, s, float(table.step_time(b, m))) for b, m, s in checked)
@@ -257,6 +267,7 @@ def fit_tier_table(result: ProfileResult, tiers: Iterable[int]) -> TierFit:
                          "them from the tiers")
 
     grid = np.zeros((len(batch_sizes), len(tier_list)))
+    counts = np.zeros_like(grid)
     filled: list[tuple[int, int, int]] = []
     for i, num_reqs in enumerate(batch_sizes):
         for j in range(len(tier_list)):
@@ -265,6 +276,11 @@ def fit_tier_table(result: ProfileResult, tiers: Iterable[int]) -> TierFit:
                 source = min(measured_in[j], key=lambda b: (abs(b - num_reqs), b))
                 filled.append((num_reqs, tier_list[j], source))
             grid[i, j] = float(np.median(cells[(source, j)]))
+            counts[i, j] = len(cells[(source, j)])
+    # A larger tier never costs less (pooled along each B's tiers), nor do more requests (each cell at
+    # least the cell of the next smaller B; the running maximum of non-decreasing rows stays so).
+    grid = np.maximum.accumulate(np.array([isotonic(row, n) for row, n in zip(grid, counts, strict=True)]),
+                                 axis=0)
     table = TierCostTable(tiers=tier_list, bs_probes=tuple(batch_sizes),
                           step_seconds=tuple(tuple(float(x) for x in row) for row in grid))
 
