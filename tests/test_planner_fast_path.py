@@ -136,27 +136,35 @@ def probes(rng: random.Random, high: int, count: int) -> list[int]:
     return sorted(rng.sample(range(1, high + 1), min(count, high)))
 
 
+def ascending(values: list[float]) -> list[float]:
+    return sorted(values)
+
+
 def random_table(rng: random.Random, kind: str, max_m: int, max_b: int) -> dict[str, Any]:
-    """A cost table (as the JSON a generated config embeds) covering up to max_m rows and max_b requests."""
+    """A cost table (as the JSON a generated config embeds) covering up to max_m rows and max_b requests;
+    monotone, as table files must be (more work never costs less)."""
     table: dict[str, Any] = {"type": kind}
     bs = probes(rng, max_b, rng.randint(1, 4))
     if kind == "sps-1d":
         tokens = probes(rng, max_m, rng.randint(1, 6))
         table.update(sample_batch_tokens=tokens, max_batch_tokens=max_m + rng.randint(0, 8),
-                     sample_steps_per_sec=[rng.uniform(5.0, 500.0) for _ in tokens])
+                     sample_steps_per_sec=ascending([rng.uniform(5.0, 500.0) for _ in tokens])[::-1])
     elif kind == "additive":
         ms = probes(rng, max_m, rng.randint(1, 6))
         table.update(bias_seconds=rng.uniform(1e-4, 5e-3), bs_probes=bs,
-                     alpha_seconds=[rng.uniform(0.0, 2e-3) for _ in bs], m_probes=ms,
-                     theta_seconds=[rng.uniform(0.0, 1e-2) for _ in ms])
+                     alpha_seconds=ascending([rng.uniform(0.0, 2e-3) for _ in bs]), m_probes=ms,
+                     theta_seconds=ascending([rng.uniform(0.0, 1e-2) for _ in ms]))
     else:
         tiers = probes(rng, max_m, rng.randint(1, 6))
         tiers[-1] = max(tiers[-1], max_m)  # most steps fit; the row limit still binds at times
-        table.update(tiers=tiers, bs_probes=bs,
-                     step_seconds=[[rng.uniform(1e-4, 1e-2) for _ in tiers] for _ in bs])
+        # Non-negative increments along tiers and along B.
+        by_tier = ascending([rng.uniform(1e-4, 1e-2) for _ in tiers])
+        by_b = ascending([rng.uniform(0.0, 5e-3) for _ in bs])
+        table.update(tiers=tiers, bs_probes=bs, step_seconds=[[t + b for t in by_tier] for b in by_b])
     if rng.random() < 0.4:
         draft_bs = probes(rng, max_b, rng.randint(1, 3))
-        table.update(draft_bs_probes=draft_bs, draft_seconds=[rng.uniform(0.0, 5e-3) for _ in draft_bs])
+        draft = ascending([rng.uniform(0.0, 5e-3) for _ in draft_bs])
+        table.update(draft_bs_probes=draft_bs, draft_seconds=draft)
     return table
 
 

@@ -219,7 +219,8 @@ def draft_term(draw: st.DrawFn) -> dict:
     if not draw(st.booleans()):
         return {}
     bs = probes(draw, 6)
-    seconds = draw(st.lists(st.floats(0.0, 0.01), min_size=len(bs), max_size=len(bs)))
+    # Tables are monotone (more work never costs less): sorted draws.
+    seconds = sorted(draw(st.lists(st.floats(0.0, 0.01), min_size=len(bs), max_size=len(bs))))
     return {"draft_bs_probes": bs, "draft_seconds": tuple(seconds)}
 
 
@@ -230,11 +231,12 @@ def cost_models(draw: st.DrawFn) -> CostModel | None:
         return None
     if kind == "sps-1d":
         tokens = probes(draw, 30)
-        rates = draw(st.lists(st.floats(1.0, 1000.0), min_size=len(tokens), max_size=len(tokens)))
+        rates = sorted(draw(st.lists(st.floats(1.0, 1000.0), min_size=len(tokens), max_size=len(tokens))),
+                       reverse=True)
         return SpsTable(tokens, tuple(rates), draw(st.integers(tokens[-1], 35)), **draft_term(draw))
     bs, ms = probes(draw, 6), probes(draw, 30)
-    alpha = draw(st.lists(st.floats(0.0, 0.01), min_size=len(bs), max_size=len(bs)))
-    theta = draw(st.lists(st.floats(0.0, 0.01), min_size=len(ms), max_size=len(ms)))
+    alpha = sorted(draw(st.lists(st.floats(0.0, 0.01), min_size=len(bs), max_size=len(bs))))
+    theta = sorted(draw(st.lists(st.floats(0.0, 0.01), min_size=len(ms), max_size=len(ms))))
     bias = draw(st.floats(1e-4, 0.01))
     return AdditiveCostTable(bias, bs, tuple(alpha), ms, tuple(theta), **draft_term(draw))
 
@@ -452,8 +454,11 @@ def test_tier_table_adds_its_draft_term() -> None:
 @st.composite
 def tier_models(draw: st.DrawFn) -> TierCostTable:
     tiers, bs = probes(draw, 30), probes(draw, 6)
-    seconds = [tuple(draw(st.lists(st.floats(1e-4, 0.01), min_size=len(tiers), max_size=len(tiers))))
-               for _ in bs]
+    drawn = [draw(st.lists(st.floats(1e-4, 0.01), min_size=len(tiers), max_size=len(tiers))) for _ in bs]
+    # Monotone along tiers and along B (a table file refuses less time for more work): running maxima.
+    rows = [list(itertools.accumulate(row, max)) for row in drawn]
+    seconds = [tuple(max(rows[k][j] for k in range(i + 1)) for j in range(len(tiers)))
+               for i in range(len(bs))]
     return TierCostTable(tiers, bs, tuple(seconds), **draft_term(draw))
 
 
