@@ -3,6 +3,11 @@
 Both satisfy `Tokenizer`. Streaming goes through `Tokenizer.incremental_decoder()`: the concatenation of
 every `step` delta plus `flush()` equals `decode` of all the ids, so a client never sees half a UTF-8
 character or a word piece that a later token rewrites.
+
+`Tokenizer.chat_format()` says how a conversation becomes a prompt (`chat_template.py`): the checkpoint's
+own chat template and its end-of-turn token for Hugging Face checkpoints, a plain template for the
+byte-level model. A checkpoint without a usable template still loads (completions need none); asking it
+for its chat format raises `ChatTemplateError` saying why.
 """
 
 from __future__ import annotations
@@ -12,6 +17,14 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from dspark.runtime.chat_template import (
+    ChatFormat,
+    ChatTemplateError,
+    load_chat_template,
+    plain_template,
+    with_legacy_special_tokens,
+)
 
 if TYPE_CHECKING:
     import tokenizers
@@ -62,9 +75,9 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt ids, with BOS prepended when this tokenizer's convention says so; `TokenizerError`
-        for text that is not valid Unicode (a lone surrogate)."""
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Prompt ids, with BOS prepended when `add_bos` and this tokenizer's convention says so;
+        `TokenizerError` for text that is not valid Unicode (a lone surrogate)."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -73,6 +86,11 @@ class Tokenizer(Protocol):
 
     def incremental_decoder(self) -> IncrementalDecoder: ...
 
+    def chat_format(self) -> ChatFormat:
+        """How chat messages become a prompt; `ChatTemplateError` when this checkpoint has no usable
+        chat template (the message says what is missing)."""
+        ...
+
 
 class ByteTokenizer:
     bos_id = BOS_ID
@@ -80,9 +98,11 @@ class ByteTokenizer:
     eos_ids = frozenset({EOS_ID})
     vocab_size = VOCAB_SIZE
 
-    def encode(self, text: str) -> list[int]:
-        """BOS followed by the UTF-8 bytes of `text`; `TokenizerError` for text UTF-8 cannot hold."""
-        return [BOS_ID, *utf8_bytes(text)]
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """BOS (unless `add_bos` is false) followed by the UTF-8 bytes of `text`; `TokenizerError` for
+        text UTF-8 cannot hold."""
+        data = list(utf8_bytes(text))
+        return [BOS_ID, *data] if add_bos else data
 
     def decode(self, ids: Sequence[int]) -> str:
         """Bytes back to text; special tokens are dropped, broken UTF-8 is replaced."""
@@ -90,6 +110,10 @@ class ByteTokenizer:
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return _ByteStream()
+
+    def chat_format(self) -> ChatFormat:
+        # No special tokens but BOS/EOS: the plain template's text follows BOS, replies end at EOS.
+        return ChatFormat(plain_template(), add_bos=True)
 
 
 class _ByteStream:
@@ -142,7 +166,7 @@ class HFTokenizer:
     """A Hugging Face `tokenizer.json` (via the `tokenizers` library) and its special-token configs."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, eos_ids: frozenset[int], bos_id: int | None,
-                 add_bos: bool) -> None:
+                 add_bos: bool, chat: ChatFormat | ChatTemplateError | None = None) -> None:
         if not eos_ids:
             raise TokenizerError("HFTokenizer needs at least one EOS id")
         if add_bos and bos_id is None:
@@ -152,14 +176,20 @@ class HFTokenizer:
         self.bos_id = bos_id
         self.add_bos = add_bos
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._chat = chat if chat is not None else ChatTemplateError("this tokenizer has no chat template")
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> HFTokenizer:
-        """Load `tokenizer.json` and read EOS/BOS from tokenizer_config.json, config.json and
-        generation_config.json (EOS ids from all of them are unioned: chat models stop on several)."""
+        """Load `tokenizer.json` and read EOS/BOS from tokenizer_config.json (or a legacy checkpoint's
+        special_tokens_map.json, as transformers does), config.json and generation_config.json (EOS ids
+        from all of them are unioned: chat models stop on several), and the chat template
+        (`chat_template.py`); a template that cannot be used is reported when chat is asked for."""
         directory = Path(directory)
         tok = _load_tokenizer_json(directory / HF_TOKENIZER_FILE)
-        tok_config = _read_json(directory / HF_TOKENIZER_CONFIG)
+        try:
+            tok_config = with_legacy_special_tokens(directory, _read_json(directory / HF_TOKENIZER_CONFIG))
+        except ChatTemplateError as err:
+            raise TokenizerError(str(err)) from None
         model_configs = {name: _read_json(directory / name) for name in HF_MODEL_CONFIGS}
 
         eos_ids: set[int] = set()
@@ -188,19 +218,43 @@ class HFTokenizer:
             raise TokenizerError(
                 f"{directory / HF_TOKENIZER_CONFIG}: add_bos_token is true but no BOS token is named; set "
                 f"`bos_token` there or `bos_token_id` in {' or '.join(HF_MODEL_CONFIGS)}")
-        return cls(tok, frozenset(eos_ids), bos_id, add_bos)
+        chat: ChatFormat | ChatTemplateError
+        try:
+            template = load_chat_template(directory, tok_config)
+            chat = ChatFormat(template, add_bos=False,
+                              stop_ids=_end_of_turn_ids(tok, template.end_of_turn_text()) - eos_ids)
+        except ChatTemplateError as err:
+            chat = err
+        return cls(tok, frozenset(eos_ids), bos_id, add_bos, chat)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
         utf8_bytes(text)  # the tokenizers library would fail on a lone surrogate with a bare TypeError
         # The post-processor is bypassed so BOS is added exactly once whatever tokenizer.json says.
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
+        return [self.bos_id, *ids] if add_bos and self.add_bos and self.bos_id is not None else ids
+
+    def chat_format(self) -> ChatFormat:
+        if isinstance(self._chat, ChatTemplateError):
+            raise ChatTemplateError(str(self._chat))  # a fresh error each time: no traceback piles up
+        return self._chat
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return _PrefixOffsetStream(self.decode)
+
+
+def _end_of_turn_ids(tok: tokenizers.Tokenizer, text: str | None) -> frozenset[int]:
+    """The special token that `text` (what a template writes after an assistant's content) starts with."""
+    if not text:
+        return frozenset()
+    ids = tok.encode(text, add_special_tokens=False).ids
+    added = tok.get_added_tokens_decoder()
+    first = ids[0] if ids else None
+    if first is None or first not in added or not added[first].special:
+        return frozenset()
+    return frozenset({first})
 
 
 def _load_tokenizer_json(path: Path) -> tokenizers.Tokenizer:
