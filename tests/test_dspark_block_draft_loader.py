@@ -1,0 +1,203 @@
+"""Loading a DSpark draft checkpoint in the released layout: what loads, and what is refused.
+
+Every refusal must name the file and the field or tensor, so a user with a checkpoint from another
+trainer (or a newer DeepSpec) learns what this loader does not understand instead of getting a
+draft that silently drafts badly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dspark.runtime.models.dspark_block_config import BlockDraftConfig, BlockDraftConfigError
+from dspark.runtime.models.dspark_block_loader import (
+    INDEX_FILE,
+    BlockDraftCheckpointError,
+    expected_shapes,
+    load_block_draft,
+)
+from tests.test_dspark_block_draft import (
+    HIDDEN,
+    VOCAB,
+    WIDTH,
+    propose_batch,
+    released_config,
+    released_tensors,
+    write_checkpoint,
+)
+
+
+def _outputs(draft) -> tuple[list, torch.Tensor]:
+    feats = torch.randn(5, WIDTH, generator=torch.Generator().manual_seed(0))
+    out = propose_batch(draft, [feats], [11])
+    return out.drafts.tolist(), out.conf_logits
+
+
+def test_the_released_layout_loads_with_every_tensor_in_place(tmp_path: Path) -> None:
+    cfg = released_config("gated")
+    tensors = released_tensors(cfg)
+    draft = load_block_draft(write_checkpoint(tmp_path / "d", cfg, tensors))
+    state = draft.state_dict()
+    assert set(state) == set(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(state[name], t), name
+    c = draft.cfg
+    assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.markov_rank, c.markov_head_type) == \
+        (4, 60, (-1, 1, 2), 6, "gated")
+    assert c.confidence_head and c.confidence_with_markov and c.rope_theta == 10000.0
+
+
+def test_legacy_rope_fields_read_the_same_as_rope_parameters(tmp_path: Path) -> None:
+    """transformers 4.x writes `rope_theta` and `rope_scaling: null` (and `torch_dtype`) where 5.x
+    writes `rope_parameters` (and `dtype`)."""
+    cfg = released_config()
+    legacy = dict(cfg)
+    del legacy["rope_parameters"], legacy["dtype"]
+    legacy |= {"rope_theta": 10000.0, "rope_scaling": None, "torch_dtype": "bfloat16"}
+    assert BlockDraftConfig.from_hf(legacy) == BlockDraftConfig.from_hf(cfg)
+    legacy["rope_theta"] = 500.0
+    assert BlockDraftConfig.from_hf(legacy).rope_theta == 500.0
+
+
+def test_a_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
+    cfg = released_config("rnn")
+    tensors = released_tensors(cfg)
+    single = load_block_draft(write_checkpoint(tmp_path / "single", cfg, tensors))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for layout in ("indexed", "plain"):
+        path = tmp_path / layout
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg))
+        for file, part in shards.items():
+            save_file({n: tensors[n] for n in part}, str(path / file))
+        if layout == "indexed":
+            weight_map = {n: file for file, part in shards.items() for n in part}
+            (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        sharded = load_block_draft(path)
+        assert _outputs(sharded)[0] == _outputs(single)[0]
+        torch.testing.assert_close(_outputs(sharded)[1], _outputs(single)[1], rtol=0, atol=0)
+
+
+def test_shard_problems_are_refused(tmp_path: Path) -> None:
+    cfg = released_config()
+    tensors = released_tensors(cfg)
+    path = write_checkpoint(tmp_path / "d", cfg, tensors)
+    (path / INDEX_FILE).write_text(json.dumps({"weight_map": {"fc.weight": "model-00009.safetensors"}}))
+    with pytest.raises(BlockDraftCheckpointError, match="names shard model-00009.safetensors"):
+        load_block_draft(path)
+    (path / INDEX_FILE).unlink()
+    save_file({"fc.weight": tensors["fc.weight"]}, str(path / "extra.safetensors"))
+    with pytest.raises(BlockDraftCheckpointError, match="'fc.weight' is stored in both"):
+        load_block_draft(path)
+
+
+def test_a_bfloat16_checkpoint_loads_in_the_requested_dtype(tmp_path: Path) -> None:
+    cfg = released_config()
+    tensors = {k: v.to(torch.bfloat16) for k, v in released_tensors(cfg).items()}
+    draft = load_block_draft(write_checkpoint(tmp_path / "d", cfg, tensors), dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
+    assert torch.equal(draft.fc.weight, tensors["fc.weight"].float())
+
+
+def test_embeddings_shared_with_the_target(tmp_path: Path) -> None:
+    """A checkpoint stripped of its frozen copies of the target's embeddings and lm_head loads only
+    when the target's are given, and then drafts as the full checkpoint does."""
+    cfg = released_config()
+    tensors = released_tensors(cfg)
+    full = load_block_draft(write_checkpoint(tmp_path / "full", cfg, tensors))
+    shared = (tensors["embed_tokens.weight"], tensors["lm_head.weight"])
+    stripped = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    path = write_checkpoint(tmp_path / "stripped", cfg, stripped)
+    with pytest.raises(BlockDraftCheckpointError, match=r"missing tensors \['embed_tokens.weight', 'lm_head"):
+        load_block_draft(path)
+    assert _outputs(load_block_draft(path, target_embeddings=shared))[0] == _outputs(full)[0]
+    with pytest.raises(BlockDraftCheckpointError, match=r"target's embed_tokens.weight has shape \(64, 16\)"):
+        load_block_draft(path, target_embeddings=(torch.zeros(VOCAB, 16), shared[1]))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("markov_head.markov_w2.weight"), r"missing tensors \['markov_head.markov_w2.weight'\]"),
+    (lambda t: t.pop("confidence_head.proj.bias"), r"missing tensors \['confidence_head.proj.bias'\]"),
+    (lambda t: t.pop("layers.1.self_attn.k_norm.weight"), r"missing tensors \['layers.1.self_attn.k_norm"),
+    (lambda t: t.update({"markov_head.gate_proj.weight": torch.zeros(6, HIDDEN + 6)}),
+     r"unexpected tensors \['markov_head.gate_proj.weight'\]"),
+    (lambda t: t.update({"layers.2.mlp.up_proj.weight": torch.zeros(48, HIDDEN)}),
+     r"unexpected tensors \['layers.2.mlp.up_proj.weight'\]"),
+    (lambda t: t.update({"fc.weight": torch.zeros(HIDDEN, 2 * HIDDEN)}),
+     r"tensor 'fc.weight' has shape \(32, 64\), config.json implies \(32, 96\)"),
+    (lambda t: t.update({"markov_head.markov_w1.weight": torch.zeros(VOCAB, 8)}),
+     r"tensor 'markov_head.markov_w1.weight' has shape \(64, 8\), config.json implies \(64, 6\)"),
+])
+def test_tensors_that_do_not_match_the_config_are_refused(tmp_path: Path, change, message: str) -> None:
+    cfg = released_config("vanilla")
+    tensors = released_tensors(cfg)
+    change(tensors)
+    path = write_checkpoint(tmp_path / "d", cfg, tensors)
+    with pytest.raises(BlockDraftCheckpointError, match=message) as err:
+        load_block_draft(path)
+    assert str(path) in str(err.value)
+
+
+def _set(**fields):
+    return lambda c: c.update(fields)
+
+
+def _drop(name: str):
+    return lambda c: c.pop(name)
+
+
+@pytest.mark.parametrize("change, field, message", [
+    (_set(dflash_config={"target_layer_ids": [1]}), "dflash_config",
+     "not a field this DSpark draft loader knows"),
+    (_set(attn_logit_softcapping=30.0), "attn_logit_softcapping", "unknown fields"),
+    (_set(speculators_model_type="dspark"), "speculators_model_type", "speculators convention"),
+    (_set(markov_head_type="lstm"), "markov_head_type", "expected one of"),
+    (_set(hidden_act="gelu"), "hidden_act", "only 'silu'"),
+    (_set(rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}), "rope_parameters",
+     "rope_type: default"),
+    (_set(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling", "only unscaled"),
+    (_set(rope_theta=20000.0), "rope_theta", "disagrees with rope_parameters"),
+    (_set(layer_types=["full_attention", "sliding_attention"]), "layer_types",
+     "entry 1 is 'sliding_attention'"),
+    (_set(use_sliding_window=True), "use_sliding_window", "not implemented"),
+    (_set(target_layer_ids=[-1, 3]), "target_layer_ids", "is the target's final layer"),
+    (_set(target_layer_ids=[2, 1]), "target_layer_ids", "strictly increasing"),
+    (_set(target_layer_ids=[-2, 1]), "target_layer_ids", "outside -1"),
+    (_set(mask_token_id=64), "mask_token_id", "outside the vocabulary"),
+    (_set(tie_word_embeddings=True), "tie_word_embeddings", "untied"),
+    (_set(model_type="gemma4"), "model_type", "only Qwen3"),
+    (_set(architectures=["DFlashDraftModel"]), "architectures", "Qwen3DSparkModel"),
+    (_set(num_key_value_heads=3), "num_key_value_heads", "does not divide"),
+    (_set(enable_confidence_head="yes"), "enable_confidence_head", "true or false"),
+    (_set(markov_rank=0), "confidence_head_with_markov", "needs a Markov head"),
+    (_drop("block_size"), "block_size", "required and missing"),
+    (_drop("confidence_head_with_markov"), "confidence_head_with_markov", "required and missing"),
+    (_drop("rope_parameters"), "rope_parameters", "refusing to guess"),
+])
+def test_config_fields_it_does_not_implement_are_refused(tmp_path: Path, change, field: str,
+                                                         message: str) -> None:
+    cfg = released_config("vanilla")
+    change(cfg)
+    path = write_checkpoint(tmp_path / "d", cfg, released_tensors(released_config("vanilla")))
+    with pytest.raises(BlockDraftConfigError, match=message) as err:
+        load_block_draft(path)
+    assert f"{path / 'config.json'}: field {field!r}" in str(err.value)
+
+
+def test_config_round_trips_and_implies_the_tensor_shapes() -> None:
+    for kind in ("vanilla", "gated", "rnn"):
+        cfg = BlockDraftConfig.from_hf(released_config(kind))
+        assert BlockDraftConfig.from_hf(cfg.to_hf()) == cfg
+        assert set(expected_shapes(cfg)) == set(released_tensors(released_config(kind)))
+    assert BlockDraftConfig.from_hf(released_config(None, rank=0, with_markov=False)).markov_head_type is None
+
+
+def test_a_missing_checkpoint_says_what_a_checkpoint_holds(tmp_path: Path) -> None:
+    with pytest.raises(BlockDraftConfigError, match="no such file .* holds config.json and"):
+        load_block_draft(tmp_path / "nowhere")
