@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dspark.backends import ATTENTION_BY_BACKEND
+from dspark.formats.hf_config import ROPE_SCALING_FIELDS
 from dspark.modes import VerifyMode
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ DRAFT_FIELDS = ("draft", "draft_weights")  # what only a table that times the dr
 GEOMETRY_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                    "num_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "rms_norm_eps")
 _FLOAT_GEOMETRY = ("rope_theta", "rms_norm_eps")
+_FLAG_GEOMETRY = ("tie_word_embeddings", "attention_bias", "mlp_bias")
 _DIGEST_CHARS = 16  # 64 bits: enough to tell deployments apart, short enough to read in an error
 _VERIFY_MODES = tuple(mode.value for mode in VerifyMode)
 GREEDY = "greedy"
@@ -184,18 +186,30 @@ def short_digest(value: Any) -> str:
     return hashlib.sha256(text.encode("ascii")).hexdigest()[:_DIGEST_CHARS]
 
 
-def geometry_digest(geometry: Any) -> str:
-    """Digest of a model geometry (a spec `GeometrySpec` or a runtime `ModelGeometry`, head_dim set).
+def geometry_digest(geometry: Any, family: str = "llama") -> str:
+    """Digest of a model geometry (a spec `GeometrySpec` or a runtime `ModelGeometry`, head_dim set)
+    of a model `family`.
 
     Integers and floats are normalised so `rope_theta: 500000` in YAML and `500000.0` in generated
-    code hash alike.
+    code hash alike. The family and the config fields added with it (RoPE scaling, tied embeddings,
+    biases) enter only where they differ from a plain untied Llama, so the digests of tables
+    measured before they existed stay valid.
     """
-    values = {}
+    values: dict[str, Any] = {}
     for name in GEOMETRY_FIELDS:
         value = getattr(geometry, name)
         if value is None:
             raise FingerprintError(f"geometry {name} is not resolved; fingerprint a resolved geometry")
         values[name] = float(value) if name in _FLOAT_GEOMETRY else int(value)
+    if family != "llama":
+        values["family"] = family
+    scaling = getattr(geometry, "rope_scaling", None)
+    if scaling is not None:
+        values["rope_scaling"] = {name: getattr(scaling, name) for name in ROPE_SCALING_FIELDS
+                                  if getattr(scaling, name) is not None}
+    for flag in _FLAG_GEOMETRY:
+        if getattr(geometry, flag, False):
+            values[flag] = True
     return short_digest(values)
 
 
@@ -239,12 +253,12 @@ def backend_identity(kind: str, attention: str | None) -> str:
     return f"{kind}+{attention}"
 
 
-def _build(*, backend: str, device: str, dtype: str, geometry: Any, model_digest: str,
+def _build(*, backend: str, device: str, dtype: str, geometry: Any, family: str, model_digest: str,
            draft_weights_digest: str, gamma: int, confidence_head: bool, markov_embedding_size: int,
            dummy_draft_layers: int | None, tp: int, dp: int, tiers: Sequence[int], verify_mode: str,
            temperature: float, top_p: float, top_k: int) -> Fingerprint:
     return Fingerprint(
-        backend=backend, device=device, dtype=dtype, model_geometry=geometry_digest(geometry),
+        backend=backend, device=device, dtype=dtype, model_geometry=geometry_digest(geometry, family),
         model_weights=weights_identity(model_digest),
         draft=draft_settings_digest(gamma=gamma, confidence_head=confidence_head,
                                     markov_embedding_size=markov_embedding_size,
@@ -261,7 +275,7 @@ def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: GeometrySpec, tier
     generation = spec.serving.generation
     return _build(
         backend=backend_identity(spec.backend.kind, spec.backend.attention), device=spec.backend.device,
-        dtype=spec.model.dtype, geometry=geometry,
+        dtype=spec.model.dtype, geometry=geometry, family=spec.model.family,
         model_digest=model_digest, draft_weights_digest=draft_digest, gamma=spec.draft.gamma,
         confidence_head=spec.draft.confidence_head,
         markov_embedding_size=spec.draft.markov_embedding_size,
@@ -287,7 +301,8 @@ def fingerprint_of_deployment(deployment: DeploymentConfig, tiers: Sequence[int]
     return _build(
         backend=backend_identity(deployment.backend, deployment.attention), device=deployment.device,
         dtype=deployment.model.dtype,
-        geometry=deployment.model.geometry, model_digest=deployment.model.digest,
+        geometry=deployment.model.geometry, family=deployment.model.family,
+        model_digest=deployment.model.digest,
         draft_weights_digest=deployment.draft.digest, gamma=deployment.draft.gamma,
         confidence_head=deployment.draft.confidence_head,
         markov_embedding_size=deployment.draft.markov_embedding_size,

@@ -350,6 +350,13 @@ def test_export_sglang_accounts_for_every_spec_field(write_spec, tmp_path, monke
                     "serving": {"record_steps": 5}, "backend": {"kind": "cuda", "device": "h100"}},
                    name="inline.yaml"),
         write_spec({"verify": {"mode": "compact"}, "cost_model": tier_table}, name="tier.yaml"),
+        write_spec({"model": {"geometry": {
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                             "attention_factor": 1.1, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
+            "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}}}, name="yarn.yaml"),
+        write_spec({"model": {"geometry": {"rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 512,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0}}}}, name="llama3.yaml"),
         write_spec({"cost_model": {"type": "sps-1d", "sample_batch_tokens": [4, 8],
                                    "sample_steps_per_sec": [100.0, 90.0], "max_batch_tokens": 64}},
                    name="sps.yaml"),

@@ -158,6 +158,9 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "name": spec.name,
         "spec": spec,
         "geometry": resolved.geometry,
+        # RoPE scaling's fields (what a RopeScaling holds), None for plain RoPE
+        "rope_scaling": (resolved.geometry.rope_scaling.model_dump(exclude_none=True)
+                         if resolved.geometry.rope_scaling else None),
         "gamma": spec.draft.gamma,
         "N": resolved.num_draft_tokens,
         "mode": mode,

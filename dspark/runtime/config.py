@@ -11,7 +11,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dspark.backends import ATTENTION_BY_BACKEND
-from dspark.formats.hf_config import HF_DEFAULTS, HF_GEOMETRY_KEYS, geometry_values
+from dspark.formats.hf_config import (
+    FAMILIES,
+    HF_DEFAULTS,
+    RopeScaling,
+    config_json,
+    geometry_values,
+)
 from dspark.modes import VerifyMode, num_draft_tokens
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -24,8 +30,8 @@ def _require(cond: bool, what: str) -> None:
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """Shape of a Llama-family model (the model's config), as resolved from the spec and the
-    checkpoint's config.json."""
+    """A dense target model's config (Llama and Qwen3 alike), as resolved from the spec and the
+    checkpoint's config.json (`dspark.formats.hf_config` reads it)."""
 
     vocab_size: int
     hidden_size: int
@@ -37,20 +43,35 @@ class ModelGeometry:
     max_position_embeddings: int
     rope_theta: float = HF_DEFAULTS["rope_theta"]
     rms_norm_eps: float = HF_DEFAULTS["rms_norm_eps"]
+    # None: plain RoPE at rope_theta; generated code writes the fields as a dict literal
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False  # the LM head is the embedding matrix
+    attention_bias: bool = False  # q/k/v/o projections carry a bias
+    mlp_bias: bool = False  # gate/up/down projections carry a bias (Llama only)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelGeometry:
-        return cls(**geometry_values(cfg))
+    def from_hf(cls, cfg: dict[str, Any], family: str = "llama") -> ModelGeometry:
+        values = geometry_values(cfg, family)
+        scaling = values.pop("rope_scaling")
+        return cls(**values, rope_scaling=RopeScaling(**scaling) if scaling else None)
 
-    def to_hf(self) -> dict[str, Any]:
-        out = {HF_GEOMETRY_KEYS[f.name]: getattr(self, f.name) for f in fields(self)}
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-                "tie_word_embeddings": False, "torch_dtype": "float32", **out}
+    def to_hf(self, family: str = "llama") -> dict[str, Any]:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values["rope_scaling"] = self.rope_scaling.to_json() if self.rope_scaling else None
+        return config_json(values, family)
 
     def __post_init__(self) -> None:
         _require(self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads")
         _require(min(self.vocab_size, self.hidden_size, self.num_layers, self.head_dim) > 0,
                  "geometry sizes must be positive")
+        _require(self.head_dim % 2 == 0, "head_dim must be even (RoPE rotates pairs)")
+        if isinstance(self.rope_scaling, dict):
+            try:
+                object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+            except (TypeError, ValueError) as exc:
+                _require(False, f"rope_scaling: {exc}")
+        _require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
+                 "rope_scaling must be a RopeScaling or a dict of its fields")
 
 
 @dataclass(frozen=True)
@@ -64,6 +85,7 @@ class ModelRef:
 
     def __post_init__(self) -> None:
         _require(self.load_format in LOAD_FORMATS, f"model load_format must be one of {LOAD_FORMATS}")
+        _require(self.family in FAMILIES, f"model family {self.family!r} is not one of {tuple(FAMILIES)}")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from dspark.runtime.config import DeploymentConfig
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.layout import ExtendLayout, StepShape, VerifyLayout
 from dspark.runtime.models.checkpoint import CheckpointError, resolve_checkpoint
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel
 from dspark.runtime.planner.verify_plan import VerifyPlan
 from dspark.runtime.tokenizer import (
     BYTE_TOKENIZER_FILE,
@@ -59,7 +59,7 @@ class VerifyRunner(Protocol):
 class VerifyRunnerFactory(Protocol):
     """The generated `VerifyRunner` class (capturing its graphs, where it has any, when built)."""
 
-    def __call__(self, target: LlamaForCausalLM, attn: AttentionBackend) -> VerifyRunner: ...
+    def __call__(self, target: TargetModel, attn: AttentionBackend) -> VerifyRunner: ...
 
 
 @dataclass(frozen=True)

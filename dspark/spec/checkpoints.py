@@ -11,7 +11,13 @@ from typing import Any, Literal
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.digest import DigestError, checkpoint_digest
 from dspark.formats.fields import FieldValueError
-from dspark.formats.hf_config import HF_GEOMETRY_KEYS, HF_OPTIONAL_KEYS, geometry_values
+from dspark.formats.hf_config import (
+    FAMILIES,
+    HF_GEOMETRY_KEYS,
+    HF_OPTIONAL_KEYS,
+    ConfigFieldError,
+    geometry_values,
+)
 from dspark.spec.external import path_kind, read_json, resolve_path, validate_file_data
 from dspark.spec.models import GeometrySpec
 
@@ -78,14 +84,21 @@ def resolve_checkpoint(raw: str, role: Role, spec_dir: Path) -> CheckpointRef:
     return CheckpointRef(raw, root / name / role, embedded=name)
 
 
-def geometry_from_hf_config(config: dict[str, Any], path: Path) -> GeometrySpec:
+def geometry_from_hf_config(config: dict[str, Any], path: Path, family: str = "llama") -> GeometrySpec:
+    """The model config a checkpoint's config.json describes, read as the runtime's loader reads it
+    (`dspark.formats.hf_config`), so the compiled geometry is what will load; a value the runtime
+    does not implement is refused here, naming the config key."""
+    fam = FAMILIES[family]
     missing = [key for key in HF_GEOMETRY_KEYS.values()
                if key not in config and key not in HF_OPTIONAL_KEYS]
     if missing:
         raise FieldValueError(f"model config {str(path)!r} lacks {', '.join(missing)}",
-                             "use a Hugging Face Llama config.json")
-    # The same reading the runtime's loader makes, so the compiled geometry is what will load.
-    return validate_file_data(GeometrySpec, geometry_values(config), path, "model config")
+                             f"use the Hugging Face {fam.architecture} config.json of the checkpoint")
+    try:
+        values = geometry_values(config, family)
+    except ConfigFieldError as exc:
+        raise FieldValueError(f"model config {str(path)!r}: {exc}", exc.hint) from None
+    return validate_file_data(GeometrySpec, values, path, "model config")
 
 
 def geometry_differences(inline: GeometrySpec, from_checkpoint: GeometrySpec

@@ -8,6 +8,7 @@ from typing import Any
 
 from dspark.formats.cost_tables import COST_TABLE_MODELS, CostTable
 from dspark.formats.fields import FieldValueError
+from dspark.formats.hf_config import FAMILIES
 from dspark.formats.sts_calibration import CalibrationFileContents
 from dspark.spec.checkpoints import (
     CheckpointRef,
@@ -82,6 +83,8 @@ def _digest(ref: CheckpointRef | None, readable: bool, path: tuple[str, ...], at
 def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[SpecIssue],
               attempt: Any) -> GeometrySpec | None:
     inline = spec.model.geometry
+    if inline is not None:
+        issues += _family_geometry_issues(spec.model.family, inline)
     if ref is None:
         return _with_head_dim(inline)
     config = attempt(("model", "checkpoint"), lambda: ref.config("model"))
@@ -98,7 +101,7 @@ def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[Spec
                 "point model.checkpoint at a directory with a config.json"))
         return _with_head_dim(inline)
     from_checkpoint = attempt(("model", "checkpoint"),
-                              lambda: geometry_from_hf_config(config, ref.config_path))
+                              lambda: geometry_from_hf_config(config, ref.config_path, spec.model.family))
     if from_checkpoint is None:
         return None
     for field, mine, theirs in geometry_differences(inline, from_checkpoint) if inline else ():
@@ -107,6 +110,21 @@ def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[Spec
             f"{field} is {mine!r} here but {theirs!r} in {str(ref.config_path)!r}",
             "remove model.geometry (it is read from the checkpoint) or make it match"))
     return _with_head_dim(from_checkpoint)
+
+
+def _family_geometry_issues(family: str, inline: GeometrySpec) -> list[SpecIssue]:
+    """What an inline geometry cannot say for `family` (a checkpoint's config is read per family)."""
+    fam, issues = FAMILIES[family], []
+    if fam.head_dim_default is not None and inline.head_dim is None:
+        issues.append(SpecIssue(
+            ("model", "geometry", "head_dim"),
+            f"required field is missing: {family} configs do not derive head_dim from hidden_size / "
+            f"num_heads (transformers defaults it to {fam.head_dim_default})",
+            "set model.geometry.head_dim to the checkpoint's head_dim"))
+    if not fam.has_mlp_bias and inline.mlp_bias:
+        issues.append(SpecIssue(("model", "geometry", "mlp_bias"), f"{family} models have no MLP bias",
+                                "remove mlp_bias"))
+    return issues
 
 
 def _with_head_dim(geometry: GeometrySpec | None) -> GeometrySpec | None:

@@ -15,6 +15,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from dspark.backends import ATTENTION_BY_BACKEND
 from dspark.formats.fields import FieldValueError, IntTuple, Section, strictly_increasing
+from dspark.formats.hf_config import FAMILIES, RopeScaling
 from dspark.modes import VerifyMode
 from dspark.spec.tables import CalibrationSpec, CostModelSpec
 
@@ -26,8 +27,35 @@ DEVICES_BY_BACKEND: dict[str, tuple[str, ...]] = {
 }
 
 
+class RopeScalingSpec(Section):
+    """RoPE scaling as transformers resolves config.json's `rope_parameters` / `rope_scaling`."""
+
+    rope_type: Literal["linear", "dynamic", "llama3", "yarn"] = Field(
+        description="linear: frequencies divided by factor; dynamic: dynamic NTK (exactly plain RoPE "
+                    "up to max_position_embeddings, the longest context served); llama3: Llama 3.1's "
+                    "banded interpolation; yarn: YaRN.")
+    factor: float = Field(gt=0, description="Context extension factor.")
+    original_max_position_embeddings: int | None = Field(
+        default=None, ge=1,
+        description="Pretraining context (llama3, yarn); dynamic: max_position_embeddings.")
+    low_freq_factor: float | None = Field(default=None, gt=0, description="llama3 low-frequency factor.")
+    high_freq_factor: float | None = Field(default=None, gt=0, description="llama3 high-frequency factor.")
+    attention_factor: float | None = Field(default=None, gt=0, description="yarn cos/sin scale.")
+    beta_fast: float | None = Field(default=None, gt=0, description="yarn ramp start (rotations).")
+    beta_slow: float | None = Field(default=None, gt=0, description="yarn ramp end (rotations).")
+    truncate: bool | None = Field(default=None, description="yarn: round the ramp's bounds outwards.")
+
+    @model_validator(mode="after")
+    def _complete(self) -> RopeScalingSpec:
+        try:
+            RopeScaling(**self.model_dump())
+        except ValueError as exc:
+            raise FieldValueError(str(exc), "give every parameter its rope_type needs") from None
+        return self
+
+
 class GeometrySpec(Section):
-    """Shape of a Llama-family model (Hugging Face config.json names in parentheses)."""
+    """Shape of the target model (Hugging Face config.json names in parentheses)."""
 
     vocab_size: int = Field(ge=1, description="Vocabulary size (vocab_size).")
     hidden_size: int = Field(ge=1, description="Model width (hidden_size).")
@@ -42,6 +70,14 @@ class GeometrySpec(Section):
         ge=1, description="Longest supported position (max_position_embeddings).")
     rope_theta: float = Field(gt=0, description="RoPE base frequency (rope_theta).")
     rms_norm_eps: float = Field(gt=0, description="RMSNorm epsilon (rms_norm_eps).")
+    rope_scaling: RopeScalingSpec | None = Field(
+        default=None, description="RoPE scaling (rope_parameters / rope_scaling with a rope_type "
+                                  "other than default); none: plain RoPE at rope_theta.")
+    tie_word_embeddings: bool = Field(
+        default=False, description="The LM head is the embedding matrix (tie_word_embeddings).")
+    attention_bias: bool = Field(
+        default=False, description="q/k/v/o projections have a bias (attention_bias).")
+    mlp_bias: bool = Field(default=False, description="MLP projections have a bias (mlp_bias; Llama only).")
 
     @field_validator("num_kv_heads")
     @classmethod
@@ -68,7 +104,9 @@ class GeometrySpec(Section):
 class ModelSpec(Section):
     """The target model that verifies draft tokens."""
 
-    family: Literal["llama"] = Field(description="Model family; only dense Llama is supported.")
+    family: str = Field(
+        description=f"Model family: {', '.join(FAMILIES)} (dense). Selects the model code and how the "
+                    "checkpoint's config.json is read; it must match the config's model_type.")
     checkpoint: str = Field(
         min_length=1,
         description="`embedded:<name>` for a checkpoint shipped with dspark, or a directory "
@@ -88,6 +126,15 @@ class ModelSpec(Section):
                     "whose weights are not on this machine (outputs are meaningless). The "
                     "checkpoint then names the model only: its config.json and tokenizer are read "
                     "when present.")
+
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, value: str) -> str:
+        if value not in FAMILIES:
+            raise FieldValueError(f"model family {value!r} is not implemented",
+                                 f"use one of: {', '.join(FAMILIES)}")
+        return value
 
 
 class DraftSpec(Section):

@@ -11,7 +11,7 @@ import torch
 
 from dspark.runtime.attention.ascend import AscendFusedAttention
 from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel
 from dspark.runtime.runners.graph_buffers import StepBuffers
 
 from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
@@ -52,7 +52,7 @@ class VerifyRunner:
 
     shape = SHAPE
 
-    def __init__(self, target: LlamaForCausalLM, attn: AscendFusedAttention) -> None:
+    def __init__(self, target: TargetModel, attn: AscendFusedAttention) -> None:
         self.target = target
         self.attn = attn
         self.device = target.lm_head.weight.device

@@ -12,7 +12,7 @@ import torch
 from dspark.runtime.attention.flashinfer_paged import FlashInferPagedAttention
 from dspark.runtime.attention.metadata import FlashInferMetadata
 from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel
 from dspark.runtime.runners.graph_buffers import StepBuffers
 
 from .attn_metadata import build_verify_metadata
@@ -50,7 +50,7 @@ class VerifyRunner:
 
     shape = SHAPE
 
-    def __init__(self, target: LlamaForCausalLM, attn: FlashInferPagedAttention) -> None:
+    def __init__(self, target: TargetModel, attn: FlashInferPagedAttention) -> None:
         self.target = target
         self.attn = attn
         self.device = target.lm_head.weight.device

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.layout import StepShape
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel
 from dspark.runtime.runners.eager import EagerVerifyRunner
 
 from .attn_metadata import build_verify_metadata
@@ -19,5 +19,5 @@ SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=
 class VerifyRunner(EagerVerifyRunner):
     """Eager verify forward: only the planned rows run, packed back to back."""
 
-    def __init__(self, target: LlamaForCausalLM, attn: TorchPagedAttention) -> None:
+    def __init__(self, target: TargetModel, attn: TorchPagedAttention) -> None:
         super().__init__(target, attn, SHAPE, build_verify_metadata)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.layout import StepShape
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel
 from dspark.runtime.runners.eager import EagerVerifyRunner
 
 from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
@@ -25,5 +25,5 @@ class VerifyRunner(EagerVerifyRunner):
     and tier alignment run and can be measured here.
     """
 
-    def __init__(self, target: LlamaForCausalLM, attn: TorchPagedAttention) -> None:
+    def __init__(self, target: TargetModel, attn: TorchPagedAttention) -> None:
         super().__init__(target, attn, SHAPE, build_verify_metadata)

@@ -11,7 +11,7 @@ from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.layout import cache_slots, prefix_slots
 from dspark.runtime.models.dspark_draft import DSparkDraft
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel
 from dspark.runtime.sampling import BatchSampling, Generator, RowGenerators
 
 DEVICES = {"cpu": "cpu", "cuda": "cuda", "ascend": "npu"}
@@ -34,7 +34,7 @@ class EngineModels:
     hidden state there), at the same slot as the target's own K/V, so one page table serves both.
     """
 
-    target: LlamaForCausalLM
+    target: TargetModel
     draft: DSparkDraft
     kv: PagedKVCache
     draft_kv: PagedKVCache

@@ -23,7 +23,7 @@ from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.models.checkpoint import load_models
 from dspark.runtime.models.dspark_draft import DSparkDraft
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams
@@ -71,7 +71,7 @@ class Runtime:
         self.target_only = False
         self._rids = itertools.count()
 
-    def _check_models(self, target: LlamaForCausalLM, draft: DSparkDraft) -> None:
+    def _check_models(self, target: TargetModel, draft: DSparkDraft) -> None:
         geo = self.deployment.model.geometry
         tc, dc = target.cfg, draft.cfg
         got = (tc.vocab_size, tc.hidden_size, tc.num_layers, tc.num_heads, tc.num_kv_heads, tc.head_dim)
@@ -87,7 +87,7 @@ class Runtime:
 
     # -- what the models are ---------------------------------------------------------------
     @property
-    def target(self) -> LlamaForCausalLM:
+    def target(self) -> TargetModel:
         return self.models.target
 
     @property

@@ -1,4 +1,5 @@
-"""Checkpoint loading and saving: Hugging Face Llama layout (config.json + safetensors).
+"""Checkpoint loading and saving: Hugging Face layout (config.json + safetensors), for every target
+family in `dspark.runtime.models.families`.
 
 `embedded:<name>` refers to a pair shipped inside dspark (`dspark/checkpoints/<name>/`).
 """
@@ -12,10 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
-from dspark.runtime.config import DeploymentConfig
+from dspark.formats.hf_config import ConfigFieldError, family_of_config
+from dspark.runtime.config import DeploymentConfig, ModelGeometry
 from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft
 from dspark.runtime.models.dummy import dummy_draft, dummy_target
-from dspark.runtime.models.llama import LlamaConfig, LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel, build_target
 from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,8 +57,13 @@ def _load_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+def _load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], path: Path,
+               tied: tuple[str, ...] = ()) -> None:
+    # A tied weight is the tensor it aliases: transformers leaves it out of the checkpoint, and where
+    # a checkpoint has it anyway transformers ties it over, so the aliased tensor's values win here too.
+    state = {k: v for k, v in state.items() if k not in tied}
     missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in tied]
     # HF checkpoints may carry buffers such as rotary inv_freq that this model recomputes.
     unexpected = [k for k in unexpected if not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
@@ -67,10 +74,27 @@ def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None) -> LlamaForCausalLM:
+def target_config(path: Path, family: str | None = None) -> tuple[str, ModelGeometry]:
+    """(family, model config) of the target checkpoint at `path`; `family` None: the one its
+    config.json's model_type names. A config value dspark does not implement is a `CheckpointError`."""
+    cfg = read_config(path)
+    try:
+        family = family or family_of_config(cfg).name
+        return family, ModelGeometry.from_hf(cfg, family)
+    except ConfigFieldError as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}; {exc.hint}") from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path / 'config.json'} does not describe a {family} model: {exc}; use the "
+                              "config.json written with the checkpoint") from None
+
+
+def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
+                family: str | None = None) -> TargetModel:
+    """The target checkpoint `ref` of `family` (None: the family its config.json names)."""
     path = resolve_checkpoint(ref, "target", base_dir)
-    model = LlamaForCausalLM(LlamaConfig.from_hf(read_config(path)))
-    _load_into(model, _load_state(path), path)
+    family, cfg = target_config(path, family)
+    model = build_target(family, cfg)
+    _load_into(model, _load_state(path), path, model.tied_weights)
     return model.to(DTYPES[dtype]).eval()
 
 
@@ -82,29 +106,29 @@ def load_draft(ref: str, dtype: str = "float32", base_dir: Path | None = None) -
 
 
 def load_models(deployment: DeploymentConfig, base_dir: Path,
-                device: torch.device) -> tuple[LlamaForCausalLM, DSparkDraft]:
+                device: torch.device) -> tuple[TargetModel, DSparkDraft]:
     """The deployment's target and draft on `device`: their checkpoints, or dummy weights where the
     spec asks for them (`load_format: dummy`)."""
     model, draft = deployment.model, deployment.draft
     dtype = DTYPES[model.dtype]
     if model.load_format == "dummy":
-        target = dummy_target(model.geometry, dtype, device)
+        target = dummy_target(model.geometry, dtype, device, model.family)
     else:
-        target = load_target(model.checkpoint, model.dtype, base_dir).to(device)
+        target = load_target(model.checkpoint, model.dtype, base_dir, model.family).to(device)
     if draft.load_format == "dummy":
         return target, dummy_draft(model.geometry, draft, dtype, device)
     return target, load_draft(draft.checkpoint, model.dtype, base_dir).to(device)
 
 
-def _save(path: Path, module: torch.nn.Module, config: dict) -> None:
+def _save(path: Path, module: torch.nn.Module, config: dict, tied: tuple[str, ...] = ()) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items() if k not in tied}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def save_target(path: Path, model: LlamaForCausalLM) -> None:
-    _save(path, model, model.cfg.to_hf())
+def save_target(path: Path, model: TargetModel, family: str = "llama") -> None:
+    _save(path, model, model.cfg.to_hf(family), model.tied_weights)
     tok = {"type": "byte", "bos_id": BOS_ID, "eos_id": EOS_ID, "vocab_size": VOCAB_SIZE}
     (path / BYTE_TOKENIZER_FILE).write_text(json.dumps(tok, indent=2, sort_keys=True) + "\n")
 

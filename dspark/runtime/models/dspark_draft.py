@@ -25,8 +25,6 @@ from torch import nn
 from dspark.runtime.models import ops
 from dspark.runtime.models.llama import LlamaConfig, LlamaMLP, RMSNorm
 
-LLAMA_FIELDS = tuple(f.name for f in fields(LlamaConfig))
-
 
 @dataclass(frozen=True)
 class DraftConfig:
@@ -60,6 +58,7 @@ class DraftConfig:
         return cls(**fields)
 
     def layer_config(self) -> LlamaConfig:
+        # the Llama config fields the draft has; the rest (RoPE scaling, biases) keep their defaults
         return LlamaConfig(**{f: getattr(self, f) for f in LLAMA_FIELDS})
 
     @property
@@ -69,6 +68,7 @@ class DraftConfig:
             NUM_DRAFT_STATS if self.confidence_draft_stats else 0)
 
 
+LLAMA_FIELDS = tuple(f.name for f in fields(LlamaConfig) if f.name in {g.name for g in fields(DraftConfig)})
 NUM_DRAFT_STATS = 3
 
 

@@ -15,11 +15,11 @@ import torch
 
 from dspark.runtime.config import DraftRef, ModelGeometry
 from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel, build_target
 
 TARGET_SEED = 0
 DRAFT_SEED = 1
-INIT_STD = 0.02  # the usual initialiser scale of a Llama-family model
+INIT_STD = 0.02  # the usual initialiser scale of a Llama or Qwen3 model
 
 
 @contextmanager
@@ -47,9 +47,10 @@ def _initialise(module: torch.nn.Module, seed: int, device: torch.device) -> Non
             param.zero_()  # biases
 
 
-def dummy_target(geometry: ModelGeometry, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def dummy_target(geometry: ModelGeometry, dtype: torch.dtype, device: torch.device,
+                 family: str = "llama") -> TargetModel:
     with _built_on(device, dtype):
-        model = LlamaForCausalLM(geometry)  # the deployment's geometry is the model's config
+        model = build_target(family, geometry)  # the deployment's geometry is the model's config
     _initialise(model, TARGET_SEED, device)
     return model.eval()
 

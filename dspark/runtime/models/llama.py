@@ -1,7 +1,8 @@
 """Llama-family target model: RMSNorm, RoPE, SwiGLU, grouped-query attention.
 
 Parameter names follow the Hugging Face Llama layout, so a `config.json` + safetensors
-directory loads without renaming. Two forward paths share the weights:
+directory loads without renaming. The config (`ModelGeometry`) says what else changes the
+computation: RoPE scaling, tied embeddings, projection biases. Two forward paths share the weights:
 
 * `forward_dense` — batched, causal, for training and evaluation;
 * `forward_paged` — ragged rows against a paged KV cache, for serving; attention goes through
@@ -32,15 +33,25 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+def paged_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """`layer(x)` through the row-invariant product (`ops.linear`)."""
+    return ops.linear(x, layer.weight, layer.bias)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
+        d, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=bias)
+
+    def qk_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a family does to the query and key heads `[..., H, D]` before RoPE: nothing in Llama
+        (Qwen3 normalises each head)."""
+        return q, k
 
     def forward_dense(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       cache: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -48,8 +59,10 @@ class LlamaAttention(nn.Module):
         place) the rows follow the cached ones: one new row per call attends to all of them."""
         b, t, _ = x.shape
         c = self.cfg
-        q = ops.apply_rope(self.q_proj(x).view(b, t, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
-        k = ops.apply_rope(self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+        q, k = self.qk_heads(self.q_proj(x).view(b, t, c.num_heads, c.head_dim),
+                             self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim))
+        q = ops.apply_rope(q, cos, sin).transpose(1, 2)  # [b, H, t, D]
+        k = ops.apply_rope(k, cos, sin).transpose(1, 2)  # [b, Hkv, t, D]
         v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
         causal = True
         if cache is not None:
@@ -67,60 +80,79 @@ class LlamaAttention(nn.Module):
                       attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         c = self.cfg
-        q = ops.apply_rope(ops.linear(x, self.q_proj.weight).view(t, c.num_heads, c.head_dim), cos, sin)
-        k = ops.apply_rope(ops.linear(x, self.k_proj.weight).view(t, c.num_kv_heads, c.head_dim), cos, sin)
-        v = ops.linear(x, self.v_proj.weight).view(t, c.num_kv_heads, c.head_dim)
-        out = attn.attend(layer_id, q, k, v, meta)
-        return ops.linear(out.reshape(t, -1), self.o_proj.weight)
+        q, k = self.qk_heads(paged_linear(x, self.q_proj).view(t, c.num_heads, c.head_dim),
+                             paged_linear(x, self.k_proj).view(t, c.num_kv_heads, c.head_dim))
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)  # [T, H | Hkv, D]
+        v = paged_linear(x, self.v_proj).view(t, c.num_kv_heads, c.head_dim)
+        out = attn.attend(layer_id, q, k, v, meta)  # [T, H, D]
+        return paged_linear(out.reshape(t, -1), self.o_proj)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        d, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(d, i, bias=bias)
+        self.up_proj = nn.Linear(d, i, bias=bias)
+        self.down_proj = nn.Linear(i, d, bias=bias)
 
     def forward_dense(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_paged(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(ops.linear(x, self.gate_proj.weight)) * ops.linear(x, self.up_proj.weight)
-        return ops.linear(h, self.down_proj.weight)
+        h = F.silu(paged_linear(x, self.gate_proj)) * paged_linear(x, self.up_proj)
+        return paged_linear(h, self.down_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention  # a family's own attention (Qwen3's)
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = self.attention_class(cfg)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaBackbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_class: type[LlamaDecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_class(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
+    """The target model the runtime serves (`dspark.runtime.models.families.TargetModel`)."""
+
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = LlamaBackbone(cfg)
+        self.model = LlamaBackbone(cfg, self.layer_class)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # [V, d], one tensor for both
+
+    @property
+    def tied_weights(self) -> tuple[str, ...]:
+        """State-dict keys that alias another (checkpoints leave them out, as transformers does)."""
+        return ("lm_head.weight",) if self.cfg.tie_word_embeddings else ()
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables `[..., T, head_dim]` for `positions`, with the config's RoPE scaling."""
+        c = self.cfg
+        return ops.rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling)
 
     def forward_dense(self, input_ids: torch.Tensor, cache: list[list[torch.Tensor]] | None = None,
                       start: int = 0) -> torch.Tensor:
         """Causal forward over `[b, t]` tokens at positions `start …`; returns the last layer's
         residual stream `[b, t, d]`. `cache` (one `[k, v]` per layer) enables incremental decoding."""
-        c = self.cfg
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        cos, sin = ops.rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(input_ids)  # [b, t, d]
         for i, layer in enumerate(self.model.layers):
             layer_cache = cache[i] if cache is not None else None
             x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin, layer_cache)
@@ -141,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
         return torch.cat(out, dim=1)
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[..., V]` logits of residual-stream rows (the final norm, then the LM head)."""
         return self.lm_head(self.model.norm(hidden))
 
     @torch.inference_mode()
@@ -150,9 +183,8 @@ class LlamaForCausalLM(nn.Module):
 
         The residual stream (before the final norm) is also what the DSpark draft conditions on.
         """
-        c = self.cfg
-        cos, sin = ops.rope_cos_sin(positions, c.head_dim, c.rope_theta)
-        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(input_ids)  # [T, d]
         for i, layer in enumerate(self.model.layers):
             x = x + layer.self_attn.forward_paged(i, layer.input_layernorm(x), cos, sin, attn, meta)
             x = x + layer.mlp.forward_paged(layer.post_attention_layernorm(x))
@@ -160,4 +192,5 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[T, V]` logits of `[T, d]` residual-stream rows, row-invariant (`ops.linear`)."""
         return ops.linear(self.model.norm(hidden), self.lm_head.weight)

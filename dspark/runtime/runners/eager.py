@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
 from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.families import TargetModel
 
 
 class EagerVerifyRunner:
-    def __init__(self, target: LlamaForCausalLM, attn: AttentionBackend, shape: StepShape,
+    def __init__(self, target: TargetModel, attn: AttentionBackend, shape: StepShape,
                  build_metadata: Callable[[VerifyLayout], AttentionMetadata]) -> None:
         self.target = target
         self.attn = attn
