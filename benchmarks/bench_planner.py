@@ -12,8 +12,9 @@ step's planning plus layout, timed in one run.
    (`AdaptiveVerifyPlan.plan_step`: confidence logits → survival → budget → verify_lens) plus
    `plan_verify`, for a compact plan with the additive table and graph tiers up to B·N, on the CPU.
 
-Rounds interleave the sides (alternating which goes first), so a busy machine slows them alike;
-each figure is the median over rounds of the mean per call within a round.
+Every round runs every side (both planners for every table, planning and layout at every B; the
+order reversed every other round), so a busy machine slows them alike; each figure is the median
+over rounds of the mean per call within a round.
 
     .venv/bin/python benchmarks/bench_planner.py
     .venv/bin/python benchmarks/bench_planner.py --rounds 5 --calls 5 --json
@@ -219,11 +220,17 @@ class Disagreement(RuntimeError):
     """The two planners decided differently on a benchmark input: the comparison would be meaningless."""
 
 
-def bench_decisions(num_reqs: int, gamma: int, kinds: Sequence[str], rounds: int, calls: int,
-                    pool: int, seed: int) -> list[DecisionResult]:
+Side = Callable[[int], object]
+
+
+def decision_sides(num_reqs: int, gamma: int, kinds: Sequence[str], pool: int,
+                   seed: int) -> tuple[dict[str, Side], dict[str, float]]:
+    """Each table's two sides ("<kind>/ours", "<kind>/sglang"), after checking that they decide alike on
+    every input, and the mean budget per table."""
     cfg = ScheduleConfig(gamma=gamma)
     inputs = survival_pool(pool, num_reqs, gamma, seed)
-    results = []
+    sides: dict[str, Side] = {}
+    mean_budgets = {}
     for kind, (table, sgl_table) in tables(num_reqs, gamma + 1).items():
         if kind not in kinds:
             continue
@@ -245,10 +252,9 @@ def bench_decisions(num_reqs: int, gamma: int, kinds: Sequence[str], rounds: int
                 raise Disagreement(f"{kind} table, input {i}: our budget {a} vs SGLang's {b}"
                                    + ("" if a != b else "; verify_lens differ"))
             budgets.append(a)
-        medians = interleaved({"ours": ours, "sglang": sglang}, rounds, calls)
-        results.append(DecisionResult(kind, num_reqs, gamma, 1e3 * medians["ours"], 1e3 * medians["sglang"],
-                                      float(np.mean(budgets))))
-    return results
+        sides[f"{kind}/ours"], sides[f"{kind}/sglang"] = ours, sglang
+        mean_budgets[kind] = float(np.mean(budgets))
+    return sides, mean_budgets
 
 
 @dataclass(frozen=True)
@@ -307,18 +313,30 @@ class LayoutCase:
         return self.layout(i, self.planning(i))
 
 
-def bench_layout(batch_sizes: Sequence[int], gamma: int, rounds: int, calls: int, pool: int,
-                 seed: int) -> list[LayoutResult]:
-    results = []
+def layout_sides(batch_sizes: Sequence[int], gamma: int, pool: int,
+                 seed: int) -> tuple[dict[str, Side], dict[int, float]]:
+    """Each batch size's sides ("B<b>/plan", "B<b>/layout", "B<b>/both") and its mean rows per step."""
+    sides: dict[str, Side] = {}
+    mean_rows = {}
     for num_reqs in batch_sizes:
         case = LayoutCase(num_reqs, gamma, pool, seed)
-        sides: dict[str, Callable[[int], object]] = {"plan": case.planning, "layout": case.layout,
-                                                     "both": case.both}
-        medians = interleaved(sides, rounds, calls)
-        rows = float(np.mean([sum(s.run_lens) for s in case.steps]))
-        results.append(LayoutResult(num_reqs, 1e3 * medians["plan"], 1e3 * medians["layout"],
-                                    1e3 * medians["both"], rows))
-    return results
+        sides.update({f"B{num_reqs}/plan": case.planning, f"B{num_reqs}/layout": case.layout,
+                      f"B{num_reqs}/both": case.both})
+        mean_rows[num_reqs] = float(np.mean([sum(s.run_lens) for s in case.steps]))
+    return sides, mean_rows
+
+
+def run(args: argparse.Namespace) -> tuple[list[DecisionResult], list[LayoutResult]]:
+    """Every side of both benchmarks interleaved in the same rounds, so that a burst of load elsewhere
+    on the machine lands on all of them alike rather than on one table or batch size."""
+    decisions, budgets = decision_sides(args.num_reqs, args.gamma, args.kinds, args.inputs, args.seed)
+    layouts, rows = layout_sides(args.layout_batch_sizes, args.gamma, args.inputs, args.seed)
+    ms = {name: 1e3 * seconds for name, seconds in
+          interleaved({**decisions, **layouts}, args.rounds, args.calls).items()}
+    return ([DecisionResult(kind, args.num_reqs, args.gamma, ms[f"{kind}/ours"], ms[f"{kind}/sglang"], budget)
+             for kind, budget in budgets.items()],
+            [LayoutResult(b, ms[f"B{b}/plan"], ms[f"B{b}/layout"], ms[f"B{b}/both"], mean)
+             for b, mean in rows.items()])
 
 
 # --- command line ------------------------------------------------------------------------------------------
@@ -340,8 +358,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="table kinds of the decision benchmark (default additive,sps-1d,tier)")
     parser.add_argument("--layout-batch-sizes", type=positive_ints, default=[1, 8, 32, 128, 256],
                         help="B values of the planning + layout benchmark (default 1,8,32,128,256)")
-    parser.add_argument("--rounds", type=int, default=41, help="interleaved rounds (default 41)")
-    parser.add_argument("--calls", type=int, default=40, help="calls per side per round (default 40)")
+    parser.add_argument("--rounds", type=int, default=201, help="interleaved rounds (default 201)")
+    parser.add_argument("--calls", type=int, default=10, help="calls per side per round (default 10)")
     parser.add_argument("--inputs", type=int, default=16, help="distinct seeded inputs cycled (default 16)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -360,13 +378,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        decisions = bench_decisions(args.num_reqs, args.gamma, args.kinds, args.rounds, args.calls,
-                                    args.inputs, args.seed)
+        decisions, layouts = run(args)
     except Disagreement as exc:
         print(f"bench_planner: error: {exc}", file=sys.stderr)
         return 1
-    layouts = bench_layout(args.layout_batch_sizes, args.gamma, args.rounds, args.calls, args.inputs,
-                           args.seed)
     context = {"torch": torch.__version__, "numpy": np.__version__, "cpu_threads": torch.get_num_threads(),
                "rounds": args.rounds, "calls": args.calls, "inputs": args.inputs}
     if args.json:
