@@ -42,7 +42,9 @@ class ModelGeometry:
     head_dim: int
     max_position_embeddings: int
     rope_theta: float = HF_DEFAULTS["rope_theta"]
-    rms_norm_eps: float = HF_DEFAULTS["rms_norm_eps"]
+    # dspark's own models' epsilon (the embedded tiny target was trained with it); a config.json
+    # without the key reads as transformers' 1e-6 (`hf_config.HF_DEFAULTS`)
+    rms_norm_eps: float = 1e-5
     # None: plain RoPE at rope_theta; generated code writes the fields as a dict literal
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False  # the LM head is the embedding matrix
