@@ -345,3 +345,26 @@ def test_context_features_of_the_wrong_width_are_refused(tmp_path: Path) -> None
     draft = load_block_draft(write_checkpoint(tmp_path / "draft", cfg, released_tensors(cfg)))
     with pytest.raises(ValueError, match=r"reads 3 layers x 32 = 96 .*\[-1, 1, 2\]"):
         draft.context_kv(torch.randn(3, HIDDEN), torch.arange(3))
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_a_request_drafts_bit_for_bit_the_same_whatever_shares_its_step(tmp_path: Path, kind: str) -> None:
+    """CPU batch invariance (as for the target, docs/architecture.md "Losslessness"): a request's
+    drafts, logits and confidences do not depend on how many requests share the step or on how
+    long their contexts are (which sets the padded context width)."""
+    cfg = released_config(kind)
+    draft = load_block_draft(write_checkpoint(tmp_path / "draft", cfg, released_tensors(cfg)))
+    g = torch.Generator().manual_seed(0)
+    lengths = (37, 5, 130, 64, 1, 77, 12, 200, 63, 65)
+    feats = [torch.randn(n, WIDTH, generator=g) for n in lengths]
+    anchors = list(range(3, 3 + len(lengths)))
+    for gamma in (BLOCK, 3):
+        full = propose_batch(draft, feats, anchors, gamma=gamma)
+        for r in range(len(lengths)):
+            other = (r + 2) % len(lengths)
+            for out, row in ((propose_batch(draft, [feats[r]], [anchors[r]], gamma=gamma), 0),
+                             (propose_batch(draft, [feats[other], feats[r]], [anchors[other], anchors[r]],
+                                            gamma=gamma), 1)):
+                assert torch.equal(out.logits[row], full.logits[r]), (gamma, r)
+                assert torch.equal(out.conf_logits[row], full.conf_logits[r]), (gamma, r)
+                assert torch.equal(out.drafts[row], full.drafts[r]), (gamma, r)

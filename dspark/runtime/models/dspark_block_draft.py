@@ -35,10 +35,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.runtime.models import ops
+from dspark.runtime.models.dspark_block_attention import block_step_attention, lanewise
 from dspark.runtime.models.dspark_block_config import BlockDraftConfig
 
 # Picks one token per row from `[B, V]` step logits (argmax, or a sampler under each request's policy).
 TokenPicker = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """Which keys a block row sees, besides every slot of its own block.
+
+    Serving (`ctx_lens[B]`): request b's first `ctx_lens[b]` context entries, through the
+    batch-invariant step attention. Training (`mask[B, Q, C + Q]`): an explicit mask over the
+    context and every block of the sequence (True where allowed), through one fused kernel.
+    """
+
+    ctx_lens: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
 
 
 def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -83,19 +97,24 @@ class BlockDraftAttention(nn.Module):
         return ops.apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                ctx_v: torch.Tensor, visible: Visibility) -> torch.Tensor:
         """Block rows `x[B, Q, d]` (already input-normed) attend to the context keys/values
-        `[B, C, Hkv, D]` followed by their own; `mask[B, Q, C + Q]` is True where allowed."""
+        `[B, C, Hkv, D]` and to the block's own (`Visibility` says which)."""
         c = self.cfg
         q = self.q_norm(dense(x, self.q_proj).unflatten(-1, (c.num_heads, c.head_dim)))
         q = ops.apply_rope(q, cos, sin)
         k_blk, v_blk = self.kv(x, cos, sin)
-        k = torch.cat((ctx_k.to(x.dtype), k_blk), dim=1)  # [B, C+Q, Hkv, D]
-        v = torch.cat((ctx_v.to(x.dtype), v_blk), dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None],
-            scale=c.head_dim ** -0.5, enable_gqa=c.num_heads != c.num_kv_heads)  # [B, H, Q, D]
-        return dense(out.transpose(1, 2).flatten(-2), self.o_proj)
+        ctx_k, ctx_v, scale = ctx_k.to(x.dtype), ctx_v.to(x.dtype), c.head_dim ** -0.5
+        if visible.ctx_lens is not None:
+            out = block_step_attention(q, ctx_k, ctx_v, visible.ctx_lens, k_blk, v_blk, scale)
+        else:
+            assert visible.mask is not None
+            k = torch.cat((ctx_k, k_blk), dim=1).transpose(1, 2)  # [B, Hkv, C+Q, D]
+            v = torch.cat((ctx_v, v_blk), dim=1).transpose(1, 2)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, attn_mask=visible.mask[:, None], scale=scale,
+                enable_gqa=c.num_heads != c.num_kv_heads).transpose(1, 2)  # [B, Q, H, D]
+        return dense(out.flatten(-2), self.o_proj)
 
 
 class BlockDraftMLP(nn.Module):
@@ -106,7 +125,7 @@ class BlockDraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(F.silu(dense(x, self.gate_proj)) * dense(x, self.up_proj), self.down_proj)
+        return dense(lanewise(F.silu, dense(x, self.gate_proj)) * dense(x, self.up_proj), self.down_proj)
 
 
 class BlockDraftLayer(nn.Module):
@@ -118,8 +137,8 @@ class BlockDraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+                ctx_v: torch.Tensor, visible: Visibility) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -155,12 +174,12 @@ class MarkovHead(nn.Module):
         if self.kind == "vanilla":
             return dense(e, self.markov_w2), state
         if self.kind == "gated":
-            gate = torch.sigmoid(dense(torch.cat((hidden, e), dim=-1), self.gate_proj))
+            gate = lanewise(torch.sigmoid, dense(torch.cat((hidden, e), dim=-1), self.gate_proj))
             return dense(gate * e, self.markov_w2), state
         g, cand, o = dense(torch.cat((state, e, hidden), dim=-1), self.joint_proj).chunk(3, dim=-1)
-        g = torch.sigmoid(g)
-        new_state = g * state + (1.0 - g) * torch.tanh(cand)
-        return dense(torch.tanh(o), self.markov_w2), new_state
+        g = lanewise(torch.sigmoid, g)
+        new_state = g * state + (1.0 - g) * lanewise(torch.tanh, cand)
+        return dense(lanewise(torch.tanh, o), self.markov_w2), new_state
 
 
 class ConfidenceHead(nn.Module):
@@ -234,12 +253,12 @@ class DSparkBlockDraft(nn.Module):
         return self.hidden_norm(dense(target_hidden.to(self.fc.weight.dtype), self.fc))
 
     def backbone(self, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
+                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], visible: Visibility) -> torch.Tensor:
         """Block rows `[B, Q]` at positions `[B, Q]` -> final normed hidden states `[B, Q, d]`."""
         cos, sin = self._rope(block_pos)
         x = self.embed_tokens(block_ids)
         for layer, (ck, cv) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, ck, cv, mask)
+            x = layer(x, cos, sin, ck, cv, visible)
         return self.norm(x)
 
     def heads(self, hidden: torch.Tensor, first_prev: torch.Tensor, pick: TokenPicker | None = None,
@@ -304,13 +323,8 @@ class DSparkBlockDraft(nn.Module):
         logits (greedy argmax without it); `gamma` defaults to the checkpoint's block size.
         """
         gamma = self.resolve_gamma(gamma)
-        num_reqs, dev = anchor_ids.shape[0], anchor_ids.device
-        cap = ctx_kv[0][0].shape[1]
-        block_pos = anchor_pos[:, None] + torch.arange(gamma, device=dev)
-        ctx_mask = torch.arange(cap, device=dev)[None, :] < ctx_lens[:, None]  # [B, C]
-        mask = torch.cat((ctx_mask[:, None, :].expand(-1, gamma, -1),
-                          torch.ones(num_reqs, gamma, gamma, dtype=torch.bool, device=dev)), dim=-1)
-        hidden = self.backbone(self.block_ids(anchor_ids, gamma), block_pos, ctx_kv, mask)
+        block_pos = anchor_pos[:, None] + torch.arange(gamma, device=anchor_ids.device)
+        hidden = self.backbone(self.block_ids(anchor_ids, gamma), block_pos, ctx_kv, Visibility(ctx_lens))
         return self.heads(hidden, anchor_ids, pick, keep_conf_inputs=keep_conf_inputs)
 
     # -- training ------------------------------------------------------------------------
@@ -338,7 +352,8 @@ class DSparkBlockDraft(nn.Module):
         blk = torch.arange(n_blocks, device=dev).repeat_interleave(gamma)
         blk_mask = (blk[:, None] == blk[None, :]).expand(b, -1, -1)
         mask = torch.cat((ctx_mask, blk_mask), dim=-1)
-        hidden = self.backbone(block_ids, block_pos, ctx_kv, mask).view(b, n_blocks, gamma, -1)
+        hidden = self.backbone(block_ids, block_pos, ctx_kv, Visibility(mask=mask))
+        hidden = hidden.view(b, n_blocks, gamma, -1)
         # Slot k's previous token is the one at anchor + k (the anchor itself for k = 0).
         prev_idx = (anchors[..., None] + offs).clamp(max=seq_len - 1).reshape(b, -1)
         prev = tokens.gather(1, prev_idx).view(b, n_blocks, gamma)
