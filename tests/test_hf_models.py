@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from dspark.compiler.api import build
+from dspark.runtime.config import ModelGeometry
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.layout import plan_extend
 from dspark.runtime.models import ops
@@ -202,3 +203,28 @@ def test_a_tied_checkpoint_loads_without_an_lm_head_tensor(tmp_path: Path) -> No
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         close(model.dense_logits(model.forward_dense(ids))[0], reference(ids).logits[0])
+
+
+@pytest.mark.parametrize("variant", ["llama_tied_llama3_bias", "qwen3", "qwen3_tied_yarn_bias"])
+def test_tensor_names_are_those_transformers_writes(variant: str) -> None:
+    from dspark.runtime.models.families import build_target
+
+    reference = hf_model(VARIANTS[variant])
+    cfg = ModelGeometry.from_hf(reference.config.to_dict(), VARIANTS[variant]["family"])
+    ours = build_target(VARIANTS[variant]["family"], cfg)
+    tied = set(ours.tied_weights)
+    assert set(ours.state_dict()) - tied == set(reference.state_dict()) - tied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_equals_transformers_bitwise(dtype: torch.dtype) -> None:
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    gen = torch.Generator().manual_seed(5)
+    norm = Qwen3RMSNorm(32, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(32, generator=gen))
+    norm = norm.to(dtype)
+    x = (3 * torch.randn(7, 4, 32, generator=gen)).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ops.rms_norm(x, norm.weight, 1e-6), norm(x))
