@@ -115,7 +115,7 @@ def test_a_lone_surrogate_is_a_400_and_the_connection_keeps_serving(client: http
 
 
 @pytest.mark.parametrize(("method", "path", "status"), [
-    ("GET", "/nope", 404), ("POST", "/v1/chat/completions", 404), ("GET", "/docs", 404),
+    ("GET", "/nope", 404), ("POST", "/v1/embeddings", 404), ("GET", "/docs", 404),
     ("GET", "/v1/completions", 405), ("DELETE", "/v1/models", 405), ("POST", "/health", 405),
 ])
 def test_unknown_routes_and_methods_get_openai_errors(client: httpx.Client, method: str, path: str,

@@ -21,14 +21,15 @@ below 1e-5 greedily (so small a temperature picks the most likely token anyway) 
 below 1e-6 to 1e-6 (either keeps the most likely token alone): in float32 they would overflow.
 
 `parse_completion_request` turns a decoded JSON object into a `CompletionRequest` or an `ApiError`
-whose message names the field in plain words (never pydantic's wording).
+whose message names the field in plain words (never pydantic's wording). `GenerationRequest` holds the
+fields the chat route (`chat_protocol.py`) shares with this one.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -41,7 +42,7 @@ MAX_TOP_K = 2**31 - 1
 REFUSED = "refused"  # the pydantic error type of a field this server refuses in its own words
 
 
-def _refuse(message: str) -> PydanticCustomError:
+def refuse(message: str) -> PydanticCustomError:
     # No context: the message is used verbatim (it must not carry client text, which could hold braces).
     return PydanticCustomError(REFUSED, message)
 
@@ -52,14 +53,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="send a last chunk with the usage counts")
 
 
-class CompletionRequest(BaseModel):
-    """`POST /v1/completions`. `prompt` is text, or token ids of the served tokenizer."""
+class GenerationRequest(BaseModel):
+    """What `POST /v1/completions` and `POST /v1/chat/completions` share: the model, sampling, stop strings,
+    streaming, the seed, the extensions, and the OpenAI features this server lacks that both routes name."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(description="the served model name (`GET /v1/models`)")
-    prompt: str | list[int] = Field(description="prompt text or token ids")
-    max_tokens: int | None = Field(None, description="new tokens at most (default: the spec's)")
     temperature: float | None = Field(None, description="0 = greedy (default: the spec's)")
     top_p: float | None = Field(None, description="nucleus mass in (0, 1] (default: the spec's)")
     top_k: int | None = Field(None, description="extension: top-k, 0 = off (default: the spec's)")
@@ -72,67 +72,36 @@ class CompletionRequest(BaseModel):
     user: str | None = Field(None, description="accepted and ignored")
     # OpenAI features this server lacks: accepted at their no-op values only (see the module docstring).
     n: Any = None
-    best_of: Any = None
-    echo: Any = None
-    logprobs: Any = None
-    suffix: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt(cls, value: Any) -> str | list[int]:
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-            value = value[0]  # a batch of one is that prompt
-        if isinstance(value, str):
-            if not value:
-                raise _refuse("`prompt` must not be empty")
-            return value
-        if not isinstance(value, list):
-            raise _refuse("`prompt` must be a string or a list of token ids")
-        if not value:
-            raise _refuse("`prompt` must not be empty")
-        if all(isinstance(v, str | list) for v in value):
-            raise _refuse("`prompt` must be a single string; batched prompts are not supported, "
-                          "send one request per prompt")
-        if not all(_is_int(v) for v in value):
-            raise _refuse("`prompt` as a list must hold token ids (integers), e.g. [1, 450, 4996]")
-        return value
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise _refuse("`max_tokens` must be at least 1")
-        return value
 
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, value: float | None) -> float | None:
         if value is not None and not 0 <= value <= 100:  # also refuses NaN
-            raise _refuse("`temperature` must be between 0 (greedy) and 100")
+            raise refuse("`temperature` must be between 0 (greedy) and 100")
         return value
 
     @field_validator("top_p")
     @classmethod
     def _top_p(cls, value: float | None) -> float | None:
         if value is not None and not 0 < value <= 1:
-            raise _refuse("`top_p` must be greater than 0 and at most 1")
+            raise refuse("`top_p` must be greater than 0 and at most 1")
         return value
 
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value <= MAX_TOP_K:
-            raise _refuse(f"`top_k` must be between 0 (off) and {MAX_TOP_K}")
+            raise refuse(f"`top_k` must be between 0 (off) and {MAX_TOP_K}")
         return value
 
     @field_validator("seed")
     @classmethod
     def _seed(cls, value: int | None) -> int | None:
         if value is not None and not 0 <= value < 2**63:
-            raise _refuse("`seed` must be between 0 and 2**63 - 1")
+            raise refuse("`seed` must be between 0 and 2**63 - 1")
         return value
 
     @field_validator("stop", mode="before")
@@ -142,60 +111,116 @@ class CompletionRequest(BaseModel):
             return None
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _refuse("`stop` must be a string or a list of strings")
+            raise refuse("`stop` must be a string or a list of strings")
         if len(stops) > MAX_STOP_STRINGS:
-            raise _refuse(f"`stop` holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are supported")
+            raise refuse(f"`stop` holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are supported")
         if any(not s for s in stops):
-            raise _refuse("`stop` strings must not be empty")
+            raise refuse("`stop` strings must not be empty")
         return stops
 
-    @field_validator("n", "best_of")
+    @field_validator("n")
     @classmethod
-    def _one_completion(cls, value: Any, info: ValidationInfo) -> None:
-        if value is None or (_is_int(value) and value == 1):
-            return None
-        if _is_int(value) and value > 1:
-            raise _refuse(f"`{info.field_name}` > 1 is not supported: this server returns one completion "
-                          "per request; send several requests instead")
-        raise _refuse(f"`{info.field_name}` must be 1 (this server returns one completion per request)")
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: Any) -> None:
-        if value is not None and value is not False:
-            raise _refuse("`echo` is not supported: the completion never repeats the prompt")
-        return None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, value: Any) -> None:
-        if value is not None:
-            raise _refuse("`logprobs` is not supported")
-        return None
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, value: Any) -> None:
-        if value not in (None, ""):
-            raise _refuse("`suffix` is not supported: this server completes text after the prompt only")
-        return None
+    def _one_choice(cls, value: Any, info: ValidationInfo) -> None:
+        return _only_one(value, str(info.field_name))
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalty(cls, value: Any, info: ValidationInfo) -> None:
         if value is None or (isinstance(value, int | float) and not isinstance(value, bool) and value == 0):
             return None
-        raise _refuse(f"`{info.field_name}` is not supported: only 0 (no penalty) is accepted")
+        raise refuse(f"`{info.field_name}` is not supported: only 0 (no penalty) is accepted")
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: Any) -> None:
         if value is not None and value != {}:
-            raise _refuse("`logit_bias` is not supported")
+            raise refuse("`logit_bias` is not supported")
         return None
 
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
+
+
+class CompletionRequest(GenerationRequest):
+    """`POST /v1/completions`. `prompt` is text, or token ids of the served tokenizer."""
+
+    prompt: str | list[int] = Field(description="prompt text or token ids")
+    max_tokens: int | None = Field(None, description="new tokens at most (default: the spec's)")
+    # OpenAI features this server lacks: accepted at their no-op values only (see the module docstring).
+    best_of: Any = None
+    echo: Any = None
+    logprobs: Any = None
+    suffix: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[int]:
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+            value = value[0]  # a batch of one is that prompt
+        if isinstance(value, str):
+            if not value:
+                raise refuse("`prompt` must not be empty")
+            return value
+        if not isinstance(value, list):
+            raise refuse("`prompt` must be a string or a list of token ids")
+        if not value:
+            raise refuse("`prompt` must not be empty")
+        if all(isinstance(v, str | list) for v in value):
+            raise refuse("`prompt` must be a single string; batched prompts are not supported, "
+                          "send one request per prompt")
+        if not all(_is_int(v) for v in value):
+            raise refuse("`prompt` as a list must hold token ids (integers), e.g. [1, 450, 4996]")
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, value: int | None) -> int | None:
+        return positive_token_count(value, "max_tokens")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: Any, info: ValidationInfo) -> None:
+        return _only_one(value, str(info.field_name))
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, value: Any) -> None:
+        if value is not None and value is not False:
+            raise refuse("`echo` is not supported: the completion never repeats the prompt")
+        return None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, value: Any) -> None:
+        if value is not None:
+            raise refuse("`logprobs` is not supported")
+        return None
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, value: Any) -> None:
+        if value not in (None, ""):
+            raise refuse("`suffix` is not supported: this server completes text after the prompt only")
+        return None
+
+
+RequestT = TypeVar("RequestT", bound=GenerationRequest)
+
+
+def positive_token_count(value: int | None, name: str) -> int | None:
+    if value is not None and value < 1:
+        raise refuse(f"`{name}` must be at least 1")
+    return value
+
+
+def _only_one(value: Any, name: str) -> None:
+    """`n` / `best_of`: this server returns one choice per request."""
+    if value is None or (_is_int(value) and value == 1):
+        return None
+    if _is_int(value) and value > 1:
+        raise refuse(f"`{name}` > 1 is not supported: this server returns one completion per request; "
+                      "send several requests instead")
+    raise refuse(f"`{name}` must be 1 (this server returns one completion per request)")
 
 
 def _is_int(value: Any) -> bool:
@@ -204,10 +229,15 @@ def _is_int(value: Any) -> bool:
 
 def parse_completion_request(payload: dict[str, Any]) -> CompletionRequest:
     """The request, or an `ApiError` (400) naming the first field at fault."""
+    return parse_request(CompletionRequest, payload)
+
+
+def parse_request(model: type[RequestT], payload: dict[str, Any]) -> RequestT:
+    """`payload` as a `model` request, or an `ApiError` (400) naming the first field at fault."""
     try:
-        req = CompletionRequest.model_validate(payload)
+        req = model.model_validate(payload)
     except ValidationError as err:
-        raise validation_error(err) from None
+        raise validation_error(err, model) from None
     if req.stream_options is not None and not req.stream:  # as OpenAI: an option that would do nothing
         raise ApiError(400, "`stream_options` is only allowed when `stream` is true", "stream_options")
     return req
@@ -225,8 +255,8 @@ TYPE_MESSAGES = {
 }
 
 
-def validation_error(err: ValidationError) -> ApiError:
-    """The 400 for a request that failed validation: its first error, the field named as sent."""
+def validation_error(err: ValidationError, model: type[BaseModel] = CompletionRequest) -> ApiError:
+    """The 400 for a request to `model` that failed validation: its first error, the field named as sent."""
     first = err.errors()[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) if loc else None
@@ -234,7 +264,7 @@ def validation_error(err: ValidationError) -> ApiError:
     if kind == REFUSED:
         return ApiError(400, str(first["msg"]), param)
     if kind == "extra_forbidden":
-        known = StreamOptions.model_fields if len(loc) > 1 else CompletionRequest.model_fields
+        known = StreamOptions.model_fields if len(loc) > 1 else model.model_fields
         return ApiError(400, f"unknown parameter `{param}`; this server accepts "
                              f"{', '.join(known)}", param)
     if kind == "value_error":  # a ValueError from a validator: its own message
@@ -289,3 +319,21 @@ def completion_body(cid: str, model: str, text: str, finish_reason: str | None,
 def usage_chunk(cid: str, model: str, usage_body: dict[str, Any]) -> dict[str, Any]:
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [], "usage": usage_body}
+
+
+class CompletionChunks:
+    """The `text_completion` chunks of one streamed response: text and finish reason travel together."""
+
+    def __init__(self, cid: str, model: str) -> None:
+        self.cid, self.model = cid, model
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def event(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+        if not text and finish_reason is None:
+            return []
+        return [completion_body(self.cid, self.model, text, finish_reason, None)]
+
+    def usage(self, usage_body: dict[str, Any]) -> dict[str, Any]:
+        return usage_chunk(self.cid, self.model, usage_body)

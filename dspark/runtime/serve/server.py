@@ -2,6 +2,9 @@
 
 One engine thread owns the runtime (`engine_thread.py`); the asyncio side validates requests,
 detokenizes what the engine delivers incrementally, cuts it at stop strings and sends it.
+`POST /v1/completions` takes a prompt (`openai_protocol.py`); `POST /v1/chat/completions` takes
+messages, renders them with the model's chat template (`dspark/runtime/chat_template.py`) and also ends
+a reply at the template's end-of-turn token, which is never part of the content (`chat_protocol.py`).
 
 Errors (shapes in `errors.py`, accepted fields in `openai_protocol.py`): a request is validated in
 full — its JSON, fields, model, prompt encoding and context length — before anything is sent, so a
@@ -18,33 +21,43 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from dspark.runtime.chat_template import ChatTemplateError
 from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.serve.chat_protocol import (
+    ChatChunks,
+    ChatCompletionRequest,
+    chat_completion_body,
+    chat_completion_id,
+    parse_chat_request,
+)
 from dspark.runtime.serve.engine_thread import ENGINE_FAILED, EngineStopped, EngineThread, Stream
 from dspark.runtime.serve.errors import SERVER_ERROR, ApiError, install_error_handlers, server_fault
 from dspark.runtime.serve.metrics import ServingMetrics
 from dspark.runtime.serve.openai_protocol import (
+    CompletionChunks,
     CompletionRequest,
+    GenerationRequest,
     completion_body,
     completion_id,
     parse_completion_request,
     usage,
-    usage_chunk,
 )
 from dspark.runtime.serve.request_body import body_limit, read_json_object
-from dspark.runtime.serve.streaming import StopMatcher, sse
+from dspark.runtime.serve.streaming import Chunks, StopMatcher, sse
 from dspark.runtime.tokenizer import TokenizerError
 
 log = logging.getLogger("uvicorn.error")
 
-ROUTES = "POST /v1/completions, GET /v1/models, GET /health and GET /metrics"
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics"
 # A temperature this small samples the argmax anyway, and in float32 it overflows the scaled logits
 # (a NaN distribution): such a request decodes greedily, as vLLM does below the same bound.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -52,8 +65,8 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # the top token's probability (>= 1 / vocabulary size) keeps that token alone, so this bound changes
 # nothing for vocabularies up to a million tokens.
 MIN_TOP_P = 1e-6
-# The engine speaks of max_new_tokens; this API's field is max_tokens.
-API_FIELDS = {"max_new_tokens": "max_tokens"}
+# The engine speaks of max_new_tokens and prompt; each route names them after its own fields.
+COMPLETION_FIELDS = {"max_new_tokens": "max_tokens", "prompt": "prompt"}
 
 
 def engine_stopped() -> ApiError:
@@ -61,12 +74,39 @@ def engine_stopped() -> ApiError:
                          "server must be restarted", kind=SERVER_ERROR, code="engine_stopped")
 
 
-def request_refused(err: RequestError) -> ApiError:
-    """A request the engine cannot serve, in the API's field names."""
+def request_refused(err: RequestError, fields: dict[str, str] | None = None) -> ApiError:
+    """A request the engine cannot serve, in the API's field names (`fields`: engine name -> API name)."""
+    fields = COMPLETION_FIELDS if fields is None else fields
     message = str(err)
-    for engine_name, api_name in API_FIELDS.items():
-        message = message.replace(engine_name, api_name)
-    return ApiError(400, message, API_FIELDS.get(err.field or "", err.field), code=err.code)
+    if "max_new_tokens" in fields:
+        message = message.replace("max_new_tokens", fields["max_new_tokens"])
+    return ApiError(400, message, fields.get(err.field or "", err.field), code=err.code)
+
+
+def first_stop(tokens: list[int], stop_ids: frozenset[int]) -> int | None:
+    """Index of the first token of `tokens` in `stop_ids`, or None."""
+    return next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A piece of a response: new text, the finish reason on the last one, the request's decode steps
+    so far, and the output tokens delivered so far (not counting a stop token or anything after it)."""
+
+    text: str
+    finish_reason: str | None
+    decode_steps: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A submitted request and how its output ends: stop strings, and stop token ids beyond EOS."""
+
+    request: Request
+    stream: Stream
+    stops: list[str]
+    stop_ids: frozenset[int] = frozenset()
 
 
 class CompletionServer:
@@ -97,82 +137,126 @@ class CompletionServer:
                                 f"{bad[:5]}", "prompt")
         return list(req.prompt)
 
-    def _sampling(self, req: CompletionRequest) -> SamplingParams:
+    def _chat_prompt(self, req: ChatCompletionRequest, messages: list[dict[str, str]]
+                     ) -> tuple[list[int], frozenset[int]]:
+        """The conversation's prompt ids through the model's chat template, and the reply's stop ids."""
+        try:
+            chat = self.tokenizer.chat_format()
+            text = chat.template.render(messages, add_generation_prompt=True,
+                                        variables=req.chat_template_kwargs)
+        except ChatTemplateError as err:
+            raise ApiError(400, str(err), "messages", code="chat_template_error") from None
+        try:
+            ids = self.tokenizer.encode(text, add_bos=chat.add_bos)
+        except TokenizerError as err:
+            raise ApiError(400, f"`messages`: {err}", "messages") from None
+        return ids, frozenset() if req.ignore_eos else chat.stop_ids
+
+    def _sampling(self, req: GenerationRequest) -> SamplingParams:
         s = self.runtime.deployment.serving
         temperature = s.temperature if req.temperature is None else req.temperature
         top_p = s.top_p if req.top_p is None else req.top_p
         return SamplingParams(0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
                               max(top_p, MIN_TOP_P), s.top_k if req.top_k is None else req.top_k)
 
-    def _make_request(self, req: CompletionRequest) -> Request:
+    def _check_model(self, req: GenerationRequest) -> None:
         if req.model != self.model_name:
             raise ApiError(404, f"model `{req.model}` is not served here; this server serves "
                                 f"`{self.model_name}` (GET /v1/models)", "model", code="model_not_found")
-        prompt = self._prompt_ids(req)
-        max_new = req.max_tokens or self.runtime.deployment.serving.max_new_tokens
+
+    def _new_request(self, req: GenerationRequest, prompt: list[int], max_tokens: int | None,
+                     fields: dict[str, str]) -> Request:
+        max_new = max_tokens or self.runtime.deployment.serving.max_new_tokens
         try:
             return self.runtime.new_request(prompt, max_new, self._sampling(req), ignore_eos=req.ignore_eos,
                                             seed=req.seed)
         except RequestError as err:
-            raise request_refused(err) from None
+            raise request_refused(err, fields) from None
 
-    def _submit(self, req: CompletionRequest) -> tuple[Request, Stream]:
-        request = self._make_request(req)
+    def _submit(self, request: Request, stops: list[str], stop_ids: frozenset[int] = frozenset()
+                ) -> Generation:
         stream = Stream(asyncio.get_running_loop())
         try:
             self.engine.submit(request, stream)
         except EngineStopped:
             raise engine_stopped() from None
-        return request, stream
+        return Generation(request, stream, stops, stop_ids)
 
-    async def _events(self, request: Request, stream: Stream, stops: list[str]
-                      ) -> AsyncIterator[tuple[str, str | None, int]]:
-        """(text delta, finish_reason, decode_steps) as the engine delivers; aborts on early exit."""
+    def _submit_completion(self, req: CompletionRequest) -> Generation:
+        self._check_model(req)
+        request = self._new_request(req, self._prompt_ids(req), req.max_tokens, COMPLETION_FIELDS)
+        return self._submit(request, req.stop_strings())
+
+    def _submit_chat(self, req: ChatCompletionRequest, messages: list[dict[str, str]]) -> Generation:
+        self._check_model(req)
+        prompt, stop_ids = self._chat_prompt(req, messages)
+        max_tokens, field = req.token_limit()
+        request = self._new_request(req, prompt, max_tokens, {"max_new_tokens": field, "prompt": "messages"})
+        return self._submit(request, req.stop_strings(), stop_ids)
+
+    async def _events(self, gen: Generation) -> AsyncIterator[Event]:
+        """The response's events as the engine delivers; aborts the request on early exit or at a stop."""
         decoder = self.tokenizer.incremental_decoder()
-        matcher = StopMatcher(stops)
-        finished = False
+        matcher = StopMatcher(gen.stops)
+        finished, delivered = False, 0
         try:
             while True:
-                delivery = await stream.events.get()
+                delivery = await gen.stream.events.get()
                 if delivery.finish_reason == ENGINE_FAILED:
                     finished = True  # the engine is gone: nothing to abort
                     raise engine_stopped()
-                text = "".join(decoder.step(t) for t in delivery.tokens)
-                final = delivery.finish_reason is not None
+                tokens, reason = delivery.tokens, delivery.finish_reason
+                cut = first_stop(tokens, gen.stop_ids)
+                if cut is not None:  # the template's end of turn: the reply ends before it
+                    tokens, reason = tokens[:cut], "stop"
+                delivered += len(tokens)
+                text = "".join(decoder.step(t) for t in tokens)
+                final = reason is not None
                 if final:
                     text += decoder.flush()
                 out, hit = matcher.feed(text, final)
-                if hit:
-                    self.engine.abort(request, "stop")  # the engine may have run ahead; stop it now
+                if hit or cut is not None:
+                    self.engine.abort(gen.request, "stop")  # the engine may have run ahead; stop it now
                     finished = True
-                    yield out, "stop", delivery.decode_steps
+                    yield Event(out, "stop", delivery.decode_steps, delivered)
                     return
                 if final:
                     finished = True
-                    yield out, delivery.finish_reason, delivery.decode_steps
+                    yield Event(out, reason, delivery.decode_steps, delivered)
                     return
                 if out:
-                    yield out, None, delivery.decode_steps
+                    yield Event(out, None, delivery.decode_steps, delivered)
         finally:
             if not finished:  # the client went away (or the handler failed): free the slot now
-                self.engine.abort(request)
+                self.engine.abort(gen.request)
 
-    async def _complete(self, req: CompletionRequest, http: HttpRequest) -> JSONResponse:
-        request, stream = self._submit(req)
-        cid = completion_id()
+    async def _collect(self, gen: Generation, http: HttpRequest) -> tuple[str, str | None, dict[str, Any]]:
+        """(text, finish_reason, usage) of a whole response."""
         parts: list[str] = []
-        events = self._events(request, stream, req.stop_strings())
-        watcher = asyncio.create_task(self._watch_disconnect(http, request))
-        reason, steps = None, 0
+        events = self._events(gen)
+        watcher = asyncio.create_task(self._watch_disconnect(http, gen.request))
+        last = Event("", None, 0, 0)
         try:
-            async for text, finish, decode_steps in events:
-                parts.append(text)
-                reason, steps = finish, decode_steps
+            async for event in events:
+                parts.append(event.text)
+                last = event
         finally:
             watcher.cancel()
             await events.aclose()
-        return JSONResponse(completion_body(cid, self.model_name, "".join(parts), reason,
-                                            usage(len(request.prompt), len(request.output), steps)))
+        return "".join(parts), last.finish_reason, usage(len(gen.request.prompt), last.tokens,
+                                                          last.decode_steps)
+
+    async def _complete(self, req: CompletionRequest, http: HttpRequest) -> JSONResponse:
+        gen = self._submit_completion(req)
+        text, reason, usage_body = await self._collect(gen, http)
+        return JSONResponse(completion_body(completion_id(), self.model_name, text, reason, usage_body))
+
+    async def _chat(self, req: ChatCompletionRequest, messages: list[dict[str, str]],
+                    http: HttpRequest) -> JSONResponse:
+        gen = self._submit_chat(req, messages)
+        text, reason, usage_body = await self._collect(gen, http)
+        return JSONResponse(chat_completion_body(chat_completion_id(), self.model_name, text, reason,
+                                                 usage_body))
 
     async def _watch_disconnect(self, http: HttpRequest, request: Request) -> None:
         while True:
@@ -181,33 +265,32 @@ class CompletionServer:
                 return
             await asyncio.sleep(0.1)
 
-    async def _stream(self, req: CompletionRequest) -> StreamingResponse:
-        request, stream = self._submit(req)  # refusals happen here, before the 200 goes out
-        cid = completion_id()
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+    def _stream(self, gen: Generation, chunks: Chunks, include_usage: bool) -> StreamingResponse:
+        """The response as server-sent events; `gen` was submitted already, so refusals came before."""
 
         async def body() -> AsyncIterator[bytes]:
-            steps = 0
-            events = self._events(request, stream, req.stop_strings())
+            last = Event("", None, 0, 0)
+            events = self._events(gen)
             try:
-                async for text, reason, decode_steps in events:
-                    steps = decode_steps
-                    if text or reason is not None:
-                        yield sse(completion_body(cid, self.model_name, text, reason, None))
+                for chunk in chunks.opening():
+                    yield sse(chunk)
+                async for event in events:
+                    last = event
+                    for chunk in chunks.event(event.text, event.finish_reason):
+                        yield sse(chunk)
             except ApiError as err:
                 yield sse(err.body())
                 yield sse("[DONE]")
                 return
             except Exception:  # a fault after the 200: say so in the stream, keep the connection
-                log.exception("server fault while streaming request %s", cid)
+                log.exception("server fault while streaming a response to %s", self.model_name)
                 yield sse(server_fault().body())
                 yield sse("[DONE]")
                 return
             finally:
                 await events.aclose()
             if include_usage:
-                yield sse(usage_chunk(cid, self.model_name,
-                                      usage(len(request.prompt), len(request.output), steps)))
+                yield sse(chunks.usage(usage(len(gen.request.prompt), last.tokens, last.decode_steps)))
             yield sse("[DONE]")
 
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -225,7 +308,22 @@ class CompletionServer:
             req = parse_completion_request(await read_json_object(http, self.max_body_bytes))
             if not self.engine.alive:
                 raise engine_stopped()
-            return await (self._stream(req) if req.stream else self._complete(req, http))
+            if not req.stream:
+                return await self._complete(req, http)
+            gen = self._submit_completion(req)  # refusals happen here, before the 200 goes out
+            return self._stream(gen, CompletionChunks(completion_id(), self.model_name), _wants_usage(req))
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat_completions(http: HttpRequest) -> JSONResponse | StreamingResponse:
+            req, messages = parse_chat_request(await read_json_object(http, self.max_body_bytes))
+            if not self.engine.alive:
+                raise engine_stopped()
+            if not req.stream:
+                return await self._chat(req, messages, http)
+            gen = self._submit_chat(req, messages)
+            include_usage = _wants_usage(req)
+            return self._stream(gen, ChatChunks(chat_completion_id(), self.model_name, include_usage),
+                                include_usage)
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
@@ -253,6 +351,10 @@ class CompletionServer:
             yield
         finally:
             self.engine.stop()
+
+
+def _wants_usage(req: GenerationRequest) -> bool:
+    return req.stream_options is not None and req.stream_options.include_usage
 
 
 def serve(runtime: Runtime, sock: socket.socket, host: str, port: int, model_name: str | None = None,

@@ -1,9 +1,9 @@
-"""Pieces of streamed text: cutting at stop strings, and server-sent events."""
+"""Pieces of streamed text: cutting at stop strings, server-sent events, and the chunk shapes of a route."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 
 class StopMatcher:
@@ -33,3 +33,19 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event: `data: <JSON>` (or a bare string such as `[DONE]`) and a blank line."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+class Chunks(Protocol):
+    """The server-sent chunks of one streamed response, in a route's shape (completions or chat)."""
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chunks sent before any text (chat: the assistant's role)."""
+        ...
+
+    def event(self, text: str, finish_reason: str | None) -> list[dict[str, Any]]:
+        """Chunks for new text and, on the last event, the finish reason."""
+        ...
+
+    def usage(self, usage_body: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk when the client asked for usage."""
+        ...
