@@ -19,7 +19,9 @@ from dspark.runtime.models.dspark_block_loader import (
     INDEX_FILE,
     BlockDraftCheckpointError,
     expected_shapes,
+    init_block_draft,
     load_block_draft,
+    save_block_draft,
 )
 from tests.test_dspark_block_draft import (
     HIDDEN,
@@ -201,3 +203,34 @@ def test_config_round_trips_and_implies_the_tensor_shapes() -> None:
 def test_a_missing_checkpoint_says_what_a_checkpoint_holds(tmp_path: Path) -> None:
     with pytest.raises(BlockDraftConfigError, match="no such file .* holds config.json and"):
         load_block_draft(tmp_path / "nowhere")
+
+
+def test_a_saved_draft_loads_back_the_same(tmp_path: Path) -> None:
+    cfg = released_config("rnn")
+    tensors = released_tensors(cfg)
+    draft = load_block_draft(write_checkpoint(tmp_path / "a", cfg, tensors))
+    save_block_draft(tmp_path / "b", draft, dtype=torch.bfloat16)
+    written = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert written["dtype"] == "bfloat16" and written["architectures"] == ["Qwen3DSparkModel"]
+    assert written["num_anchors"] == 512  # DeepSpec's class needs it to construct
+    with pytest.raises(ValueError, match=r"metadata fields \['block_size'\] are not inert"):
+        save_block_draft(tmp_path / "c", draft, metadata={"block_size": 3})
+    again = load_block_draft(tmp_path / "b")
+    assert again.cfg == draft.cfg
+    for name, t in tensors.items():
+        assert torch.equal(again.state_dict()[name], t.to(torch.bfloat16).float()), name
+
+
+def test_a_fresh_draft_starts_from_the_target_embeddings(tmp_path: Path) -> None:
+    cfg = BlockDraftConfig.from_hf(released_config("gated"))
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    draft = init_block_draft(cfg, seed=3, target_embeddings=(embed, head))
+    assert torch.equal(draft.embed_tokens.weight, embed) and torch.equal(draft.lm_head.weight, head)
+    assert torch.equal(draft.norm.weight, torch.ones(HIDDEN))
+    assert torch.equal(draft.markov_head.gate_proj.bias, torch.zeros(cfg.markov_rank))
+    assert 0.015 < float(draft.fc.weight.detach().std()) < 0.025
+    assert torch.equal(init_block_draft(cfg, seed=3).fc.weight, draft.fc.weight)
+    save_block_draft(tmp_path / "fresh", draft)
+    assert _outputs(load_block_draft(tmp_path / "fresh"))[0] == _outputs(draft)[0]
+    with pytest.raises(ValueError, match=r"target's lm_head.weight has shape \(64, 8\)"):
+        init_block_draft(cfg, target_embeddings=(embed, torch.zeros(VOCAB, 8)))

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from dspark.runtime.models.dspark_block_config import BlockDraftConfig
+from dspark.runtime.models.dspark_block_config import IGNORED_FIELDS, BlockDraftConfig
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,3 +144,51 @@ def load_block_draft(path: str | Path, dtype: torch.dtype = torch.float32,
     state = {n: t for n, t in tensors.items() if not n.endswith("rotary_emb.inv_freq")}
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def init_block_draft(cfg: BlockDraftConfig, seed: int = 0, std: float = 0.02,
+                     target_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None) -> DSparkBlockDraft:
+    """A freshly initialised draft, as DeepSpec starts training one: linear and embedding weights
+    drawn from N(0, std²) (`initializer_range`), biases zero, norm weights one; with
+    `target_embeddings`, `embed_tokens` and `lm_head` are copies of the target's (DeepSpec trains
+    with them frozen at those copies)."""
+    g = torch.Generator().manual_seed(seed)
+    model = DSparkBlockDraft(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        if target_embeddings is not None:
+            for name, t in zip(SHARED_WITH_TARGET, target_embeddings, strict=True):
+                param = model.get_parameter(name)
+                if param.shape != t.shape:
+                    raise ValueError(f"the target's {name} has shape {tuple(t.shape)}, the draft's config "
+                                     f"implies {tuple(param.shape)}")
+                param.copy_(t)
+    return model.eval()
+
+
+def save_block_draft(path: str | Path, model: DSparkBlockDraft, dtype: torch.dtype | None = None,
+                     metadata: dict | None = None) -> None:
+    """Write `model` in the released layout: `config.json` (`BlockDraftConfig.to_hf`, the weights'
+    `dtype` and `metadata`, which may hold only fields inert at inference) and `model.safetensors`
+    under the released tensor names."""
+    path = Path(path)
+    extra = {"num_anchors": 512} | (metadata or {})
+    # DeepSpec's model class will not construct without num_anchors (anchors per training sample),
+    # even for inference; 512 is the value of its released training configs.
+    inert = set(extra) - IGNORED_FIELDS
+    if inert:
+        raise ValueError(f"metadata fields {sorted(inert)} are not inert at inference; they belong "
+                         "in the config")
+    state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
+    check_tensors(model.cfg, state, str(path))
+    weights_dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config = model.cfg.to_hf() | extra | {"dtype": weights_dtype}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
