@@ -146,6 +146,7 @@ def test_stop_strings_cut_the_reply(client: Any, package: GeneratedPackage, refe
     ({"messages": []}, "messages", "at least one message"),
     ({"messages": [{"role": "user", "content": "hi", "mood": "calm"}]}, "messages[0].mood",
      "unknown field"),
+    ({"messages": [{"role": "user", "content": "x" * 2000}]}, "messages", "shorten the prompt"),
     ({"max_tokens": 0}, "max_tokens", "at least 1"),
     ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens", "differ"),
     ({"max_tokens": None, "max_completion_tokens": 10**6}, "max_completion_tokens", "context length"),
@@ -163,6 +164,43 @@ def test_unsupported_requests_get_the_servers_error_shape(client: Any, kwargs: d
     assert set(err.value.body) == {"message", "type", "param", "code"}
     assert err.value.body["param"] == param and says in err.value.body["message"]
     assert err.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("messages", "param", "says"), [
+    ("hello", "messages", "must be a list"),
+    (None, "messages", "must be a list"),
+    (["hello"], "messages[0]", "must be an object"),
+    ([{"role": "user", "content": 5}], "messages[0].content", "string or a list of text parts"),
+    ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]", "with a `type`"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text",
+     "must be a string"),
+    ([{"role": 7, "content": "hi"}], "messages[0].role", "not a non-string"),
+    ([{"role": "user", "content": "hi", "name": 3}], "messages[0].name", "must be a string"),
+    ([{"role": "developer", "content": "hi"}], "messages[0].role", "as a \"system\" message"),
+    ([{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}], "messages[0].tool_calls",
+     "no tool calling"),
+])
+def test_malformed_messages_are_400s_naming_the_message(server: ServerProcess, messages: Any, param: str,
+                                                        says: str) -> None:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 4}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_text_parts_are_joined_with_newlines_and_null_fields_dropped(
+        server: ServerProcess, package: GeneratedPackage, reference: Runtime) -> None:
+    text_parts = [{"type": "text", "text": "def"}, {"type": "text", "text": "fibonacci(n):"}]
+    parts = [{"role": "system", "content": "You write Python.", "name": None},
+             {"role": "user", "content": text_parts, "tool_calls": None}]
+    joined = [CONVERSATION[0], {"role": "user", "content": "def\nfibonacci(n):"}]
+    ids = _greedy(reference, _plain_prompt(package, joined), 8)
+    body = {"model": MODEL, "messages": parts, "max_tokens": 8, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == package.tokenizer.decode(ids)
 
 
 def test_the_openai_sdk_round_trip_of_its_own_message_objects(client: Any) -> None:
