@@ -1,0 +1,131 @@
+"""The verify policies a simulation compares, each turning one step's batch into `verify_lens`.
+
+- `static`: every request verifies all N rows (the full B x N block).
+- `fixed` k: every request verifies k rows, packed (what a compact step with floor = cap = k runs).
+- `oracle`: each request verifies exactly the rows that commit a token, `raw_correct_len + 1` capped at
+  N: the most tokens at the fewest rows, knowing the outcome in advance.
+- `adaptive`: the deployment's own plan (`AdaptiveVerifyPlan.plan_step`: survival from the confidence
+  with its temperatures, lag, floor and cap, survival_eps, budget under its cost model, tier alignment).
+
+Committed tokens of a request follow from the trace's uncapped match: `min(raw_correct_len, verify_len
+- 1) + 1`, exact because the trace's steps ran every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from dspark.runtime.planner.survival import LaggedSurvival, survival_from_logits
+from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One simulated step's requests: their confidence and outcome, and for a lagged planner the
+    confidence its budget reads (`lagged_known` false: the request had no step that long ago)."""
+
+    confidence: np.ndarray  # float32 [B, gamma]
+    raw_correct_len: np.ndarray  # int64 [B]
+    lagged: np.ndarray | None = None  # float32 [B, gamma]
+    lagged_known: np.ndarray | None = None  # bool [B]
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.raw_correct_len.shape[0])
+
+
+@dataclass(frozen=True)
+class StepLens:
+    """What a policy decided for one step: rows each request may accept, and rows the target runs."""
+
+    verify_lens: np.ndarray  # int [B]
+    run_rows: int  # rows run for the real requests (before tier padding)
+
+
+def committed_tokens(raw_correct_len: np.ndarray, verify_lens: np.ndarray) -> int:
+    """Tokens a step commits: per request the accepted drafts (capped by its verify_len) plus the bonus."""
+    return int((np.minimum(raw_correct_len, verify_lens - 1) + 1).sum())
+
+
+class Policy(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def verify_len(self) -> int | None: ...
+
+    def lens(self, batch: Batch) -> StepLens: ...
+
+
+@dataclass(frozen=True)
+class StaticPolicy:
+    num_draft_tokens: int
+    name: str = "static"
+    verify_len: int | None = None
+
+    def lens(self, batch: Batch) -> StepLens:
+        n = self.num_draft_tokens
+        return StepLens(np.full(batch.num_reqs, n), batch.num_reqs * n)
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    k: int
+    name: str = "fixed"
+
+    @property
+    def verify_len(self) -> int:
+        return self.k
+
+    def lens(self, batch: Batch) -> StepLens:
+        return StepLens(np.full(batch.num_reqs, self.k), batch.num_reqs * self.k)
+
+
+@dataclass(frozen=True)
+class OraclePolicy:
+    num_draft_tokens: int
+    name: str = "oracle"
+    verify_len: int | None = None
+
+    def lens(self, batch: Batch) -> StepLens:
+        lens = np.minimum(batch.raw_correct_len + 1, self.num_draft_tokens)
+        return StepLens(lens, int(lens.sum()))
+
+
+@dataclass(frozen=True)
+class AdaptivePolicy:
+    """The deployment's planner, called as the engine calls it, on the batch's recorded confidence."""
+
+    plan: AdaptiveVerifyPlan
+    name: str = "adaptive"
+    verify_len: int | None = None
+
+    def lens(self, batch: Batch) -> StepLens:
+        num_reqs, plan = batch.num_reqs, self.plan
+        slots, generations = list(range(num_reqs)), [0] * num_reqs
+        history = None
+        if plan.lag_steps:
+            if batch.lagged is None or batch.lagged_known is None:
+                raise ValueError(f"the plan lags {plan.lag_steps} steps; give the batch its lagged "
+                                 "confidence")
+            # The engine's own history object, filled so that its oldest entry is the step `lag_steps`
+            # ago: requests absent then fall back to survival 1.0 exactly as they do when serving.
+            history = LaggedSurvival(plan.lag_steps, plan.gamma)
+            known = np.flatnonzero(batch.lagged_known)
+            past = survival_from_logits(torch.from_numpy(batch.lagged[known]), plan.temperatures)
+            history.record([slots[i] for i in known], [0] * known.size, past)
+            for _ in range(plan.lag_steps - 1):
+                history.record([], [], torch.empty((0, plan.gamma)))
+        step = plan.plan_step(torch.from_numpy(batch.confidence), num_reqs, slots, generations, history)
+        return StepLens(np.array(step.verify_lens, dtype=np.int64), int(sum(step.run_lens)))
+
+
+def policies_for(plan: AdaptiveVerifyPlan) -> list[Policy]:
+    """Every policy a simulation compares: static, fixed k = 1..N, adaptive, oracle."""
+    n = plan.num_draft_tokens
+    fixed = [FixedPolicy(k) for k in range(1, n + 1)]
+    return [StaticPolicy(n), *fixed, AdaptivePolicy(plan), OraclePolicy(n)]

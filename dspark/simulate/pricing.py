@@ -1,0 +1,79 @@
+"""What a simulated step costs: the cost table's seconds for the rows the target runs.
+
+The same runtime tables the planner evaluates (`dspark.runtime.planner.cost_models`) price every
+policy's step, draft term included, so the adaptive policy is judged by the cost model it plans with.
+A step of a deployment with graph tiers runs its tier (padding rows included); a `tier` table prices
+that itself, the other kinds are asked about the padded row count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark.runtime.layout import tier_for
+from dspark.runtime.planner.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
+
+
+class CostFitError(ValueError):
+    """The cost table says nothing about a step the simulation needs priced."""
+
+
+@dataclass(frozen=True)
+class StepPricer:
+    """Seconds of one decode step: verify (the table) plus the draft term when the table has one."""
+
+    table: CostModel
+    tiers: tuple[int, ...] = ()  # graph tiers a step is padded to; () = steps run their real rows
+    # Seconds every step takes beyond the table: engine work a profile does not time (accepting,
+    # committing, the draft context, planning), measured on a recording's own steps. 0: the table alone.
+    step_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.step_overhead < float("inf"):
+            raise ValueError(f"step_overhead must be a finite number of seconds >= 0, got "
+                             f"{self.step_overhead}")
+
+    def padded_rows(self, rows: int) -> int:
+        """Rows the target runs for a step of `rows` real rows: its tier when the deployment has tiers."""
+        return tier_for(rows, self.tiers) if self.tiers else rows
+
+    def seconds(self, num_reqs: int, rows: int) -> float:
+        """Predicted seconds of a step of `num_reqs` requests and `rows` real rows."""
+        ran = np.array([self.padded_rows(rows)])
+        draft = self.table.draft_time(num_reqs)
+        if isinstance(self.table, SpsTable):
+            return float(1.0 / self.table.lookup_many(ran)[0]) + draft + self.step_overhead
+        return float(self.table.step_time_many(num_reqs, ran)[0]) + draft + self.step_overhead
+
+    def misfit(self, num_reqs: int, num_draft_tokens: int) -> str | None:
+        """Why the table cannot price steps of `num_reqs` requests of up to N rows each (None: it can).
+
+        Every policy's rows lie between B (one row each) and B·N (static), so both ends must be in the
+        table's range; past its largest probe a table only repeats its edge value, which is no price.
+        """
+        most = num_reqs * num_draft_tokens
+        if self.tiers and most > self.tiers[-1]:
+            return (f"a static step of B = {num_reqs} requests runs {most} rows, above the largest graph "
+                    f"tier {self.tiers[-1]}")
+        table = self.table
+        if isinstance(table, SpsTable) and most > table.max_batch_tokens:
+            return (f"a static step of B = {num_reqs} requests runs {most} rows but the sps-1d table's "
+                    f"max_batch_tokens is {table.max_batch_tokens}")
+        if isinstance(table, (AdditiveCostTable, TierCostTable)) and num_reqs > table.bs_probes[-1]:
+            return f"B = {num_reqs} is above the table's largest batch probe {table.bs_probes[-1]}"
+        if isinstance(table, AdditiveCostTable) and most > table.m_probes[-1]:
+            return (f"a static step of B = {num_reqs} requests runs {most} rows, above the additive "
+                    f"table's largest row probe {table.m_probes[-1]}")
+        if isinstance(table, TierCostTable) and most > table.tiers[-1]:
+            return (f"a static step of B = {num_reqs} requests runs {most} rows, above the tier table's "
+                    f"last tier {table.tiers[-1]}")
+        if table.draft_bs_probes and num_reqs > table.draft_bs_probes[-1]:
+            return (f"B = {num_reqs} is above the draft term's largest batch probe "
+                    f"{table.draft_bs_probes[-1]}")
+        return None
+
+    def fitting(self, concurrencies: Sequence[int], num_draft_tokens: int) -> list[int]:
+        return [c for c in concurrencies if self.misfit(c, num_draft_tokens) is None]
