@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark.runtime.models.dspark_block_loader import load_block_draft
-from dspark.train.dspark_loss import DSparkLossWeights, dspark_loss
+from dspark.train.dspark_loss import DSparkLossWeights, block_labels, dspark_loss, sample_anchors
 from tests.test_dspark_block_draft import WIDTH, released_config, released_tensors, write_checkpoint
 
 
@@ -122,3 +122,32 @@ def test_a_training_step_on_the_block_draft_lowers_the_loss(tmp_path: Path) -> N
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0]
+
+
+def test_block_labels_are_the_next_tokens_and_the_target_predicted_them_one_position_earlier() -> None:
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15, 16]])
+    loss_mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1]])
+    keep = torch.tensor([[True, True, False]])
+    labels = block_labels(tokens, torch.tensor([[1, 4, 0]]), 3, loss_mask, keep=keep)
+    assert labels.target_ids.tolist() == [[[12, 13, 14], [15, 16, 16], [11, 12, 13]]]
+    # Anchor 1: tokens 12, 13 supervised, 14 not. Anchor 4: 15, 16, then past the end. Block 3 dropped.
+    assert labels.valid.tolist() == [[[True, True, False], [True, True, False], [False, False, False]]]
+    assert labels.target_positions.tolist() == [[[1, 2, 3], [4, 5, 5], [0, 1, 2]]]
+
+
+def test_anchors_are_distinct_supervised_positions_with_a_supervised_successor() -> None:
+    g = torch.Generator().manual_seed(0)
+    loss_mask = torch.zeros(3, 40, dtype=torch.long)
+    loss_mask[0, 5:30] = 1  # 24 candidates: 5..28
+    loss_mask[1, [3, 4, 10, 11, 12]] = 1  # candidates 3, 10, 11
+    seen = set()
+    for _ in range(20):
+        anchors, keep = sample_anchors(loss_mask, 6, g)
+        assert keep.tolist() == [[True] * 6, [True] * 3 + [False] * 3, [False] * 6]
+        row = anchors[0].tolist()
+        assert row == sorted(set(row)) and all(5 <= a <= 28 for a in row)
+        seen.update(row)
+        assert anchors[1].tolist() == [3, 10, 11, 0, 0, 0] and anchors[2].tolist() == [0] * 6
+    assert len(seen) > 15  # drawn at random, not the first six every time
+    anchors, keep = sample_anchors(torch.ones(1, 1), 4, g)
+    assert anchors.tolist() == [[0] * 4] and not keep.any()

@@ -33,6 +33,61 @@ DENOMINATOR_EPS = 1e-6
 
 
 @dataclass(frozen=True)
+class BlockLabels:
+    """What each draft slot of each block is trained against."""
+
+    target_ids: torch.Tensor  # [b, A, gamma] the sequence's token at anchor + k + 1 (clamped inside)
+    valid: torch.Tensor  # [b, A, gamma] bool: that token exists, is supervised and the block is kept
+    target_positions: torch.Tensor  # [b, A, gamma] where the target predicted it: anchor + k
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` block anchors per sequence of `loss_mask[b, S]`, sorted, and which are real.
+
+    An anchor is a supervised position whose next token is supervised too (its block's first slot
+    has a label). Candidates are drawn uniformly without replacement; a sequence with fewer fills
+    the rest with anchor 0 and `keep` False. Returns `anchors[b, A]` (long) and `keep[b, A]` (bool).
+    """
+    b, seq_len = loss_mask.shape
+    dev = loss_mask.device
+    cand = (loss_mask[:, :-1] > 0.5) & (loss_mask[:, 1:] > 0.5)  # [b, S-1]
+    if cand.shape[1] == 0:
+        return (torch.zeros(b, num_anchors, dtype=torch.long, device=dev),
+                torch.zeros(b, num_anchors, dtype=torch.bool, device=dev))
+    noise = torch.rand(cand.shape, generator=generator, device=dev)
+    # Candidates sort first, in random order; the rest (key 2.0) after them.
+    order = torch.where(cand, noise, torch.full_like(noise, 2.0)).argsort(dim=1)
+    take = min(num_anchors, cand.shape[1])
+    picked = order[:, :take]
+    count = cand.sum(dim=1, keepdim=True).clamp(max=num_anchors)
+    keep = torch.arange(num_anchors, device=dev)[None, :] < count
+    anchors = torch.zeros(b, num_anchors, dtype=torch.long, device=dev)
+    # Real anchors ascending, padding (anchor 0) after them.
+    real = torch.where(keep[:, :take], picked, torch.full_like(picked, seq_len)).sort(dim=1).values
+    anchors[:, :take] = torch.where(keep[:, :take], real, torch.zeros_like(real))
+    return anchors, keep
+
+
+def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, gamma: int,
+                 loss_mask: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> BlockLabels:
+    """Labels of the blocks anchored at `anchors[b, A]` in `tokens[b, S]`: slot k predicts the
+    token at `anchor + k + 1`, which the target predicted at `anchor + k`; a slot is valid while
+    that position is inside the sequence and supervised (`loss_mask`), in a kept block (`keep`)."""
+    seq_len = tokens.shape[1]
+    label = anchors[..., None] + torch.arange(1, gamma + 1, device=tokens.device)  # [b, A, gamma]
+    inside = label < seq_len
+    safe = label.clamp(max=seq_len - 1)
+    ids = tokens.gather(1, safe.flatten(1)).view_as(label)
+    valid = inside
+    if loss_mask is not None:
+        valid = valid & (loss_mask.gather(1, safe.flatten(1)).view_as(label) > 0.5)
+    if keep is not None:
+        valid = valid & keep[..., None]
+    return BlockLabels(target_ids=ids, valid=valid, target_positions=safe - 1)
+
+
+@dataclass(frozen=True)
 class DSparkLossWeights:
     ce: float = 0.1
     l1: float = 0.9  # on sum |q - p| (= 2 TV)
