@@ -52,6 +52,8 @@ def test_the_released_layout_loads_with_every_tensor_in_place(tmp_path: Path) ->
     assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.markov_rank, c.markov_head_type) == \
         (4, 60, (-1, 1, 2), 6, "gated")
     assert c.confidence_head and c.confidence_with_markov and c.rope_theta == 10000.0
+    # Embeddings, then the outputs of target layers 1 and 2: 0, 2 and 3 layers run before each read.
+    assert c.layers_before_capture == (0, 2, 3) and c.context_width == 3 * HIDDEN
 
 
 def test_legacy_rope_fields_read_the_same_as_rope_parameters(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ IGNORED_FIELDS = frozenset({
     "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
     "dtype", "torch_dtype", "transformers_version", "use_cache", "num_anchors",
     "max_window_layers", "sliding_window", "max_position_embeddings", "_name_or_path",
+    "_attn_implementation_autoset",
 })
 
 # Fields read by `BlockDraftConfig.from_hf` (with the checks noted there).
@@ -79,6 +80,14 @@ class BlockDraftConfig:
         """Width of one context position's target features: the hidden states at every
         `target_layer_ids` entry, concatenated in that order."""
         return len(self.target_layer_ids) * self.hidden_size
+
+    @property
+    def layers_before_capture(self) -> tuple[int, ...]:
+        """For each `target_layer_ids` entry, how many target decoder layers have run when its hidden
+        state is read: id -1 is the embedding output (0 layers), id i the residual stream leaving
+        decoder layer i (i + 1 layers), before any final norm. Index `n` of Hugging Face's
+        `output_hidden_states` tuple, which is what DeepSpec's training cache stores."""
+        return tuple(i + 1 for i in self.target_layer_ids)
 
     @property
     def confidence_inputs(self) -> int:
