@@ -22,6 +22,8 @@ from dspark.simulate.policies import (
     FixedPolicy,
     OraclePolicy,
     StaticPolicy,
+    StepLens,
+    dropped_drafts,
     policies_for,
 )
 from dspark.simulate.pricing import StepPricer
@@ -79,6 +81,21 @@ def test_every_policy_commits_and_costs_what_the_hand_arithmetic_says() -> None:
     # the drafts that match, which is the oracle's plan.
     assert (results["adaptive", None].tokens_per_step, results["adaptive", None].rows_per_step) == (10, 10)
     assert results["adaptive", None].tokens_per_s == pytest.approx(results["oracle", None].tokens_per_s)
+
+
+def test_the_drafts_a_planner_left_out_are_weighed_against_what_would_have_been_accepted() -> None:
+    survival = np.array([[0.9, 0.5, 0.1], [0.8, 0.6, 0.2]])
+    lens = StepLens(np.array([1, 3]), 4, survival)
+    # Request 0 verified its root only: drafts 1-3 left out, 1 and 2 would have matched (raw 2);
+    # request 1 left out draft 3, which would have matched (raw 3).
+    assert dropped_drafts(lens, np.array([2, 3])) == (pytest.approx(0.9 + 0.5 + 0.1 + 0.2), 3, 4)
+    assert dropped_drafts(StepLens(np.array([1, 3]), 4), np.array([2, 3])) is None
+    trace, adaptive_plan = hand_trace(), plan()
+    result = simulate_concurrency(trace, [AdaptivePolicy(adaptive_plan)], StepPricer(adaptive_plan.table), 4,
+                                  steps=2, seed=0)[0]
+    # Exactly right confidence: every draft left out has survival ~0 and would have been rejected.
+    assert result.dropped is not None and result.dropped.count == 2 * (3 + 2 + 0 + 1)
+    assert result.dropped.reached == 0 and result.dropped.mean_survival < 1e-9
 
 
 def test_the_draft_term_and_an_sps_table_price_the_step() -> None:

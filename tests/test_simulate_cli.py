@@ -49,6 +49,10 @@ def test_simulate_prints_every_policy_as_json_and_draws_the_plot(recording: Path
         assert all(r["tokens_per_s"] > 0 for r in at)
     comparisons = doc["comparisons"]
     assert [c["concurrency"] for c in comparisons] == [1, 8]
+    assert set(comparisons[0]) == {"concurrency", "best_fixed_verify_len", "adaptive_over_best_fixed",
+                                   "adaptive_over_oracle", "adaptive_over_static", "adaptive_dropped_drafts"}
+    dropped = comparisons[1]["adaptive_dropped_drafts"]
+    assert 0 <= dropped["mean_survival"] <= 1 and 0 <= dropped["reach_rate"] <= 1
     adaptive_8 = next(r for r in results if r["concurrency"] == 8 and r["policy"] == "adaptive")
     oracle_8 = next(r for r in results if r["concurrency"] == 8 and r["policy"] == "oracle")
     assert comparisons[1]["adaptive_over_oracle"] == pytest.approx(adaptive_8["tokens_per_s"] /

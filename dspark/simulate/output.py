@@ -66,6 +66,11 @@ def format_report(report: SimulationReport) -> str:
                      f"{comparison.adaptive_over_best_fixed:.3f} · adaptive / oracle "
                      f"{comparison.adaptive_over_oracle:.3f} · adaptive / static "
                      f"{comparison.adaptive_over_static:.3f}")
+        dropped = comparison.adaptive_dropped
+        if dropped is not None and dropped.count:
+            lines.append(f"  adaptive left out {dropped.count / report.steps:.2f} drafts per step: survival "
+                         f"{dropped.mean_survival:.3f} on average, accepted {dropped.reach_rate:.3f} had "
+                         "they been verified")
     lines += ["", "tokens/step and rows/step are summed over the batch; rows include tier padding"]
     return "\n".join(lines) + "\n"
 

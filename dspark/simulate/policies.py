@@ -44,6 +44,19 @@ class StepLens:
 
     verify_lens: np.ndarray  # int [B]
     run_rows: int  # rows run for the real requests (before tier padding)
+    survival: np.ndarray | None = None  # [B, gamma]: what a planner allocated the rows by
+
+
+def dropped_drafts(lens: StepLens, raw_correct_len: np.ndarray) -> tuple[float, int, int] | None:
+    """For a planned step: the summed survival of the drafts it did not verify, how many of them the
+    target would have accepted (the uncapped match reaches them), and how many there were. Where the
+    first is well below the second, the planner cut drafts its survival undervalues."""
+    if lens.survival is None:
+        return None
+    draft = np.arange(1, lens.survival.shape[1] + 1)[None, :]  # draft k sits in row k
+    dropped = draft >= lens.verify_lens[:, None]
+    reached = draft <= raw_correct_len[:, None]
+    return float(lens.survival[dropped].sum()), int((dropped & reached).sum()), int(dropped.sum())
 
 
 def committed_tokens(raw_correct_len: np.ndarray, verify_lens: np.ndarray) -> int:
@@ -121,7 +134,8 @@ class AdaptivePolicy:
             for _ in range(plan.lag_steps - 1):
                 history.record([], [], torch.empty((0, plan.gamma)))
         step = plan.plan_step(torch.from_numpy(batch.confidence), num_reqs, slots, generations, history)
-        return StepLens(np.array(step.verify_lens, dtype=np.int64), int(sum(step.run_lens)))
+        survival = None if step.survival is None else step.survival.detach().cpu().numpy()
+        return StepLens(np.array(step.verify_lens, dtype=np.int64), int(sum(step.run_lens)), survival)
 
 
 def policies_for(plan: AdaptiveVerifyPlan) -> list[Policy]:

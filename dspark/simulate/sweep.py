@@ -18,9 +18,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dspark.simulate.policies import Batch, Policy, committed_tokens
+from dspark.simulate.policies import Batch, Policy, committed_tokens, dropped_drafts
 from dspark.simulate.pricing import StepPricer
 from dspark.simulate.trace import Trace
+
+
+@dataclass(frozen=True)
+class DroppedDrafts:
+    """The drafts a planner left out, over all simulated steps: what its survival said they were
+    worth against how many the target would have accepted."""
+
+    count: int
+    survival: float  # summed survival
+    reached: int  # accepted, had they been verified
+
+    @property
+    def mean_survival(self) -> float:
+        return self.survival / self.count if self.count else 0.0
+
+    @property
+    def reach_rate(self) -> float:
+        return self.reached / self.count if self.count else 0.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +51,7 @@ class PolicyResult:
     tokens_per_s: float
     tokens_per_step: float  # committed tokens per step, summed over the batch
     rows_per_step: float  # rows the target runs per step, tier padding included
+    dropped: DroppedDrafts | None = None  # a planner's left-out drafts (not in the JSON results entries)
 
     def to_json(self) -> dict[str, object]:
         return {"concurrency": self.concurrency, "policy": self.policy, "verify_len": self.verify_len,
@@ -48,17 +67,24 @@ class Tally:
     tokens: int = 0
     rows: int = 0
     seconds: float = 0.0
+    dropped: DroppedDrafts | None = None
 
-    def add(self, tokens: int, rows: int, seconds: float) -> None:
+    def add(self, tokens: int, rows: int, seconds: float,
+            dropped: tuple[float, int, int] | None = None) -> None:
         self.steps += 1
         self.tokens += tokens
         self.rows += rows
         self.seconds += seconds
+        if dropped is not None:
+            survival, reached, count = dropped
+            before = self.dropped or DroppedDrafts(0, 0.0, 0)
+            self.dropped = DroppedDrafts(before.count + count, before.survival + survival,
+                                         before.reached + reached)
 
     def result(self, concurrency: int, policy: Policy) -> PolicyResult:
         steps = max(self.steps, 1)
         return PolicyResult(concurrency, policy.name, policy.verify_len, self.tokens / self.seconds,
-                            self.tokens / steps, self.rows / steps)
+                            self.tokens / steps, self.rows / steps, self.dropped)
 
 
 def trace_batch(trace: Trace, rows: np.ndarray, lag_source: np.ndarray | None) -> Batch:
@@ -89,7 +115,7 @@ def simulate_concurrency(trace: Trace, policies: Sequence[Policy], pricer: StepP
             lens = policy.lens(batch)
             ran = pricer.padded_rows(lens.run_rows)
             tally.add(committed_tokens(batch.raw_correct_len, lens.verify_lens), ran,
-                      pricer.seconds(concurrency, lens.run_rows))
+                      pricer.seconds(concurrency, lens.run_rows), dropped_drafts(lens, batch.raw_correct_len))
     return [tally.result(concurrency, policy) for policy, tally in zip(policies, tallies, strict=True)]
 
 
@@ -109,12 +135,17 @@ class Comparison:
     adaptive_over_best_fixed: float
     adaptive_over_oracle: float
     adaptive_over_static: float
+    adaptive_dropped: DroppedDrafts | None = None
 
     def to_json(self) -> dict[str, object]:
+        dropped = self.adaptive_dropped
         return {"concurrency": self.concurrency, "best_fixed_verify_len": self.best_fixed_verify_len,
                 "adaptive_over_best_fixed": self.adaptive_over_best_fixed,
                 "adaptive_over_oracle": self.adaptive_over_oracle,
-                "adaptive_over_static": self.adaptive_over_static}
+                "adaptive_over_static": self.adaptive_over_static,
+                "adaptive_dropped_drafts": None if dropped is None else {
+                    "count": dropped.count, "mean_survival": dropped.mean_survival,
+                    "reach_rate": dropped.reach_rate}}
 
 
 def compare(results: Sequence[PolicyResult]) -> list[Comparison]:
@@ -127,5 +158,6 @@ def compare(results: Sequence[PolicyResult]) -> list[Comparison]:
         adaptive = one["adaptive"].tokens_per_s
         assert best.verify_len is not None
         out.append(Comparison(c, best.verify_len, adaptive / best.tokens_per_s,
-                              adaptive / one["oracle"].tokens_per_s, adaptive / one["static"].tokens_per_s))
+                              adaptive / one["oracle"].tokens_per_s, adaptive / one["static"].tokens_per_s,
+                              one["adaptive"].dropped))
     return out
