@@ -7,6 +7,7 @@ draft that silently drafts badly.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -236,3 +237,22 @@ def test_a_fresh_draft_starts_from_the_target_embeddings(tmp_path: Path) -> None
     assert _outputs(load_block_draft(tmp_path / "fresh"))[0] == _outputs(draft)[0]
     with pytest.raises(ValueError, match=r"target's lm_head.weight has shape \(64, 8\)"):
         init_block_draft(cfg, target_embeddings=(embed, torch.zeros(VOCAB, 8)))
+
+
+def test_a_config_as_transformers_writes_it_for_deepspec_is_read(tmp_path: Path) -> None:
+    """DeepSpec builds a draft's config as a copy of the target's transformers Qwen3Config with its
+    own attributes set, and transformers writes it (with whatever defaults its version adds)."""
+    transformers = pytest.importorskip("transformers")
+    target = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    draft = copy.deepcopy(target)
+    for name, value in {"architectures": ["Qwen3DSparkModel"], "num_target_layers": 4, "num_hidden_layers": 2,
+                        "block_size": 4, "tie_word_embeddings": False, "layer_types": ["full_attention"] * 2,
+                        "mask_token_id": 60, "target_layer_ids": [-1, 1, 2], "num_anchors": 512,
+                        "enable_confidence_head": True, "confidence_head_with_markov": True, "markov_rank": 6,
+                        "markov_head_type": "gated"}.items():
+        setattr(draft, name, value)
+    draft.save_pretrained(tmp_path / "d")
+    assert BlockDraftConfig.from_file(tmp_path / "d") == BlockDraftConfig.from_hf(released_config("gated"))
