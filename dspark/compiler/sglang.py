@@ -52,7 +52,7 @@ NO_SGLANG_EQUIVALENT: dict[str, str] = {
                          "from the checkpoint",
     "draft.num_layers": "the size of dspark's dummy draft; SGLang reads a draft's layers from its "
                         "config.json",
-    "parallelism.ep": "a dense Llama has no experts to shard; SGLang's --ep-size default (1) is right",
+    "parallelism.ep": "a dense model has no experts to shard; SGLang's --ep-size default (1) is right",
     "backend.device": "SGLang runs on the accelerator it finds; the device model is not a flag",
     "verify.min_verify_len": "SGLang's DSpark planner has no verify-length floor",
     "verify.max_verify_len": "SGLang's DSpark planner has no verify-length cap",

@@ -105,6 +105,7 @@ class ModelSpec(Section):
     """The target model that verifies draft tokens."""
 
     family: str = Field(
+        json_schema_extra={"enum": list(FAMILIES)},  # the registry's names, for editor completion
         description=f"Model family: {', '.join(FAMILIES)} (dense). Selects the model code and how the "
                     "checkpoint's config.json is read; it must match the config's model_type.")
     checkpoint: str = Field(
