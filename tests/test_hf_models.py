@@ -228,3 +228,38 @@ def test_rms_norm_equals_transformers_bitwise(dtype: torch.dtype) -> None:
     x = (3 * torch.randn(7, 4, 32, generator=gen)).to(dtype)
     with torch.no_grad():
         assert torch.equal(ops.rms_norm(x, norm.weight, 1e-6), norm(x))
+
+
+def test_captured_residual_streams_equal_transformers_hidden_states(served) -> None:
+    """What a draft reading several target layers conditions on: the residual stream after n layers
+    is transformers' `output_hidden_states[n]` (whose last entry transformers takes after the final
+    norm, so the test normalises that one)."""
+    reference, rt = served
+    num_layers = rt.target.cfg.num_layers
+    capture = (1, 0, num_layers)  # any order, the embeddings and the last layer included
+    seqs = prompts((4, 9), seed=6)
+    handles = [rt.slots.admit() for _ in seqs]
+    for h in handles:
+        rt.slots.reserve(h.slot, 32)
+    table = rt.slots.page_table[[h.slot for h in handles]]
+    try:
+        layout = plan_extend([0, 0], [len(s) for s in seqs], table, rt.page_size, rt.device)
+        hidden, states = rt.target.forward_paged_states(
+            torch.tensor([t for s in seqs for t in s]), layout.positions, rt.attn,
+            rt.package.parts.build_extend_metadata(layout), capture)
+    finally:
+        for h in handles:
+            rt.slots.release(h.slot)
+    d = rt.target.cfg.hidden_size
+    assert states is not None and states.shape == (hidden.shape[0], len(capture) * d)
+    assert torch.equal(states[:, 2 * d:], hidden)
+    with torch.no_grad():
+        expected = [reference(torch.tensor([s]), output_hidden_states=True).hidden_states for s in seqs]
+    for j, n in enumerate(capture):
+        ours = states[:, j * d:(j + 1) * d]
+        if n == num_layers:
+            ours = rt.target.model.norm(ours)
+        close(ours, torch.cat([e[n][0] for e in expected]))
+    _, dense_states = rt.target.forward_dense_states(torch.tensor([seqs[1]]), capture=capture)
+    assert dense_states is not None
+    close(dense_states[0], states[len(seqs[0]):])

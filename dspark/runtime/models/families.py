@@ -8,7 +8,7 @@ config reading in `dspark.formats.hf_config.FAMILIES`); no template changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -31,6 +31,13 @@ class TargetModel(Protocol):
         """`[T, d]` residual stream of ragged rows against the paged KV cache (what the draft reads)."""
         ...
 
+    def forward_paged_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                             meta: AttentionMetadata, capture: Sequence[int] = ()
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_paged` plus the residual streams after `capture` layers, `[T, len(capture) · d]`
+        (0: the embeddings), for a draft that reads several target layers."""
+        ...
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[T, V]` logits of `[T, d]` residual-stream rows, row-invariant."""
         ...
@@ -39,6 +46,10 @@ class TargetModel(Protocol):
                       start: int = 0) -> torch.Tensor:
         """`[b, t, d]` residual stream of a causal batch (reference and training path)."""
         ...
+
+    def forward_dense_states(self, input_ids: torch.Tensor, cache: list[list[torch.Tensor]] | None = None,
+                             start: int = 0, capture: Sequence[int] = ()
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 

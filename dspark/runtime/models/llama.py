@@ -11,6 +11,8 @@ computation: RoPE scaling, tied embeddings, projection biases. Two forward paths
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,6 +125,26 @@ class LlamaBackbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class _Captured:
+    """The residual streams a forward keeps: after `n` decoder layers for each `n` in `capture`."""
+
+    def __init__(self, capture: Sequence[int], num_layers: int, embeddings: torch.Tensor) -> None:
+        bad = [n for n in capture if not 0 <= n <= num_layers]
+        if bad:
+            raise ValueError(f"cannot capture the residual stream after {bad} layers of a {num_layers}-layer "
+                             "model (0 is the embeddings)")
+        self.capture = tuple(capture)
+        self.kept: dict[int, torch.Tensor] = {}
+        self.after(0, embeddings)
+
+    def after(self, layers: int, x: torch.Tensor) -> None:
+        if layers in self.capture:
+            self.kept[layers] = x
+
+    def states(self) -> torch.Tensor | None:
+        return torch.cat([self.kept[n] for n in self.capture], dim=-1) if self.capture else None
+
+
 class LlamaForCausalLM(nn.Module):
     """The target model the runtime serves (`dspark.runtime.models.families.TargetModel`)."""
 
@@ -150,14 +172,23 @@ class LlamaForCausalLM(nn.Module):
                       start: int = 0) -> torch.Tensor:
         """Causal forward over `[b, t]` tokens at positions `start …`; returns the last layer's
         residual stream `[b, t, d]`. `cache` (one `[k, v]` per layer) enables incremental decoding."""
+        return self.forward_dense_states(input_ids, cache, start)[0]
+
+    def forward_dense_states(self, input_ids: torch.Tensor, cache: list[list[torch.Tensor]] | None = None,
+                             start: int = 0, capture: Sequence[int] = ()
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_dense` that also returns the residual streams after `capture` layers (see
+        `capture_states`), concatenated `[b, t, len(capture) · d]`; None without `capture`."""
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rope(positions)
         x = self.model.embed_tokens(input_ids)  # [b, t, d]
+        kept = _Captured(capture, len(self.model.layers), x)
         for i, layer in enumerate(self.model.layers):
             layer_cache = cache[i] if cache is not None else None
             x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin, layer_cache)
             x = x + layer.mlp.forward_dense(layer.post_attention_layernorm(x))
-        return x
+            kept.after(i + 1, x)
+        return x, kept.states()
 
     @torch.no_grad()
     def greedy_continue(self, prompts: torch.Tensor, steps: int) -> torch.Tensor:
@@ -183,12 +214,24 @@ class LlamaForCausalLM(nn.Module):
 
         The residual stream (before the final norm) is also what the DSpark draft conditions on.
         """
+        return self.forward_paged_states(input_ids, positions, attn, meta)[0]
+
+    @torch.inference_mode()
+    def forward_paged_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                             meta: AttentionMetadata, capture: Sequence[int] = ()
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_paged` that also returns the residual streams after `capture` layers, what a
+        draft reading several target layers conditions on: `capture[j] = n` is the stream after
+        n decoder layers (0: the embeddings; before any final norm), concatenated in `capture`'s
+        order `[T, len(capture) · d]`; None without `capture`."""
         cos, sin = self.rope(positions)
         x = self.model.embed_tokens(input_ids)  # [T, d]
+        kept = _Captured(capture, len(self.model.layers), x)
         for i, layer in enumerate(self.model.layers):
             x = x + layer.self_attn.forward_paged(i, layer.input_layernorm(x), cos, sin, attn, meta)
             x = x + layer.mlp.forward_paged(layer.post_attention_layernorm(x))
-        return x
+            kept.after(i + 1, x)
+        return x, kept.states()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
