@@ -263,3 +263,18 @@ def test_captured_residual_streams_equal_transformers_hidden_states(served) -> N
     _, dense_states = rt.target.forward_dense_states(torch.tensor([seqs[1]]), capture=capture)
     assert dense_states is not None
     close(dense_states[0], states[len(seqs[0]):])
+
+
+def test_a_config_edited_after_compiling_is_refused_naming_the_field(tmp_path: Path) -> None:
+    from dspark.runtime.engine.requests import RequestError
+
+    hf_model(VARIANTS["qwen3"]).save_pretrained(tmp_path / "target")
+    tokenizer = {"type": "byte", "bos_id": BOS_ID, "eos_id": EOS_ID, "vocab_size": VOCAB_SIZE}
+    (tmp_path / "target" / BYTE_TOKENIZER_FILE).write_text(json.dumps(tokenizer))
+    package = compile_deployment(tmp_path, "hf_edited", "qwen3")
+    config_path = tmp_path / "target" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["rope_parameters"]["rope_theta"] = 10000.0
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(RequestError, match=r"rope_theta 10000.0 \(compiled 500000.0\); recompile"):
+        Runtime(load_package(package))

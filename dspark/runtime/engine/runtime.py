@@ -8,6 +8,7 @@ request from its engine thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -74,12 +75,13 @@ class Runtime:
     def _check_models(self, target: TargetModel, draft: DSparkDraft) -> None:
         geo = self.deployment.model.geometry
         tc, dc = target.cfg, draft.cfg
-        got = (tc.vocab_size, tc.hidden_size, tc.num_layers, tc.num_heads, tc.num_kv_heads, tc.head_dim)
-        want = (geo.vocab_size, geo.hidden_size, geo.num_layers, geo.num_heads, geo.num_kv_heads,
-                geo.head_dim)
-        if got != want:
-            raise RequestError(f"target checkpoint geometry {got} differs from the compiled {want}; "
-                               "recompile the spec against this checkpoint")
+        # every field that changes the computation, not only the shapes: a config.json edited after
+        # compiling (another rope_theta or RoPE scaling, tied embeddings) is refused, not served
+        differ = [f"{f.name} {getattr(tc, f.name)!r} (compiled {getattr(geo, f.name)!r})"
+                  for f in dataclasses.fields(geo) if getattr(tc, f.name) != getattr(geo, f.name)]
+        if differ:
+            raise RequestError(f"the target checkpoint's config differs from the compiled one: "
+                               f"{', '.join(differ)}; recompile the spec against this checkpoint")
         if dc.gamma != self.plan.gamma or dc.target_hidden_size != tc.hidden_size:
             raise RequestError(f"draft checkpoint (gamma {dc.gamma}, target hidden "
                                f"{dc.target_hidden_size}) does not fit this deployment (gamma "
