@@ -301,7 +301,8 @@ def test_checkpoint_config_missing_keys(write_spec, tmp_path):
                                         if k not in ("rope_theta", "rms_norm_eps")})
     spec = write_spec({"model": {"checkpoint": "defaults", "geometry": None}})
     geometry = load_spec(spec).geometry
-    assert (geometry.rope_theta, geometry.rms_norm_eps) == (10000.0, 1e-6)  # transformers' LlamaConfig defaults
+    # transformers' LlamaConfig defaults
+    assert (geometry.rope_theta, geometry.rms_norm_eps) == (10000.0, 1e-6)
 
 
 def test_embedded_checkpoints_resolve_from_the_package(write_spec, tmp_path, monkeypatch):
