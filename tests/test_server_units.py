@@ -4,7 +4,7 @@ refusals in the API's words."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -21,6 +21,8 @@ ALPHABET = st.sampled_from(list("ab\n é🙂"))
 @given(text=st.text(ALPHABET, max_size=40), stops=st.lists(st.text(ALPHABET, min_size=1, max_size=4),
                                                            max_size=3),
        cuts=st.lists(st.integers(0, 40), max_size=8))
+@example(text=" aa", stops=["a", " aa"], cuts=[2])  # a longer stop that began first completes later
+@settings(max_examples=1000)
 def test_stop_matcher_emits_the_text_up_to_the_first_stop_string(text: str, stops: list[str],
                                                                  cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})

@@ -18,7 +18,9 @@ class StopMatcher:
         """(text safe to emit, whether a stop string was hit)."""
         self.pending += text
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        # A longer stop string that begins before the first match may still complete with later text
+        # (stops "a" and " aa" on " a" + "a"): the text must end before it, so wait for that text.
+        if hits and (final or not self._may_begin_before(min(hits))):
             out, self.pending = self.pending[:min(hits)], ""
             return out, True
         if final or not self.stops:
@@ -27,6 +29,14 @@ class StopMatcher:
         cut = max(len(self.pending) - self.hold, 0)
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
+
+    def _may_begin_before(self, end: int) -> bool:
+        """Whether a stop string may begin before `end`, its start seen but its end not yet arrived."""
+        for start in range(max(len(self.pending) - self.hold, 0), end):
+            tail = self.pending[start:]
+            if any(len(s) > len(tail) and s.startswith(tail) for s in self.stops):
+                return True
+        return False
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
