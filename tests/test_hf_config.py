@@ -73,6 +73,17 @@ def test_a_value_dspark_does_not_implement_is_refused_naming_its_key(cfg: dict, 
     assert raised.value.key == key and raised.value.hint
 
 
+def test_sliding_windows_are_refused_only_where_a_layer_would_slide() -> None:
+    qwen3 = {**BASE, "model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64}
+    with pytest.raises(ConfigFieldError, match="from layer 1 on") as raised:
+        geometry_values({**qwen3, "max_window_layers": 1}, "qwen3")
+    assert raised.value.key == "use_sliding_window"
+    assert geometry_values({**qwen3, "max_window_layers": 2}, "qwen3")["num_layers"] == 2  # none slides
+    assert geometry_values({**qwen3, "sliding_window": None}, "qwen3")["num_layers"] == 2
+    with pytest.raises(ConfigFieldError, match="layer_types"):
+        geometry_values({**qwen3, "layer_types": ["full_attention", "sliding_attention"]}, "qwen3")
+
+
 def test_the_loader_refuses_such_a_config_without_a_traceback(tmp_path: Path) -> None:
     cfg = {**BASE, "model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -45,11 +45,13 @@ class Family:
     head_dim_default: int | None = None  # None: hidden_size // num_attention_heads
     num_kv_heads_default: int | None = None  # None: num_attention_heads
     has_mlp_bias: bool = False  # LlamaConfig.mlp_bias; Qwen3's MLP has no bias
+    sliding_window_keys: bool = False  # Qwen3Config's use_sliding_window / max_window_layers
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", "llama", "LlamaForCausalLM", has_mlp_bias=True),
-    "qwen3": Family("qwen3", "qwen3", "Qwen3ForCausalLM", head_dim_default=128, num_kv_heads_default=32),
+    "qwen3": Family("qwen3", "qwen3", "Qwen3ForCausalLM", head_dim_default=128, num_kv_heads_default=32,
+                    sliding_window_keys=True),
 }
 
 
@@ -154,11 +156,16 @@ def _check_family(cfg: dict[str, Any], fam: Family) -> None:
     if not fam.has_mlp_bias and cfg.get("mlp_bias"):
         raise ConfigFieldError("mlp_bias", f"is true, but {fam.name} models have no MLP bias",
                                "remove mlp_bias from config.json or use a llama checkpoint")
-    if cfg.get("use_sliding_window"):
-        raise ConfigFieldError("use_sliding_window", "is true; dspark implements full attention only",
-                               "set use_sliding_window: false (released Qwen3 checkpoints do) or use "
-                               "another checkpoint")
     layer_types = cfg.get("layer_types")
+    if fam.sliding_window_keys and layer_types is None and cfg.get("use_sliding_window") \
+            and cfg.get("sliding_window") is not None:
+        # as Qwen3Config derives layer_types: layers from max_window_layers on slide
+        layers, first = cfg.get("num_hidden_layers"), cfg.get("max_window_layers", 28)
+        if not (_positive_int(layers) and isinstance(first, int) and first >= layers):
+            raise ConfigFieldError("use_sliding_window", f"is true (sliding-window attention from layer "
+                                   f"{first!r} on); dspark implements full attention only",
+                                   "set use_sliding_window: false (released Qwen3 checkpoints do) or use "
+                                   "another checkpoint")
     if layer_types is not None:
         kinds = set(layer_types) if isinstance(layer_types, list) else {layer_types}
         if kinds - {"full_attention"}:
