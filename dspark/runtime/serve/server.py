@@ -6,11 +6,12 @@ detokenizes what the engine delivers incrementally, cuts it at stop strings and 
 messages, renders them with the model's chat template (`dspark/runtime/chat_template.py`) and also ends
 a reply at the template's end-of-turn token, which is never part of the content (`chat_protocol.py`).
 
-Errors (shapes in `errors.py`, accepted fields in `openai_protocol.py`): a request is validated in
-full — its JSON, fields, model, prompt encoding and context length — before anything is sent, so a
-refused request, streaming or not, is an ordinary JSON error response with a 4xx status. Once a
-stream has begun its status (200) cannot change: if the request then fails (the engine stopped, a
-server fault), the stream ends with a `data: {"error": {...}}` event followed by `data: [DONE]`.
+Errors (shapes in `errors.py`, accepted fields in `openai_protocol.py` and `chat_protocol.py`): a
+request is validated in full — its JSON, fields, model, messages and chat template, prompt encoding and
+context length — before anything is sent, so a refused request, streaming or not, is an ordinary JSON
+error response with a 4xx status. Once a stream has begun its status (200) cannot change: if the
+request then fails (the engine stopped, a server fault), the stream ends with a
+`data: {"error": {...}}` event followed by `data: [DONE]`.
 """
 
 from __future__ import annotations
