@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.runtime.models.checkpoint import CheckpointError, load_draft, load_target
+from dspark.runtime.models.checkpoint import CheckpointError, load_target
+from dspark.runtime.models.dspark_block_loader import load_block_draft
+from dspark.train.draft import DraftTrainSettings
 from dspark.train.tiny import TrainSettings, corpus_files, train_tiny
 
 
@@ -21,18 +23,20 @@ def test_held_out_split_is_deterministic_and_disjoint() -> None:
 
 @pytest.mark.slow
 def test_train_tiny_writes_loadable_hf_layout_checkpoints(tmp_path: Path) -> None:
-    settings = TrainSettings(target_steps=2, draft_steps=2, seq_len=64, batch_size=2,
-                             target_short_seq_len=32, on_policy_sequences=2,
-                             on_policy_prompt_len=32,
-                             anchors_per_seq=4, eval_windows=2)
+    draft_settings = DraftTrainSettings(steps=2, batch_size=2, anchors_per_seq=4, continuation_tokens=8,
+                                        num_layers=1, markov_head_type="rnn", train_lm_head=True)
+    settings = TrainSettings(target_steps=2, seq_len=64, batch_size=2, target_short_seq_len=32,
+                             eval_windows=2, draft_prompts=4, draft=draft_settings)
     report = train_tiny(tmp_path, settings, log=lambda _: None)
     assert report["held_out_bits_per_byte"] > 0
     target = load_target(str(tmp_path / "target"))
-    draft = load_draft(str(tmp_path / "draft"))
+    draft = load_block_draft(tmp_path / "draft")
     cfg = json.loads((tmp_path / "target" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 2
     assert "model.layers.0.self_attn.q_proj.weight" in target.state_dict()
-    assert draft.cfg.gamma == 7 and draft.cfg.target_hidden_size == target.cfg.hidden_size
+    assert draft.cfg.block_size == 7 and draft.cfg.hidden_size == target.cfg.hidden_size
+    assert draft.cfg.target_layer_ids == (0, 1, 2) and draft.cfg.mask_token_id == 256
+    assert "dspark train-draft" in report["draft"]["command"]
     with torch.no_grad():
         assert target.forward_dense(torch.tensor([[256, 100, 101]])).shape == (1, 3, 256)
 

@@ -19,6 +19,7 @@ from dspark.cli.report import add_report_parser
 from dspark.cli.run import add_run_parser
 from dspark.cli.serve import add_serve_parser
 from dspark.cli.simulate import add_simulate_parser
+from dspark.cli.train_draft import add_train_draft_parser
 from dspark.cli.train_tiny import add_train_tiny_parser
 
 
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cost_eval_parser(sub).set_defaults(handler=run_cost_eval)
     add_report_parser(sub)  # sets its own handler
     add_train_tiny_parser(sub)
+    add_train_draft_parser(sub)
     add_simulate_parser(sub)
     return parser
 
