@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -124,11 +125,15 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=1000, help="steady-state steps per policy")
+    parser.add_argument("--cost-model", type=Path, default=None, metavar="TABLE",
+                        help="price the steps with this table instead of the compact package's own (e.g. "
+                             "one profiled at the workload's context length)")
     parser.add_argument("--save-trace", type=Path, default=None, metavar="DIR",
                         help="keep the recorded static trace here (default: a temporary directory)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    load_before = os.getloadavg()[0]  # a shared machine's other work shows up in every measured figure
     static_rt, compact_rt = Runtime(load_package(args.static)), Runtime(load_package(args.compact))
     if static_rt.deployment.verify_mode is not VerifyMode.STATIC:
         parser.error(f"--static {args.static} is a {static_rt.deployment.verify_mode} build")
@@ -145,7 +150,7 @@ def main() -> None:
         compact_steps = read_steps(compact_dir / STEPS_FILE, trace.gamma)
     measured = measure([static_rt, compact_rt], prompts, args.max_new_tokens, args.rounds)
 
-    setup = simulation_setup(compact_rt.package, None)
+    setup = simulation_setup(compact_rt.package, args.cost_model)
     plan, pricer = setup.plan, setup.pricer
     policies = {"static": StaticPolicy(plan.num_draft_tokens), "compact": AdaptivePolicy(plan)}
     static_table = replay_run(trace, policies["static"], pricer)
@@ -179,7 +184,8 @@ def main() -> None:
               "step_seconds_beyond_table": {
                   "static_median": statistics.median(excess_seconds(static_steps, pricer)),
                   "compact_median": statistics.median(excess_seconds(compact_steps, pricer))},
-              "steady_state_concurrency": concurrency}
+              "steady_state_concurrency": concurrency,
+              "load_average": {"start": load_before, "end": os.getloadavg()[0], "cpus": os.cpu_count()}}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -191,6 +197,9 @@ def print_result(result: dict[str, Any]) -> None:
     print(f"{result['prompts']} held-out prompts x {result['max_new_tokens']} tokens; measured: median of "
           f"{result['rounds']} interleaved rounds (bench_modes.py); predicted: the recorded static trace "
           f"({result['trace_request_steps']} request-steps) replayed with {result['cost_model']}")
+    load = result["load_average"]
+    print(f"1-minute load average {load['start']:.2f} at the start, {load['end']:.2f} at the end, on "
+          f"{load['cpus']} CPUs")
     print(f"{'':<26} {'end to end (prefill measured + decode)':^38}   {'decode steps only':^38}")
     columns = f"{'measured':>8} {'table':>7} {'error':>7} {'+step':>7} {'error':>7}"
     print(f"{'package':<17} {'mode':<8} {columns}   {columns}")
