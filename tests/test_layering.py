@@ -22,11 +22,11 @@ PACKAGE = REPO / "dspark"
 LIGHT = ("dspark.spec", "dspark.compiler", "dspark.formats", "dspark.modes", "dspark.backends",
          "dspark.fingerprint", "dspark.checkpoints", "dspark.atomic", "dspark.cli.compile")
 HEAVY = ("torch", "triton", "dspark.runtime", "dspark.measure", "dspark.report", "dspark.bench",
-         "dspark.train", "dspark.cli")
+         "dspark.train", "dspark.simulate", "dspark.cli")
 # The one file format stored as torch tensors.
 TORCH_FORMATS = ("dspark.formats.sts_shards",)
 RUNTIME_MUST_NOT = ("dspark.compiler", "dspark.spec", "dspark.measure", "dspark.report", "dspark.bench",
-                    "dspark.cli", "dspark.train")
+                    "dspark.cli", "dspark.train", "dspark.simulate")
 FORMATS_MUST_NOT = ("dspark.runtime", "dspark.measure", "dspark.report", "dspark.spec", "dspark.compiler",
                     "dspark.cli")
 
