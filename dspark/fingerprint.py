@@ -88,7 +88,7 @@ class Fingerprint:
     dtype: str
     model_geometry: str  # short sha256 of the target geometry's canonical JSON
     model_weights: str  # short content digest of the target checkpoint ("" = not known)
-    draft: str  # short sha256 of the draft's settings: gamma, confidence head, Markov embedding size
+    draft: str  # short sha256 of the draft's settings (`draft_settings_digest`)
     draft_weights: str  # short content digest of the draft checkpoint ("" = not known)
     tp: int
     dp: int
@@ -223,14 +223,19 @@ def weights_identity(digest: str) -> str:
     return short
 
 
-def draft_settings_digest(*, gamma: int, confidence_head: bool, markov_embedding_size: int,
-                          dummy_layers: int | None = None) -> str:
-    """Short sha256 of the draft's settings as the spec configures them (its weights are separate).
-    A dummy draft has no weights to identify it, so its layer count is one of its settings."""
-    settings: dict[str, Any] = {"gamma": int(gamma), "confidence_head": bool(confidence_head),
-                                "markov_embedding_size": int(markov_embedding_size)}
-    if dummy_layers is not None:
-        settings["dummy_layers"] = int(dummy_layers)
+DRAFT_SETTINGS = ("gamma", "confidence_head", "num_layers", "block_size", "target_layer_ids",
+                  "markov_rank", "markov_head_type", "confidence_with_markov")
+
+
+def draft_settings_digest(draft: Any) -> str:
+    """Short sha256 of the draft's settings (a resolved spec `DraftSpec` or a runtime `DraftRef`): the
+    drafts per step and the architecture that sets its step's work (layers, block, the target states
+    read, the heads); its weights are identified separately. The Markov kind enters only with a
+    Markov head, and the mask token not at all: it changes no shape and no cost."""
+    settings: dict[str, Any] = {name: getattr(draft, name) for name in DRAFT_SETTINGS}
+    settings["target_layer_ids"] = [int(i) for i in settings["target_layer_ids"] or ()]
+    if not settings["markov_rank"]:
+        settings.pop("markov_head_type")
     return short_digest(settings)
 
 
@@ -254,17 +259,14 @@ def backend_identity(kind: str, attention: str | None) -> str:
 
 
 def _build(*, backend: str, device: str, dtype: str, geometry: Any, family: str, model_digest: str,
-           draft_weights_digest: str, gamma: int, confidence_head: bool, markov_embedding_size: int,
-           dummy_draft_layers: int | None, tp: int, dp: int, tiers: Sequence[int], verify_mode: str,
+           draft_weights_digest: str, draft: Any, tp: int, dp: int, tiers: Sequence[int], verify_mode: str,
            temperature: float, top_p: float, top_k: int) -> Fingerprint:
     return Fingerprint(
         backend=backend, device=device, dtype=dtype, model_geometry=geometry_digest(geometry, family),
         model_weights=weights_identity(model_digest),
-        draft=draft_settings_digest(gamma=gamma, confidence_head=confidence_head,
-                                    markov_embedding_size=markov_embedding_size,
-                                    dummy_layers=dummy_draft_layers),
+        draft=draft_settings_digest(draft),
         draft_weights=weights_identity(draft_weights_digest),
-        tp=tp, dp=dp, tiers=tuple(int(t) for t in tiers), verify_mode=str(verify_mode), gamma=gamma,
+        tp=tp, dp=dp, tiers=tuple(int(t) for t in tiers), verify_mode=str(verify_mode), gamma=draft.gamma,
         policy=sampling_policy(temperature, top_p, top_k))
 
 
@@ -276,10 +278,7 @@ def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: GeometrySpec, tier
     return _build(
         backend=backend_identity(spec.backend.kind, spec.backend.attention), device=spec.backend.device,
         dtype=spec.model.dtype, geometry=geometry, family=spec.model.family,
-        model_digest=model_digest, draft_weights_digest=draft_digest, gamma=spec.draft.gamma,
-        confidence_head=spec.draft.confidence_head,
-        markov_embedding_size=spec.draft.markov_embedding_size,
-        dummy_draft_layers=(spec.draft.num_layers or 1) if spec.draft.load_format == "dummy" else None,
+        model_digest=model_digest, draft_weights_digest=draft_digest, draft=spec.draft,
         tp=spec.parallelism.tp,
         dp=spec.parallelism.dp, tiers=tiers, verify_mode=spec.verify.mode,
         temperature=generation.temperature, top_p=generation.top_p, top_k=generation.top_k)
@@ -303,10 +302,7 @@ def fingerprint_of_deployment(deployment: DeploymentConfig, tiers: Sequence[int]
         dtype=deployment.model.dtype,
         geometry=deployment.model.geometry, family=deployment.model.family,
         model_digest=deployment.model.digest,
-        draft_weights_digest=deployment.draft.digest, gamma=deployment.draft.gamma,
-        confidence_head=deployment.draft.confidence_head,
-        markov_embedding_size=deployment.draft.markov_embedding_size,
-        dummy_draft_layers=deployment.draft.num_layers if deployment.draft.load_format == "dummy" else None,
+        draft_weights_digest=deployment.draft.digest, draft=deployment.draft,
         tp=deployment.parallel.tp,
         dp=deployment.parallel.dp, tiers=tiers, verify_mode=deployment.verify_mode,
         temperature=serving.temperature, top_p=serving.top_p, top_k=serving.top_k)

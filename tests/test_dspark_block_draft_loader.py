@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dspark.runtime.models.dspark_block_config import BlockDraftConfig, BlockDraftConfigError
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig, BlockDraftConfigError
 from dspark.runtime.models.dspark_block_loader import (
     INDEX_FILE,
     BlockDraftCheckpointError,

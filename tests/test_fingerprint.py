@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dspark.checkpoints.digest import CACHE_FILE, checkpoint_digest
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.compiler import compile_spec
 from dspark.fingerprint import (
     CALIBRATION_FIELDS,
@@ -33,8 +34,13 @@ COMPACT = {"verify": {"mode": "compact"}, "cost_model": {"type": "sps-1d", "file
 HF_CONFIG = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
              "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
-DRAFT_CONFIG = {"gamma": 3, "markov_embedding_size": 64, "confidence_head": True, "target_hidden_size": 64,
-                "vocab_size": 256}
+# A draft config.json in the released layout for the target above (the weights file is only bytes:
+# the compiler reads the config and digests the files, it never loads the tensors).
+DRAFT_CONFIG = BlockDraftConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+    head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False, block_size=3, mask_token_id=255,
+    target_layer_ids=(0,), num_target_layers=2, markov_rank=64, markov_head_type="vanilla",
+    confidence_head=True, confidence_with_markov=True).to_hf()
 
 
 @pytest.fixture(autouse=True)
@@ -146,12 +152,13 @@ def test_what_each_kind_of_file_compares(write_spec, tmp_path):
     checkpoints = pair(tmp_path / "ckpt")
     base = fingerprint_of_spec(load_spec(write_spec(checkpoints)))
     for overrides, fields in (({"draft": {"gamma": 4}}, ["draft", "gamma"]),  # the draft hash has gamma
-                              ({"draft": {"markov_embedding_size": 32}}, ["draft"]),
+                              ({"draft": {"markov_rank": 32}}, ["draft"]),
+                              ({"draft": {"target_layer_ids": [-1]}}, ["draft"]),
                               ({"model": {"dtype": "bfloat16"}}, ["dtype"]),
                               ({"graph": {"enabled": True, "token_tiers": [4, 128]}}, ["tiers"]),
                               ({"serving": {"generation": {"temperature": 0.5}}}, ["policy"])):
-        # The draft's config.json says gamma 3 and Markov size 64; a spec that says otherwise is an
-        # error, so compare those two against fingerprints of specs without checkpoints.
+        # The draft's config.json says block size 3 and Markov rank 64; a spec that says otherwise is
+        # an error, so compare the draft's settings against fingerprints of specs without checkpoints.
         drafted = "draft" in overrides
         reference = fingerprint_of_spec(load_spec(write_spec(name="plain.yaml"))) if drafted else base
         changed = fingerprint_of_spec(load_spec(write_spec(overrides if drafted else merged(checkpoints,

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.cli.main import main
 from dspark.formats.sts_shards import StsShardWriter
 from dspark.measure.calibration import CalibrationError
@@ -22,10 +23,10 @@ from dspark.measure.head_fit import (
     fit_confidence_head,
     load_feature_shards,
     refit_draft,
-    with_draft_stats,
 )
-from dspark.runtime.models.checkpoint import load_draft, save_draft
-from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft, draft_stats
+from dspark.runtime.models.checkpoint import load_draft
+from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
+from dspark.runtime.models.dspark_block_loader import init_block_draft, save_block_draft
 from dspark.runtime.package import load_package
 
 from .runtime_helpers import compile_variant
@@ -34,12 +35,13 @@ GAMMA = 5
 WIDTH = 12
 
 
-def _tiny_draft(seed: int = 0) -> DSparkDraft:
-    torch.manual_seed(seed)
-    cfg = DraftConfig(vocab_size=40, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
-                      num_kv_heads=1, head_dim=4, target_hidden_size=8, gamma=GAMMA,
-                      markov_embedding_size=4)
-    return DSparkDraft(cfg)
+def _tiny_draft(seed: int = 0) -> DSparkBlockDraft:
+    cfg = BlockDraftConfig(vocab_size=40, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                           num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0,
+                           attention_bias=False, block_size=GAMMA, mask_token_id=39, target_layer_ids=(0,),
+                           num_target_layers=2, markov_rank=4, markov_head_type="vanilla",
+                           confidence_head=True, confidence_with_markov=True)
+    return init_block_draft(cfg, seed=seed)
 
 
 def _synthetic(n: int, seed: int, true_w: torch.Tensor, true_b: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +135,7 @@ def test_fit_settings_are_validated() -> None:
 def test_refit_writes_a_new_draft_with_only_the_head_changed(tmp_path) -> None:
     draft = _tiny_draft()
     src = tmp_path / "draft"
-    save_draft(src, draft)
+    save_block_draft(src, draft)
     state = checkpoint_state(src)
     width = state[WEIGHT].shape[1]
     g = torch.Generator().manual_seed(0)
@@ -153,7 +155,7 @@ def test_refit_writes_a_new_draft_with_only_the_head_changed(tmp_path) -> None:
     assert report["draft_backbone"] == backbone_digest(state) and report["num_fit"] == 2400
     assert report["loss_after"] < report["loss_before"]
     reloaded = load_draft(str(out))  # the runtime loads it like any draft
-    assert torch.equal(reloaded.confidence_head.weight, new[WEIGHT])
+    assert torch.equal(reloaded.confidence_head.proj.weight, new[WEIGHT])
     assert not list(tmp_path.glob(".staging-*"))
 
     # Written once: the same output again, or a draft the features were not recorded with, fail
@@ -161,7 +163,7 @@ def test_refit_writes_a_new_draft_with_only_the_head_changed(tmp_path) -> None:
     with pytest.raises(CalibrationError, match="already exists"):
         refit_draft([tmp_path / "run" / "sts"], src, out)
     other = tmp_path / "other"
-    save_draft(other, _tiny_draft(seed=1))
+    save_block_draft(other, _tiny_draft(seed=1))
     with pytest.raises(CalibrationError, match="record with this draft"):
         refit_draft([tmp_path / "run" / "sts"], other, tmp_path / "never")
     assert not (tmp_path / "never").exists() and not list(tmp_path.glob(".staging-*"))
@@ -214,30 +216,3 @@ def test_served_features_are_the_head_inputs_and_the_refitted_draft_serves(tmp_p
     # A new head changes only which drafts get verified, never the output.
     assert [c["token_ids"] for c in spec_out["completions"]] == \
         [c["token_ids"] for c in target_out["completions"]]
-
-
-def test_add_draft_stats_widens_the_head_and_starts_from_the_old_one(tmp_path) -> None:
-    draft = _tiny_draft()
-    src = tmp_path / "draft"
-    save_draft(src, draft)
-    state = checkpoint_state(src)
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(800, GAMMA, 8, generator=g)
-    x = torch.cat((hidden, torch.randn(800, GAMMA, 4, generator=g)), -1)  # [hidden ; markov]
-    stats = draft_stats(hidden @ state["lm_head.weight"].T)
-    mask = (torch.rand(800, GAMMA, generator=g) < torch.sigmoid(2.0 * stats[..., 0] + 2.0)) \
-        .long().cumprod(-1).bool()
-    _record(tmp_path / "sts", x, mask, backbone_digest(state))
-
-    widened = with_draft_stats(load_feature_shards([tmp_path / "sts"]), state["lm_head.weight"], 8)
-    torch.testing.assert_close(widened.features[..., -3:], draft_stats(x.half().float()[..., :8]
-                                                                        @ state["lm_head.weight"].T))
-    out = tmp_path / "wide"
-    fit, _ = refit_draft([tmp_path / "sts"], src, out, HeadFitSettings(max_iter=50), add_draft_stats=True)
-    config = json.loads((out / "config.json").read_text())
-    assert config["confidence_draft_stats"] is True
-    assert checkpoint_state(out)[WEIGHT].shape == (1, 12 + 3)
-    # labels that depend on the draft's own top probability: the stats weight carries the signal
-    assert float(fit.weight[0, -3]) > 0.5
-    reloaded = load_draft(str(out))
-    assert reloaded.cfg.confidence_draft_stats and reloaded.confidence_head.in_features == 15

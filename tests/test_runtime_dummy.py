@@ -34,7 +34,8 @@ def test_dummy_models_have_the_spec_geometry_and_seeded_weights(dummy_package) -
     assert isinstance(pkg.tokenizer, ByteTokenizer)  # the checkpoint is not here: bytes
     first, second = Runtime(pkg), Runtime(pkg)
     assert first.target.cfg.hidden_size == 64 and first.target.cfg.vocab_size == 300
-    assert first.draft.cfg.num_layers == 2 and first.draft.cfg.target_hidden_size == 64
+    assert first.draft.cfg.num_layers == 2 and first.draft.cfg.hidden_size == 64
+    assert first.draft.cfg.target_layer_ids == (0,) and first.draft.cfg.mask_token_id == 299
     for a, b in zip(first.target.state_dict().values(), second.target.state_dict().values(), strict=True):
         assert torch.equal(a, b)  # seeded: the same weights every time
     norms = [p for n, p in first.target.named_parameters() if "norm" in n]
@@ -67,8 +68,6 @@ def test_dspark_run_warns_loudly(dummy_package, capsys) -> None:
 
 
 def test_dummy_weights_rules(write_spec) -> None:
-    with pytest.raises(SpecError, match="draft.num_layers: num_layers sets the size of a dummy draft"):
-        load_spec(write_spec({"draft": {"num_layers": 2}}))
     small = {**DUMMY["model"], "geometry": {**GEOMETRY, "vocab_size": 200}}
     with pytest.raises(SpecError, match="byte-level tokenizer, which needs vocab_size >= 258"):
         load_spec(write_spec({**DUMMY, "model": small}))

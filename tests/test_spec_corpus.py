@@ -28,7 +28,8 @@ _EXPECT = re.compile(r"^# expect: (?P<path>\S+) @ (?P<line>\d+)(?::(?P<column>\d
 
 # Every class of defect the corpus must keep covering (file name prefix -> at least this many specs).
 CLASSES = {"attention_": 3, "nonfinite_": 8, "yaml_": 15, "tiers_": 6, "context_": 2, "dp_attention_": 1,
-           "kv_pool_": 1, "type_": 8, "file_": 10, "config_": 8}
+           "kv_pool_": 1, "type_": 8, "file_": 10, "config_": 8,
+           "draft_": 2}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.spec import SpecError, load_spec
 from dspark.spec import checkpoints as checkpoint_module
 
@@ -83,11 +84,11 @@ def test_unknown_key_points_at_the_key_and_suggests_the_closest(write_spec):
 
 
 def test_missing_field_points_at_the_parent_mapping(write_spec):
-    error = errors_of(write_spec(text=VALID.replace("  gamma: 3\n", "")))
+    error = errors_of(write_spec(text=VALID.replace("  checkpoint: /nonexistent/draft\n", "")))
     (issue,) = error.issues
-    assert issue.path == ("draft", "gamma")
+    assert issue.path == ("draft", "checkpoint")
     assert (issue.location.line, issue.location.column) == (15, 1)  # the `draft:` line
-    assert "required field is missing" in issue.message and "add `gamma:`" in issue.hint
+    assert "required field is missing" in issue.message and "add `checkpoint:`" in issue.hint
 
 
 def test_wrong_type_points_at_the_value_and_is_strict(write_spec):
@@ -308,7 +309,13 @@ def test_checkpoint_config_missing_keys(write_spec, tmp_path):
 def test_embedded_checkpoints_resolve_from_the_package(write_spec, tmp_path, monkeypatch):
     root = tmp_path / "embedded"
     _checkpoint(root / "mini" / "target", HF_CONFIG)
-    _checkpoint(root / "mini" / "draft", {"gamma": 3, "markov_embedding_size": 64})
+    draft = BlockDraftConfig(
+        vocab_size=HF_CONFIG["vocab_size"], hidden_size=HF_CONFIG["hidden_size"], intermediate_size=128,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=HF_CONFIG["hidden_size"] // 4, rms_norm_eps=1e-6,
+        rope_theta=10000.0, attention_bias=False, block_size=3, mask_token_id=0, target_layer_ids=(0,),
+        num_target_layers=HF_CONFIG["num_hidden_layers"], markov_rank=0, markov_head_type=None,
+        confidence_head=True, confidence_with_markov=False)
+    _checkpoint(root / "mini" / "draft", draft.to_hf())
     monkeypatch.setattr(checkpoint_module, "embedded_root", lambda: root)
     resolved = load_spec(write_spec({"model": {"checkpoint": "embedded:mini", "geometry": None},
                                      "draft": {"checkpoint": "embedded:mini"}}))

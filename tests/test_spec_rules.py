@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.spec import SpecError, load_spec
 from dspark.spec.facts import SpecFacts
 from dspark.spec.models import DraftSpec
@@ -27,7 +28,7 @@ def only_issue(write_spec, overrides):
 def test_num_draft_tokens_at_least_two(write_spec):
     spec = load_spec(write_spec()).spec
     broken = spec.model_copy(update={"draft": DraftSpec.model_construct(
-        checkpoint="x", gamma=0, confidence_head=True, markov_embedding_size=64)})
+        checkpoint="x", gamma=0, confidence_head=True)})
     facts = SpecFacts(broken, None, None, None, None, None, None)
     (issue,) = check_num_draft_tokens(facts)
     assert issue.path == ("draft", "gamma") and "N = gamma + 1 = 1" in issue.message
@@ -124,18 +125,56 @@ def test_dp_attention_splits_tp(write_spec):
     assert without.spec.parallelism.dp == 4
 
 
+def _draft_config(**changes: object) -> dict:
+    """A released-layout draft config.json for the conftest target (2 layers, hidden 64, vocab 256)."""
+    cfg = BlockDraftConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False, block_size=5,
+        mask_token_id=255, target_layer_ids=(0,), num_target_layers=2, markov_rank=8,
+        markov_head_type="vanilla", confidence_head=True, confidence_with_markov=True).to_hf()
+    return {**cfg, **changes}
+
+
 def test_draft_checkpoint_must_match(write_spec, tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({"gamma": 5, "markov_embedding_size": 64}))
+    config = draft / "config.json"
+    config.write_text(json.dumps(_draft_config()))
+    # gamma defaults to the block size; above it is refused
+    assert load_spec(write_spec({"draft": {"checkpoint": "draft", "gamma": None}})).spec.draft.gamma == 5
+    issue = only_issue(write_spec, {"draft": {"checkpoint": "draft", "gamma": 6}})
+    assert issue.path == ("draft", "gamma") and "block_size 5" in issue.message
+    # settings the spec states must be the checkpoint's
+    issue = only_issue(write_spec, {"draft": {"checkpoint": "draft", "markov_rank": 16}})
+    assert issue.path == ("draft", "markov_rank") and "16 here but 8 in" in issue.message
+    config.write_text(json.dumps(_draft_config(hidden_size=32)))
     issue = only_issue(write_spec, {"draft": {"checkpoint": "draft"}})
-    assert issue.path == ("draft", "gamma") and "trained with 5" in issue.message
-    (draft / "config.json").write_text(json.dumps({"gamma": 3, "target_hidden_size": 32}))
-    issue = only_issue(write_spec, {"draft": {"checkpoint": "draft"}})
-    assert issue.path == ("draft", "checkpoint") and "target_hidden_size" in issue.message
-    (draft / "config.json").write_text(json.dumps({"gamma": 3, "confidence_head": False}))
-    issue = only_issue(write_spec, {"draft": {"checkpoint": "draft"}})
+    assert issue.path == ("draft", "checkpoint") and "hidden_size is 32" in issue.message
+    config.write_text(json.dumps(_draft_config(enable_confidence_head=False,
+                                               confidence_head_with_markov=None)))
+    issue = only_issue(write_spec, {"draft": {"checkpoint": "draft", "confidence_head": True}})
     assert issue.path == ("draft", "confidence_head")
+    # a field the loader does not know is refused with the file and the field
+    config.write_text(json.dumps(_draft_config(speculators_model_type="dspark")))
+    issue = only_issue(write_spec, {"draft": {"checkpoint": "draft"}})
+    assert issue.path == ("draft", "checkpoint") and "speculators_model_type" in issue.message
+    config.write_text(json.dumps(_draft_config(target_layer_ids=[1], num_target_layers=2)))
+    issue = only_issue(write_spec, {"draft": {"checkpoint": "draft"}})
+    assert issue.path == ("draft", "checkpoint") and "final layer" in issue.message
+
+
+def test_draft_settings_without_a_checkpoint(write_spec):
+    resolved = load_spec(write_spec()).spec.draft  # conftest: the draft is not on this machine
+    assert (resolved.block_size, resolved.num_layers, resolved.target_layer_ids, resolved.mask_token_id) == (
+        7, 1, (0,), 255)
+    assert (resolved.markov_rank, resolved.markov_head_type, resolved.confidence_with_markov) == (
+        64, "vanilla", True)
+    issue = only_issue(write_spec, {"draft": {"mask_token_id": 256}})
+    assert issue.path == ("draft", "mask_token_id") and "vocab_size 256" in issue.message
+    issue = only_issue(write_spec, {"draft": {"target_layer_ids": [0, 1]}})
+    assert issue.path == ("draft", "target_layer_ids") and "final layer 1" in issue.message
+    issue = only_issue(write_spec, {"draft": {"markov_rank": 0, "markov_head_type": "rnn"}})
+    assert issue.path == ("draft", "markov_head_type")
 
 
 def test_compact_needs_a_cost_model_unless_allowed(write_spec):
@@ -230,10 +269,12 @@ def test_committed_grids_are_exact(write_spec):
 
 
 def test_context_holds_one_request(write_spec):
-    issue = only_issue(write_spec, {"draft": {"gamma": 15}, "serving": {"max_context_len": 16}})
+    wide = {"gamma": 15, "block_size": 15}
+    issue = only_issue(write_spec, {"draft": wide, "serving": {"max_context_len": 16}})
     assert issue.path == ("serving", "max_context_len") and "need 18" in issue.message
     assert "at least 18" in issue.hint
-    assert load_spec(write_spec({"draft": {"gamma": 13}, "serving": {"max_context_len": 16}}))  # 1 + 1 + 14
+    assert load_spec(write_spec({"draft": {"gamma": 13, "block_size": 13},
+                                 "serving": {"max_context_len": 16}}))  # 1 + 1 + 14
 
 
 def test_kv_pool_holds_one_full_context_request(write_spec):

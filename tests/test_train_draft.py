@@ -3,23 +3,19 @@ resumable, with its settings and inputs checked."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from dspark.checkpoints.dspark_block_config import default_layer_ids
 from dspark.cli.main import main
 from dspark.runtime.models.checkpoint import save_target
 from dspark.runtime.models.dspark_block_loader import load_block_draft
 from dspark.runtime.models.llama import LlamaConfig, LlamaForCausalLM
-from dspark.train.draft import (
-    DraftTrainingError,
-    DraftTrainSettings,
-    default_layer_ids,
-    draft_config,
-    train_draft,
-)
+from dspark.train.draft import DraftTrainingError, DraftTrainSettings, draft_config, train_draft
 
 SMALL = LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
                     num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -41,7 +37,8 @@ def prompts() -> list[list[int]]:
 def test_default_layer_ids_match_the_released_draft_and_never_read_the_last_layer() -> None:
     assert default_layer_ids(36) == (1, 9, 17, 25, 33)
     assert default_layer_ids(4) == (0, 1, 2)
-    assert all(max(default_layer_ids(n)) < n - 1 for n in range(2, 80))
+    assert all(max(default_layer_ids(n)) < n - 1 for n in range(1, 80))
+    assert default_layer_ids(1) == (-1,)  # a one-layer target: its embeddings
 
 
 def test_draft_config_refuses_a_mask_outside_the_vocabulary_and_the_final_layer() -> None:
@@ -72,10 +69,13 @@ def test_trained_draft_loads_in_the_released_layout_and_a_resumed_run_equals_an_
     assert torch.equal(a.embed_tokens.weight, small_target().model.embed_tokens.weight)
     # a run with other settings in the same directory is refused, not mixed in
     with pytest.raises(DraftTrainingError, match="other settings"):
-        train_draft(small_target(), prompts(), tmp_path / "b", SETTINGS.__class__(steps=5, batch_size=2,
-                    anchors_per_seq=4, continuation_tokens=12, num_layers=1, markov_rank=8,
-                    markov_head_type="gated", save_every=2, bf16_autocast=False),
+        train_draft(small_target(), prompts(), tmp_path / "b", dataclasses.replace(SETTINGS, lr=1e-3),
                     frozenset({257}), 256, torch.device("cpu"), log=lambda _: None)
+    # a longer budget continues from the step reached, and the report lists both budgets
+    longer = train_draft(small_target(), prompts(), tmp_path / "b", dataclasses.replace(SETTINGS, steps=6),
+                         frozenset({257}), 256, torch.device("cpu"), log=lambda _: None)
+    assert longer is not None
+    assert longer["step_budgets"] == [{"from_step": 0, "steps": 4}, {"from_step": 4, "steps": 6}]
 
 
 def test_generated_eos_ends_the_supervised_tokens(tmp_path: Path) -> None:

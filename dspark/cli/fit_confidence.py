@@ -34,9 +34,6 @@ def add_fit_confidence_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="pull of the weights towards the current head (default: %(default)s)")
     p.add_argument("--max-iter", type=int, default=defaults.max_iter,
                    help="L-BFGS iterations (default: %(default)s)")
-    p.add_argument("--add-draft-stats", action="store_true",
-                   help="widen the head to also read the draft distribution's top log-probability, "
-                        "top-2 margin and entropy (new weights start at zero)")
     p.add_argument("--seed", type=int, default=defaults.seed,
                    help="seed of the held-out split (default: %(default)s)")
     return p
@@ -46,7 +43,7 @@ def run_fit_confidence(args: argparse.Namespace) -> int:
     try:
         settings = HeadFitSettings(holdout_fraction=args.holdout, l2=args.l2, max_iter=args.max_iter,
                                    seed=args.seed)
-        fit, out = refit_draft(args.shards, args.draft, args.out, settings, args.add_draft_stats)
+        fit, out = refit_draft(args.shards, args.draft, args.out, settings)
     except (CalibrationError, FormatError, OSError) as err:
         print(f"dspark fit-confidence: error: {err}", file=sys.stderr)
         return 2

@@ -39,6 +39,7 @@ LAUNCH = ("python", "-m", "sglang.launch_server")
 SGLANG_COST_KINDS = ("sps-1d", "additive")  # the table kinds SGLang's loader reads
 _REQUEST_PARAMETER = "SGLang has no server-wide default for it; send it as each request's sampling parameter"
 _CHECKPOINT_CONFIG = "SGLang reads it from the checkpoint's config.json"
+_DRAFT_CONFIG = "SGLang's DSpark worker reads it from the draft checkpoint's config.json"
 
 # Fields that never become an SGLang setting, and why. Keys are dotted spec paths; a key ending in
 # ".*" covers every field below that prefix.
@@ -47,11 +48,15 @@ NO_SGLANG_EQUIVALENT: dict[str, str] = {
     "model.geometry": _CHECKPOINT_CONFIG,
     "model.geometry.*": _CHECKPOINT_CONFIG,
     "draft.confidence_head": "SGLang reads the draft's heads from its checkpoint",
-    "draft.markov_embedding_size": "SGLang reads it from the draft checkpoint's config.json",
     "draft.load_format": "SGLang's --load-format applies to the target; its draft is always loaded "
                          "from the checkpoint",
-    "draft.num_layers": "the size of dspark's dummy draft; SGLang reads a draft's layers from its "
-                        "config.json",
+    "draft.num_layers": _DRAFT_CONFIG,
+    "draft.block_size": _DRAFT_CONFIG + " (block_size)",
+    "draft.mask_token_id": _DRAFT_CONFIG,
+    "draft.target_layer_ids": _DRAFT_CONFIG,
+    "draft.markov_rank": _DRAFT_CONFIG,
+    "draft.markov_head_type": _DRAFT_CONFIG,
+    "draft.confidence_with_markov": _DRAFT_CONFIG + " (confidence_head_with_markov)",
     "parallelism.ep": "a dense model has no experts to shard; SGLang's --ep-size default (1) is right",
     "backend.device": "SGLang runs on the accelerator it finds; the device model is not a flag",
     "verify.min_verify_len": "SGLang's DSpark planner has no verify-length floor",

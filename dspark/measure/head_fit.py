@@ -1,6 +1,7 @@
 """Refit the draft's confidence head on what serving recorded (`dspark fit-confidence`).
 
-The confidence head is one Linear layer over `[hidden_k ; markov_embedding(prev_k)]`. Training
+The confidence head (`confidence_head.proj`, the published DSpark draft's) is one Linear layer over
+`[hidden_k ; markov_w1[prev_k]]` (or `hidden_k` alone without `confidence_head_with_markov`). Training
 fits it teacher-forced, against whatever acceptance event the trainer chose; at serving time the
 drafts are the draft's own and the event is the deployment's policy (a greedy prefix match, or the
 rejection sampler's acceptance). Per-position temperatures (STS) can rescale each position's
@@ -17,14 +18,12 @@ kept out of the fit and reported before and after.
 The features depend on every draft weight except the head's own, so shards carry a digest of
 those weights and the refit refuses a draft they were not recorded with.
 
-`--add-draft-stats` widens a head that reads only `[hidden ; markov embedding]` to also read
-`draft_stats` of the draft's own logits (which the recorded hidden state gives back through
-`lm_head`); the new weights start at zero, so the fit starts from the current head.
+The refit keeps the head's inputs: the published architecture's head reads nothing else, and a
+checkpoint with a wider head would not load in DeepSpec or SGLang.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -36,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig, BlockDraftConfigError
 from dspark.formats.sts_shards import (
     read_shard,
     read_sts_meta,
@@ -48,14 +48,13 @@ from dspark.formats.sts_shards import (
 from dspark.measure.calibration import CalibrationError
 from dspark.measure.calibration_metrics import brier, ece, roc_auc
 from dspark.measure.scores import survival
-from dspark.runtime.models.dspark_draft import NUM_DRAFT_STATS, draft_stats
+from dspark.runtime.models.dspark_block_loader import INDEX_FILE, BlockDraftCheckpointError, read_tensors
 
-HEAD_PREFIX = "confidence_head."
-WEIGHT, BIAS = HEAD_PREFIX + "weight", HEAD_PREFIX + "bias"
+HEAD_PREFIX = "confidence_head."  # every tensor of the head; the backbone digest leaves them out
+WEIGHT, BIAS = HEAD_PREFIX + "proj.weight", HEAD_PREFIX + "proj.bias"
 FIT_FILE = "confidence_fit.json"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-STATS_FLAG = "confidence_draft_stats"
 
 
 def backbone_digest(state: Mapping[str, torch.Tensor]) -> str:
@@ -71,11 +70,15 @@ def backbone_digest(state: Mapping[str, torch.Tensor]) -> str:
 
 
 def checkpoint_state(directory: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a single-file draft checkpoint (what `save_draft` writes)."""
-    path = directory / WEIGHTS_FILE
-    if not (directory / CONFIG_FILE).is_file() or not path.is_file():
-        raise CalibrationError(f"{directory}: not a draft checkpoint (needs config.json and {WEIGHTS_FILE})")
-    state = load_file(str(path))
+    """The tensors of a DSpark draft checkpoint in the released layout (one file or shards)."""
+    if not (directory / CONFIG_FILE).is_file():
+        raise CalibrationError(f"{directory}: not a draft checkpoint (needs config.json and *.safetensors)")
+    try:
+        BlockDraftConfig.from_file(directory)
+        state = read_tensors(directory)
+    except (BlockDraftConfigError, BlockDraftCheckpointError) as err:
+        raise CalibrationError(f"{err}; fit-confidence refits a DSpark draft in the released "
+                               "layout") from None
     missing = [k for k in (WEIGHT, BIAS) if k not in state]
     if missing:
         raise CalibrationError(f"{directory}: the draft has no confidence head ({', '.join(missing)} "
@@ -139,19 +142,6 @@ def load_feature_shards(paths: Sequence[str | os.PathLike[str]]) -> FeatureData:
                                "head inputs must be finite")
     return FeatureData(features, torch.cat(masks), backbones.pop(), policies.pop(),
                        tuple(str(p) for p in files))
-
-
-def with_draft_stats(data: FeatureData, lm_head: torch.Tensor, hidden_size: int,
-                     chunk: int = 4096) -> FeatureData:
-    """`data` with `draft_stats` of `lm_head(hidden)` appended to every position's features."""
-    if data.features.shape[-1] < hidden_size:
-        raise CalibrationError(f"the features are {data.features.shape[-1]} wide, narrower than the "
-                               f"draft's hidden size {hidden_size}; record with this draft")
-    flat = data.features.reshape(-1, data.features.shape[-1])
-    stats = torch.cat([draft_stats(flat[i:i + chunk, :hidden_size] @ lm_head.float().T)
-                       for i in range(0, len(flat), chunk)])
-    features = torch.cat((flat, stats), dim=-1).reshape(*data.features.shape[:2], -1)
-    return dataclasses.replace(data, features=features)
 
 
 @dataclass(frozen=True)
@@ -273,7 +263,6 @@ def write_refit_checkpoint(source: Path, state: dict[str, torch.Tensor], out: Pa
     provenance = {
         "source_draft": str(source), "draft_backbone": data.backbone, "policy": data.policy,
         "shards": list(data.sources), "num_fit": fit.num_fit, "num_holdout": fit.num_holdout,
-        "confidence_draft_stats": bool(config.get(STATS_FLAG, False)),
         "settings": {"holdout_fraction": settings.holdout_fraction, "l2": settings.l2,
                      "max_iter": settings.max_iter, "seed": settings.seed},
         "loss_before": round(fit.loss_before, 6), "loss_after": round(fit.loss_after, 6),
@@ -283,7 +272,9 @@ def write_refit_checkpoint(source: Path, state: dict[str, torch.Tensor], out: Pa
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".staging-{out.name}-"))
     try:
         for item in source.iterdir():
-            if item.is_file() and item.name not in (WEIGHTS_FILE, FIT_FILE, CONFIG_FILE):
+            # the weights are rewritten as one file, so the source's shards and index stay behind
+            if item.is_file() and item.name not in (FIT_FILE, CONFIG_FILE, INDEX_FILE) \
+                    and not item.name.endswith(".safetensors"):
                 shutil.copy2(item, staging / item.name)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -297,8 +288,7 @@ def write_refit_checkpoint(source: Path, state: dict[str, torch.Tensor], out: Pa
 
 
 def refit_draft(shards: Sequence[Path], source: Path, out: Path,
-                settings: HeadFitSettings = HeadFitSettings(), add_draft_stats: bool = False
-                ) -> tuple[HeadFit, Path]:
+                settings: HeadFitSettings = HeadFitSettings()) -> tuple[HeadFit, Path]:
     """Load, check the backbone, fit, write: the whole `dspark fit-confidence`."""
     state = checkpoint_state(source)
     try:
@@ -310,10 +300,5 @@ def refit_draft(shards: Sequence[Path], source: Path, out: Path,
     if digest != data.backbone:
         raise CalibrationError(f"the shards' features were recorded with draft backbone {data.backbone}, "
                                f"but {source} has {digest}; record with this draft checkpoint")
-    weight = state[WEIGHT].float()
-    if add_draft_stats and not config.get(STATS_FLAG, False):
-        data = with_draft_stats(data, state["lm_head.weight"], int(config["hidden_size"]))
-        weight = torch.cat((weight, weight.new_zeros(1, NUM_DRAFT_STATS)), dim=-1)
-        config = {**config, STATS_FLAG: True}
-    fit = fit_confidence_head(data, weight, state[BIAS], settings)
+    fit = fit_confidence_head(data, state[WEIGHT].float(), state[BIAS], settings)
     return fit, write_refit_checkpoint(source, state, out, fit, data, settings, config)

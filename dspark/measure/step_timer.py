@@ -115,7 +115,8 @@ class VerifyStepTimer:
         _synchronize(rt.device)
         start = time.perf_counter()
         context = rt.models.draft_context(self.page_table[:num_reqs], prefix)
-        rt.draft.propose(roots, prefix, context, prefix, None if rt.sampling.greedy else self._pick_token)
+        rt.draft.propose(roots, prefix, context, prefix, None if rt.sampling.greedy else self._pick_token,
+                         gamma=rt.plan.gamma)
         _synchronize(rt.device)
         return time.perf_counter() - start
 
@@ -132,7 +133,7 @@ class VerifyStepTimer:
         start = time.perf_counter()
         # Laying the step out is part of every verify step, so it is timed with the forward.
         layout = rt.verify_runner.plan(lens, lens, [self.context_len] * num_reqs, self.page_table[:num_reqs])
-        hidden = rt.verify_runner.run(layout, ids)
+        hidden, _ = rt.verify_runner.run_states(layout, ids)  # with the draft's states, as serving runs it
         rt.target.compute_logits(hidden).argmax(-1)
         _synchronize(rt.device)
         return time.perf_counter() - start

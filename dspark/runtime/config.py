@@ -92,21 +92,43 @@ class ModelRef:
 
 @dataclass(frozen=True)
 class DraftRef:
+    """The DSpark draft (the published architecture): its checkpoint, the drafts per step, and its
+    architecture as its config.json says (written here at compile time, so the runtime checks the
+    checkpoint it loads against what was compiled; a dummy draft's come from the spec)."""
+
     checkpoint: str
-    gamma: int
+    gamma: int  # drafts per step: 1 .. block_size
     confidence_head: bool
-    markov_embedding_size: int
     digest: str = ""  # content hash of the checkpoint's config and weights at compile time ("": absent)
-    load_format: str = "auto"  # "dummy": seeded random weights, `num_layers` layers, the target's sizes
-    num_layers: int = 1  # layers of a dummy draft (a real draft's come from its config.json)
+    load_format: str = "auto"  # "dummy": seeded random weights of these settings, the target's sizes
+    num_layers: int = 1
+    block_size: int = 7  # slots per block: the anchor plus block_size - 1 mask tokens
+    mask_token_id: int = 0
+    target_layer_ids: tuple[int, ...] = (0,)  # target layers whose outputs the draft reads (-1: embeddings)
+    markov_rank: int = 0
+    markov_head_type: str | None = None  # vanilla, gated or rnn when markov_rank > 0
+    confidence_with_markov: bool = False
 
     def __post_init__(self) -> None:
         _require(self.load_format in LOAD_FORMATS, f"draft load_format must be one of {LOAD_FORMATS}")
-        _require(self.num_layers >= 1, "a dummy draft has at least one layer")
+        _require(self.num_layers >= 1, "a draft has at least one layer")
+        _require(1 <= self.gamma <= self.block_size,
+                 f"draft gamma {self.gamma} must be within 1..block_size {self.block_size}")
+        _require(bool(self.target_layer_ids) and min(self.target_layer_ids) >= -1,
+                 f"draft target_layer_ids {self.target_layer_ids!r} must be non-empty ids >= -1")
+        _require((self.markov_rank == 0) == (self.markov_head_type is None),
+                 "draft markov_head_type is set exactly when markov_rank > 0")
+        _require(not self.confidence_with_markov or (self.confidence_head and self.markov_rank > 0),
+                 "confidence_with_markov needs a confidence head and a Markov head")
 
     @property
     def num_draft_tokens(self) -> int:
         return num_draft_tokens(self.gamma)
+
+    @property
+    def layers_before_capture(self) -> tuple[int, ...]:
+        """The target states the draft reads, as decoder-layer counts (0: the embeddings)."""
+        return tuple(i + 1 for i in self.target_layer_ids)
 
 
 @dataclass(frozen=True)

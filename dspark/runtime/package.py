@@ -55,11 +55,19 @@ class VerifyRunner(Protocol):
 
     def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor: ...
 
+    def run_states(self, layout: VerifyLayout, input_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run` plus the target states at the runner's `capture` layer counts (the draft's context)."""
+        ...
+
 
 class VerifyRunnerFactory(Protocol):
-    """The generated `VerifyRunner` class (capturing its graphs, where it has any, when built)."""
+    """The generated `VerifyRunner` class (capturing its graphs, where it has any, when built);
+    `capture` lists the target states a verify step also returns (decoder-layer counts, 0: the
+    embeddings), the draft's `layers_before_capture`."""
 
-    def __call__(self, target: TargetModel, attn: AttentionBackend) -> VerifyRunner: ...
+    def __call__(self, target: TargetModel, attn: AttentionBackend, capture: tuple[int, ...] = ()
+                 ) -> VerifyRunner: ...
 
 
 @dataclass(frozen=True)

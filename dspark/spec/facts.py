@@ -16,6 +16,7 @@ from dspark.spec.checkpoints import (
     geometry_from_hf_config,
     resolve_checkpoint,
 )
+from dspark.spec.draft import resolve_draft
 from dspark.spec.errors import SpecIssue
 from dspark.spec.external import read_json, resolve_path, validate_file_data
 from dspark.spec.models import DeploymentSpec, GeometrySpec
@@ -24,7 +25,8 @@ from dspark.spec.tables import CalibrationFile, CalibrationInline, CostModelFile
 
 @dataclass(frozen=True)
 class SpecFacts:
-    """The spec plus everything read from disk; a field is None where reading it failed."""
+    """The spec plus everything read from disk; a field is None where reading it failed. The spec's
+    draft section is complete (`dspark.spec.draft.resolve_draft`) wherever it could be resolved."""
 
     spec: DeploymentSpec
     geometry: GeometrySpec | None
@@ -62,6 +64,9 @@ def gather_facts(spec: DeploymentSpec, spec_dir: Path) -> tuple[SpecFacts, list[
     # Dummy weights are never read: "" is the digest of weights that are not compared.
     model_digest = "" if spec.model.load_format == "dummy" else _digest(
         model_ref, geometry is not None, ("model", "checkpoint"), attempt)
+    config_path = draft_ref.config_path if draft_ref is not None else None
+    spec, draft_issues = resolve_draft(spec, draft_config, config_path, geometry)
+    issues += draft_issues
     draft_readable = draft_config is not None or (draft_ref is not None and not draft_ref.present)
     draft_digest = "" if draft_dummy else _digest(draft_ref, draft_readable, ("draft", "checkpoint"), attempt)
     cost_model = attempt(("cost_model", "file"), lambda: _cost_model(spec, spec_dir))

@@ -49,6 +49,7 @@ def load_spec(path: str | os.PathLike[str], *, allow_stale_tables: bool = False)
         raise SpecError(_in_source_order(list(document.issues)))
     source = given.resolve()
     facts, issues = gather_facts(spec, source.parent)
+    spec = facts.spec  # its draft section filled in from the checkpoint or the defaults
     issues += run_rules(facts)
     tables = check_tables(facts)
     issues += tables.invalid

@@ -139,26 +139,48 @@ class ModelSpec(Section):
 
 
 class DraftSpec(Section):
-    """The DSpark draft model and its confidence head."""
+    """The DSpark draft model (the published architecture: block drafting from the target's hidden
+    states, Markov head, confidence head). Its architecture is read from the checkpoint's
+    config.json; the fields below say it where the checkpoint is not on this machine or the draft
+    is a dummy, and must match the config.json where they are given and it is present."""
 
     checkpoint: str = Field(
         min_length=1,
-        description="`embedded:<name>` or a draft checkpoint directory (relative to the spec).")
-    gamma: int = Field(ge=1, description="Draft tokens proposed per request per step.")
-    confidence_head: bool = Field(
-        default=True,
-        description="Whether the draft has a confidence head (needed by cap-accept and compact).")
-    markov_embedding_size: int = Field(
-        default=64, ge=0,
-        description="Width of the previous-draft-token embedding fed to the confidence head "
-                    "(0 = none).")
+        description="`embedded:<name>` or a draft checkpoint directory (relative to the spec) in the "
+                    "released DSpark layout (config.json + safetensors, as DeepSpec and `dspark "
+                    "train-draft` write them).")
+    gamma: int | None = Field(
+        default=None, ge=1,
+        description="Draft tokens proposed per request per step: at most block_size (default: block_size).")
+    confidence_head: bool | None = Field(
+        default=None,
+        description="Whether the draft has a confidence head (needed by cap-accept and compact); "
+                    "default: the checkpoint's `enable_confidence_head` (true where it is not read).")
     load_format: Literal["auto", "dummy"] = Field(
         default="auto",
         description="auto: load the draft checkpoint; dummy: seeded random weights of a draft with "
-                    "the target's hidden size and vocabulary and `num_layers` layers.")
+                    "the target's sizes and the settings below.")
     num_layers: int | None = Field(
+        default=None, ge=1, description="Draft decoder layers (config.json `num_hidden_layers`; default 1).")
+    block_size: int | None = Field(
         default=None, ge=1,
-        description="Layers of a dummy draft (default 1); a real draft's come from its config.json.")
+        description="Slots per draft block: the anchor plus block_size - 1 mask tokens (default 7).")
+    mask_token_id: int | None = Field(
+        default=None, ge=0,
+        description="The block's mask token, inside the target's vocabulary (default: vocab_size - 1).")
+    target_layer_ids: IntTuple | None = Field(
+        default=None,
+        description="Target decoder layers whose output hidden states the draft reads, increasing "
+                    "(-1: the embeddings; never the final layer). Default: up to five spread over "
+                    "the target, as the released drafts read [1, 9, 17, 25, 33] of 36 layers.")
+    markov_rank: int | None = Field(
+        default=None, ge=0, description="Rank of the Markov head, 0 for none (default 64).")
+    markov_head_type: Literal["vanilla", "gated", "rnn"] | None = Field(
+        default=None, description="Kind of Markov head (default vanilla when markov_rank > 0).")
+    confidence_with_markov: bool | None = Field(
+        default=None,
+        description="Whether the confidence head also reads the previous token's Markov embedding "
+                    "(default: true when the draft has both heads).")
 
 
 class ParallelismSpec(Section):

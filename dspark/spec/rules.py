@@ -105,34 +105,6 @@ def check_dp_attention(facts: SpecFacts) -> Iterator[SpecIssue]:
                         else "raise parallelism.tp to a multiple of dp, or set dp_attention: false")
 
 
-def check_draft_checkpoint(facts: SpecFacts) -> Iterator[SpecIssue]:
-    config, spec = facts.draft_config, facts.spec
-    if config is None:
-        return
-    where = "the draft checkpoint's config.json"
-    for key in ("gamma", "markov_embedding_size"):
-        if key in config and config[key] != getattr(spec.draft, key):
-            yield SpecIssue(("draft", key),
-                            f"{key} is {getattr(spec.draft, key)} here but the draft was trained "
-                            f"with {config[key]} ({where})",
-                            f"set draft.{key}: {config[key]} or use a draft trained for "
-                            f"{getattr(spec.draft, key)}")
-    if spec.draft.confidence_head and config.get("confidence_head") is False:
-        yield SpecIssue(("draft", "confidence_head"),
-                        f"confidence_head is true here but the draft has no confidence head "
-                        f"({where})", "set draft.confidence_head: false and verify.mode: static, "
-                        "or use a draft trained with a confidence head")
-    geometry = facts.geometry
-    if geometry is None:
-        return
-    for key, expected in (("target_hidden_size", geometry.hidden_size),
-                          ("vocab_size", geometry.vocab_size)):
-        if key in config and config[key] != expected:
-            yield SpecIssue(("draft", "checkpoint"),
-                            f"the draft's {key} is {config[key]} ({where}) but the target model "
-                            f"has {expected}", "use a draft trained for this target model")
-
-
 # What FlashInfer's paged prefill kernels are built for.
 FLASHINFER_DTYPES = ("bfloat16", "float16")
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
@@ -157,12 +129,6 @@ def check_flashinfer(facts: SpecFacts) -> Iterator[SpecIssue]:
 
 def check_dummy_weights(facts: SpecFacts) -> Iterator[SpecIssue]:
     spec, geometry = facts.spec, facts.geometry
-    draft = spec.draft
-    if draft.num_layers is not None and draft.load_format != "dummy":
-        yield SpecIssue(("draft", "num_layers"),
-                        "num_layers sets the size of a dummy draft, but draft.load_format is auto "
-                        "(a real draft's layers come from its config.json)",
-                        "remove draft.num_layers, or set draft.load_format: dummy")
     ref = facts.model_checkpoint
     byte_tokenizer = spec.model.load_format == "dummy" and ref is not None and not ref.present
     if byte_tokenizer and geometry is not None and geometry.vocab_size < BYTE_VOCAB:
@@ -252,7 +218,6 @@ RULES: tuple[Rule, ...] = (
     check_tensor_parallel,
     check_expert_parallel,
     check_dp_attention,
-    check_draft_checkpoint,
     check_dummy_weights,
     check_flashinfer,
     check_compact_cost_model,

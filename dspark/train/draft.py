@@ -9,7 +9,9 @@ target's (frozen, as DeepSpec trains it), so the mask token's embedding is the t
 
 Training is resumable: the generated sequences and, every `save_every` steps, the draft, the
 optimizer and the random streams are written under `OUT/.train/`; running the same command again
-continues from there. The budget is a step count, so the result does not depend on the machine's load.
+continues from there, with another `--steps` too (the learning-rate schedule then follows the new
+total from the step reached; `training.json` lists every budget). The budget is a step count, so
+the result does not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dspark.runtime.models.dspark_block_config import MARKOV_HEAD_TYPES, BlockDraftConfig
+from dspark.checkpoints.dspark_block_config import MARKOV_HEAD_TYPES, BlockDraftConfig, default_layer_ids
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dspark_block_loader import init_block_draft, save_block_draft
 from dspark.runtime.models.families import TargetModel
@@ -57,9 +59,9 @@ class DraftTrainSettings:
     eval_fraction: float = 0.05  # of the sequences, held out for the teacher-forced figures
     seed: int = 0
     save_every: int = 100
-    # the draft's architecture (the width, heads and head_dim are the target's)
+    # the draft's architecture (its sizes are the target's, as a released draft's config is a copy of
+    # its target's: the compiler refuses a draft whose sizes differ)
     num_layers: int = 2
-    intermediate_size: int | None = None  # None: the target's
     block_size: int = 7
     target_layer_ids: tuple[int, ...] | None = None  # None: `default_layer_ids`
     mask_token_id: int | None = None  # None: the tokenizer's BOS
@@ -72,18 +74,6 @@ class DraftTrainSettings:
         out = dataclasses.asdict(self)
         out["target_layer_ids"] = None if self.target_layer_ids is None else list(self.target_layer_ids)
         return out
-
-
-def default_layer_ids(num_target_layers: int) -> tuple[int, ...]:
-    """The target layers a draft reads when not told: up to five, spread from the second layer to
-    the third-last (the released Qwen3-8B draft's [1, 9, 17, 25, 33] for 36 layers); a shallow
-    target gives every layer but its last, whose output the draft may not read."""
-    if num_target_layers < 2:
-        raise DraftTrainingError("the target needs at least 2 layers: a draft may not read the final one")
-    if num_target_layers <= 6:
-        return tuple(range(min(5, num_target_layers - 1)))
-    start, end = 1, num_target_layers - 3
-    return tuple(sorted({round(start + i * (end - start) / 4) for i in range(5)}))
 
 
 def draft_config(target: TargetModel, s: DraftTrainSettings, mask_token_id: int) -> BlockDraftConfig:
@@ -101,9 +91,9 @@ def draft_config(target: TargetModel, s: DraftTrainSettings, mask_token_id: int)
                                  f"(0 .. {tc.vocab_size - 1}); the draft's embeddings are the target's")
     return BlockDraftConfig(
         vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
-        intermediate_size=s.intermediate_size or tc.intermediate_size, num_layers=s.num_layers,
+        intermediate_size=tc.intermediate_size, num_layers=s.num_layers,
         num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
-        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, attention_bias=False,
+        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, attention_bias=tc.attention_bias,
         block_size=s.block_size, mask_token_id=mask_token_id, target_layer_ids=tuple(ids),
         num_target_layers=tc.num_layers, markov_rank=s.markov_rank,
         markov_head_type=s.markov_head_type if s.markov_rank > 0 else None, confidence_head=True,
@@ -228,6 +218,12 @@ def block_step(draft: DSparkBlockDraft, target: TargetModel, tokens: torch.Tenso
                       int(full.sum()))
 
 
+def same_run(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether saved settings describe the run `current` continues: every setting but the step
+    budget (a resumed run may train longer or shorter; the schedule follows the new total)."""
+    return all(saved.get(k) == v for k, v in current.items() if k != "steps")
+
+
 def lr_at(frac: float, peak: float, warmup_frac: float = 0.03) -> float:
     """Linear warmup then cosine decay to 10% of the peak."""
     if frac < warmup_frac:
@@ -310,17 +306,24 @@ def train_draft(target: TargetModel, prompts: list[list[int]], out_dir: Path, s:
     opt = torch.optim.AdamW(params, lr=s.lr, betas=(0.9, 0.95), weight_decay=s.weight_decay)
     gen = torch.Generator().manual_seed(s.seed + 1)
     step, minutes_before = 0, 0.0
+    budgets: list[dict[str, int]] = []  # each run's step budget and the step it started from
     state_file = state_dir / STATE_FILE
     if state_file.is_file():
         state = torch.load(state_file, weights_only=False)
-        if state["settings"] != s.to_json() or state["config"] != cfg.to_hf():
+        if not same_run(state["settings"], s.to_json()) or state["config"] != cfg.to_hf():
             raise DraftTrainingError(f"{state_file} was written by a run with other settings; pass another "
                                      "-o directory, or delete it to start over")
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
         step, minutes_before = state["step"], state["minutes"]
+        budgets = state.get("budgets", [{"from_step": 0, "steps": state["settings"]["steps"]}])
+        if step > s.steps:
+            raise DraftTrainingError(f"{state_file} is at step {step}, past --steps {s.steps}; pass a "
+                                     "larger --steps to train on")
         log(f"resuming at step {step} of {s.steps}")
+    if not budgets or budgets[-1]["steps"] != s.steps:
+        budgets.append({"from_step": step, "steps": s.steps})
 
     start = time.monotonic()
     bar = progress(s.steps, "training", initial=step)
@@ -348,6 +351,7 @@ def train_draft(target: TargetModel, prompts: list[list[int]], out_dir: Path, s:
         if step % s.save_every == 0 or step == s.steps or stopping:
             save_atomic({"step": step, "draft": draft.state_dict(), "optimizer": opt.state_dict(),
                          "generator": gen.get_state(), "settings": s.to_json(), "config": cfg.to_hf(),
+                         "budgets": budgets,
                          "minutes": minutes_before + (time.monotonic() - start) / 60}, state_file)
         if stopping:
             bar.close()
@@ -363,7 +367,7 @@ def train_draft(target: TargetModel, prompts: list[list[int]], out_dir: Path, s:
         "trained_params": sum(p.numel() for p in params),
         "sequences": len(seqs), "held_out_sequences": n_eval,
         "sampled_sequences": int(seqs.sampled.sum()),
-        "train_minutes": round(minutes, 2), "device": str(device),
+        "train_minutes": round(minutes, 2), "device": str(device), "step_budgets": budgets,
         "held_out_teacher_forced_reach_by_slot": [round(r, 4) for r in reach],
         "held_out_teacher_forced_mean_accepted": round(sum(reach), 3),
     } | (provenance or {})

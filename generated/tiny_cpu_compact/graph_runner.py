@@ -19,5 +19,5 @@ SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=
 class VerifyRunner(EagerVerifyRunner):
     """Eager verify forward: only the planned rows run, packed back to back."""
 
-    def __init__(self, target: TargetModel, attn: TorchPagedAttention) -> None:
-        super().__init__(target, attn, SHAPE, build_verify_metadata)
+    def __init__(self, target: TargetModel, attn: TorchPagedAttention, capture: tuple[int, ...] = ()) -> None:
+        super().__init__(target, attn, SHAPE, build_verify_metadata, capture)

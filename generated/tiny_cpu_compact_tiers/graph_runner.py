@@ -25,5 +25,5 @@ class VerifyRunner(EagerVerifyRunner):
     and tier alignment run and can be measured here.
     """
 
-    def __init__(self, target: TargetModel, attn: TorchPagedAttention) -> None:
-        super().__init__(target, attn, SHAPE, build_verify_metadata)
+    def __init__(self, target: TargetModel, attn: TorchPagedAttention, capture: tuple[int, ...] = ()) -> None:
+        super().__init__(target, attn, SHAPE, build_verify_metadata, capture)

@@ -46,14 +46,17 @@ class VerifyRunner:
 
     shape = SHAPE
 
-    def __init__(self, target: TargetModel, attn: TritonPagedAttention) -> None:
+    def __init__(self, target: TargetModel, attn: TritonPagedAttention,
+                 capture: tuple[int, ...] = ()) -> None:
         self.target = target
+        self.capture = capture  # the target states the draft reads, also outputs of every graph
         self.attn = attn
         self.device = target.lm_head.weight.device
         self.buffers = StepBuffers(slots_for_tier(TOKEN_TIERS[-1]), TOKEN_TIERS[-1], PAGES_PER_REQUEST,
                                    NUM_DRAFT_TOKENS, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
+        self.states: dict[int, torch.Tensor | None] = {}
         pool = None
         for tier in reversed(TOKEN_TIERS):  # largest first: smaller graphs reuse its pool
             pool = self._capture(tier, pool)
@@ -63,9 +66,15 @@ class VerifyRunner:
         return plan_verify(run_lens, verify_lens, prefix_lens, page_table, SHAPE, self.device)
 
     def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.run_states(layout, input_ids)[0]
+
+    def run_states(self, layout: VerifyLayout, input_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.buffers.load(layout, input_ids)
         self.graphs[layout.tier].replay()
-        return self.hidden[layout.tier][: layout.total_rows]
+        real = slice(0, layout.total_rows)
+        states = self.states[layout.tier]
+        return self.hidden[layout.tier][real], None if states is None else states[real]
 
     def _capture(self, tier: int, pool: object) -> object:
         # Captured on a tier of padding requests only; a replay computes whatever step was loaded.
@@ -81,11 +90,12 @@ class VerifyRunner:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.hidden[tier] = self._forward(layout)
+            self.hidden[tier], self.states[tier] = self._forward(layout)
         self.graphs[tier] = graph
         return graph.pool()
 
-    def _forward(self, layout: VerifyLayout) -> torch.Tensor:
+    def _forward(self, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
         meta = build_verify_metadata(layout)
         ids = self.buffers.input_ids[: layout.tier]
-        return self.target.forward_paged(ids, layout.positions, self.attn, meta)
+        return self.target.forward_paged_states(ids, layout.positions, self.attn, meta,
+                                                self.capture)

@@ -26,21 +26,24 @@ class ExtendSteps:
         self.build_metadata = build_metadata
         self.eos_ids = eos_ids
 
-    def _forward(self, requests: list[Request], prefix: list[int], extend: list[int],
-                 ids: list[int]) -> tuple[torch.Tensor, ExtendLayout]:
+    def _forward(self, requests: list[Request], prefix: list[int], extend: list[int], ids: list[int],
+                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
         m = self.models
         layout = plan_extend(prefix, extend, m.host_page_table(requests), m.page_size, m.device)
-        hidden = m.target.forward_paged(m.tensor(ids), layout.positions, m.attn, self.build_metadata(layout))
-        return hidden, layout
+        hidden, states = m.target.forward_paged_states(m.tensor(ids), layout.positions, m.attn,
+                                                       self.build_metadata(layout), capture)
+        return hidden, states, layout
 
     def prefill(self, chunks: list[PrefillChunk], with_draft: bool) -> list[Request]:
         """Prefill the chunks; returns the requests whose prompt is now complete, each with its
         first token committed. With `with_draft` the prompt also becomes draft context."""
         batch = [c.request for c in chunks]
         ids = [t for c in chunks for t in c.request.prompt[c.request.prefilled:c.request.prefilled + c.take]]
-        hidden, layout = self._forward(batch, [r.prefilled for r in batch], [c.take for c in chunks], ids)
+        hidden, states, layout = self._forward(batch, [r.prefilled for r in batch], [c.take for c in chunks],
+                                               ids, self.models.capture if with_draft else ())
         if with_draft:
-            self.models.append_draft_context(hidden, layout.positions, layout.row_req, layout.page_table)
+            assert states is not None
+            self.models.append_draft_context(states, layout.positions, layout.row_req, layout.page_table)
         for c in chunks:
             c.request.prefilled += c.take
         complete = [i for i, r in enumerate(batch) if r.prefilled == len(r.prompt)]
@@ -60,8 +63,8 @@ class ExtendSteps:
         """One target-only decode step: each request's root is run and the next token picked."""
         start = time.perf_counter()
         num_reqs = len(running)
-        hidden, _ = self._forward(running, [r.seq_len for r in running], [1] * num_reqs,
-                                  [r.root for r in running])
+        hidden, _, _ = self._forward(running, [r.seq_len for r in running], [1] * num_reqs,
+                                     [r.root for r in running])
         logits = self.models.target.compute_logits(hidden)
         nxt = pick_rows(logits, batch_sampling(running), self.models.generators(running)).tolist()
         for r, token in zip(running, nxt, strict=True):

@@ -10,7 +10,7 @@ from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.layout import cache_slots, prefix_slots
-from dspark.runtime.models.dspark_draft import DSparkDraft
+from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.families import TargetModel
 from dspark.runtime.sampling import BatchSampling, Generator, RowGenerators
 
@@ -31,11 +31,12 @@ class EngineModels:
     """The target and draft on their device, with one paged KV cache each over the same pages.
 
     The draft's cache holds, per committed position, its context K/V (a projection of the target's
-    hidden state there), at the same slot as the target's own K/V, so one page table serves both.
+    hidden states there at the draft's `target_layer_ids`), at the same slot as the target's own
+    K/V, so one page table serves both.
     """
 
     target: TargetModel
-    draft: DSparkDraft
+    draft: DSparkBlockDraft
     kv: PagedKVCache
     draft_kv: PagedKVCache
     attn: AttentionBackend
@@ -54,11 +55,17 @@ class EngineModels:
     def tensor(self, values: list[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
 
-    def append_draft_context(self, hidden: torch.Tensor, positions: torch.Tensor, row_req: torch.Tensor,
+    @property
+    def capture(self) -> tuple[int, ...]:
+        """The target states the draft reads, as decoder-layer counts (0: the embeddings)."""
+        return self.draft.cfg.layers_before_capture
+
+    def append_draft_context(self, features: torch.Tensor, positions: torch.Tensor, row_req: torch.Tensor,
                              page_table: torch.Tensor) -> None:
-        """Write the draft's context K/V of newly committed positions (the target's `hidden` there)."""
+        """Write the draft's context K/V of newly committed positions from the target's `features`
+        there (`[T, len(target_layer_ids) · d]`, the states at `capture`)."""
         loc = cache_slots(page_table, row_req, positions, self.page_size)
-        for layer, (k, v) in enumerate(self.draft.context_kv(hidden, positions)):
+        for layer, (k, v) in enumerate(self.draft.context_kv(features, positions)):
             self.draft_kv.write(layer, loc, k, v)
 
     def draft_context(self, page_table: torch.Tensor,

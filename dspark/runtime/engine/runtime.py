@@ -23,7 +23,8 @@ from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.models.checkpoint import load_models
-from dspark.runtime.models.dspark_draft import DSparkDraft
+from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
+from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import TargetModel
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
@@ -61,7 +62,7 @@ class Runtime:
         self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
         self.models = EngineModels(target, draft, kv, draft_kv, attn, self.slots, self.device,
                                    torch.Generator(device=self.device).manual_seed(seed))
-        self.verify_runner: VerifyRunner = parts.verify_runner(target, attn)
+        self.verify_runner: VerifyRunner = parts.verify_runner(target, attn, draft.cfg.layers_before_capture)
         eos = package.tokenizer.eos_ids
         self.scheduler = Scheduler(self.slots, self.plan.num_draft_tokens, s.chunked_prefill_tokens)
         self.extend = ExtendSteps(self.models, parts.build_extend_metadata, eos)
@@ -72,7 +73,7 @@ class Runtime:
         self.target_only = False
         self._rids = itertools.count()
 
-    def _check_models(self, target: TargetModel, draft: DSparkDraft) -> None:
+    def _check_models(self, target: TargetModel, draft: DSparkBlockDraft) -> None:
         geo = self.deployment.model.geometry
         tc, dc = target.cfg, draft.cfg
         # every field that changes the computation, not only the shapes: a config.json edited after
@@ -82,10 +83,17 @@ class Runtime:
         if differ:
             raise RequestError(f"the target checkpoint's config differs from the compiled one: "
                                f"{', '.join(differ)}; recompile the spec against this checkpoint")
-        if dc.gamma != self.plan.gamma or dc.target_hidden_size != tc.hidden_size:
-            raise RequestError(f"draft checkpoint (gamma {dc.gamma}, target hidden "
-                               f"{dc.target_hidden_size}) does not fit this deployment (gamma "
-                               f"{self.plan.gamma}, hidden {tc.hidden_size}); recompile")
+        # the draft's architecture as loaded against what was compiled from its config.json (a
+        # draft retrained or swapped after compiling is refused, not served with stale settings)
+        compiled = draft_config(geo, self.deployment.draft)
+        differ = [f"{f.name} {getattr(dc, f.name)!r} (compiled {getattr(compiled, f.name)!r})"
+                  for f in dataclasses.fields(dc) if getattr(dc, f.name) != getattr(compiled, f.name)]
+        if differ:
+            raise RequestError(f"the draft checkpoint does not fit this deployment: {', '.join(differ)}; "
+                               "recompile the spec against this draft")
+        if not 1 <= self.plan.gamma <= dc.block_size:
+            raise RequestError(f"gamma {self.plan.gamma} is outside 1..block_size {dc.block_size} of the "
+                               "draft; recompile")
 
     # -- what the models are ---------------------------------------------------------------
     @property
@@ -93,7 +101,7 @@ class Runtime:
         return self.models.target
 
     @property
-    def draft(self) -> DSparkDraft:
+    def draft(self) -> DSparkBlockDraft:
         return self.models.draft
 
     @property

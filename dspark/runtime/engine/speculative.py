@@ -73,7 +73,7 @@ class SpeculativeStep:
         proposal = m.draft.propose(
             roots, prefix, m.draft_context(page_table, prefix), prefix,
             None if batch.all_greedy else lambda logits: pick_rows(logits, batch, generator),
-            keep_conf_inputs=self.recorder is not None and self.recorder.sts.features)
+            gamma=self.plan.gamma, keep_conf_inputs=self.recorder is not None and self.recorder.sts.features)
         drafts = proposal.drafts
         assert drafts is not None
 
@@ -85,7 +85,8 @@ class SpeculativeStep:
 
         # 3. Verify: the target runs the step's rows (packed when some request runs fewer than N).
         fixed_ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)
-        hidden = self.runner.run(layout, layout.pack(fixed_ids))
+        hidden, states = self.runner.run_states(layout, layout.pack(fixed_ids))
+        assert states is not None
         logits = m.target.compute_logits(hidden)
 
         # 4. Accept, back at the fixed stride; rows that did not run are never read.
@@ -105,7 +106,7 @@ class SpeculativeStep:
         real = slice(0, layout.total_rows)
         row_req, positions = layout.row_req[real], layout.positions[real]
         keep = positions - layout.prefix_lens[row_req] <= acc.correct_len[row_req]
-        m.append_draft_context(hidden[keep], positions[keep], row_req[keep], page_table)
+        m.append_draft_context(states[keep], positions[keep], row_req[keep], page_table)
         correct, bonus = acc.correct_len.tolist(), acc.bonus.tolist()
         for r, c, b, d in zip(running, correct, bonus, drafts.tolist(), strict=True):
             r.seq_len += c + 1

@@ -13,9 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
+from dspark.checkpoints.dspark_block_config import BlockDraftConfigError
 from dspark.formats.hf_config import ConfigFieldError, family_of_config
 from dspark.runtime.config import DeploymentConfig, ModelGeometry
-from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft
+from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
+from dspark.runtime.models.dspark_block_loader import BlockDraftCheckpointError, load_block_draft
 from dspark.runtime.models.dummy import dummy_draft, dummy_target
 from dspark.runtime.models.families import TargetModel, build_target
 from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
@@ -98,15 +100,23 @@ def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
     return model.to(DTYPES[dtype]).eval()
 
 
-def load_draft(ref: str, dtype: str = "float32", base_dir: Path | None = None) -> DSparkDraft:
+def load_draft(ref: str, dtype: str = "float32", base_dir: Path | None = None,
+               target: TargetModel | None = None) -> DSparkBlockDraft:
+    """The DSpark draft checkpoint `ref` (released layout); a checkpoint without its own copies of
+    the embeddings and LM head takes the `target`'s, as DeepSpec's frozen copies are."""
     path = resolve_checkpoint(ref, "draft", base_dir)
-    model = DSparkDraft(DraftConfig.from_json(read_config(path)))
-    _load_into(model, _load_state(path), path)
-    return model.to(DTYPES[dtype]).eval()
+    shared = None
+    if target is not None:
+        shared = (target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach())  # type: ignore[attr-defined]
+    try:
+        return load_block_draft(path, DTYPES[dtype], shared)
+    except (BlockDraftConfigError, BlockDraftCheckpointError) as exc:
+        raise CheckpointError(f"{exc}; use a DSpark draft checkpoint in the released layout (dspark "
+                              "train-draft writes one)") from None
 
 
 def load_models(deployment: DeploymentConfig, base_dir: Path,
-                device: torch.device) -> tuple[TargetModel, DSparkDraft]:
+                device: torch.device) -> tuple[TargetModel, DSparkBlockDraft]:
     """The deployment's target and draft on `device`: their checkpoints, or dummy weights where the
     spec asks for them (`load_format: dummy`)."""
     model, draft = deployment.model, deployment.draft
@@ -117,7 +127,7 @@ def load_models(deployment: DeploymentConfig, base_dir: Path,
         target = load_target(model.checkpoint, model.dtype, base_dir, model.family).to(device)
     if draft.load_format == "dummy":
         return target, dummy_draft(model.geometry, draft, dtype, device)
-    return target, load_draft(draft.checkpoint, model.dtype, base_dir).to(device)
+    return target, load_draft(draft.checkpoint, model.dtype, base_dir, target).to(device)
 
 
 def _save(path: Path, module: torch.nn.Module, config: dict, tied: tuple[str, ...] = ()) -> None:
@@ -131,7 +141,3 @@ def save_target(path: Path, model: TargetModel, family: str = "llama") -> None:
     _save(path, model, model.cfg.to_hf(family), model.tied_weights)
     tok = {"type": "byte", "bos_id": BOS_ID, "eos_id": EOS_ID, "vocab_size": VOCAB_SIZE}
     (path / BYTE_TOKENIZER_FILE).write_text(json.dumps(tok, indent=2, sort_keys=True) + "\n")
-
-
-def save_draft(path: Path, model: DSparkDraft) -> None:
-    _save(path, model, model.cfg.to_json())

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.runtime.models import ops
 from dspark.runtime.models.dspark_block_attention import block_step_attention, lanewise
-from dspark.runtime.models.dspark_block_config import BlockDraftConfig
 
 # Picks one token per row from `[B, V]` step logits (argmax, or a sampler under each request's policy).
 TokenPicker = Callable[[torch.Tensor], torch.Tensor]

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dspark.runtime.models.dspark_block_config import IGNORED_FIELDS, BlockDraftConfig
+from dspark.checkpoints.dspark_block_config import IGNORED_FIELDS, BlockDraftConfig
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -13,8 +13,9 @@ from contextlib import contextmanager
 
 import torch
 
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.runtime.config import DraftRef, ModelGeometry
-from dspark.runtime.models.dspark_draft import DraftConfig, DSparkDraft
+from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.families import TargetModel, build_target
 
 TARGET_SEED = 0
@@ -55,22 +56,24 @@ def dummy_target(geometry: ModelGeometry, dtype: torch.dtype, device: torch.devi
     return model.eval()
 
 
-def dummy_draft_config(geometry: ModelGeometry, draft: DraftRef) -> DraftConfig:
-    """A draft of `draft.num_layers` layers shaped like the target's (hidden size, heads, MLP width)
-    over the target's vocabulary, as the released DSpark drafts are."""
+def draft_config(geometry: ModelGeometry, draft: DraftRef) -> BlockDraftConfig:
+    """The architecture a deployment's draft has: the settings compiled into `draft` over the target's
+    sizes (hidden size, heads, MLP width, vocabulary, RMSNorm epsilon, RoPE theta), as the released
+    DSpark drafts copy their target's config."""
     g = geometry
-    return DraftConfig(
+    return BlockDraftConfig(
         vocab_size=g.vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
         num_layers=draft.num_layers, num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-        target_hidden_size=g.hidden_size, gamma=draft.gamma,
-        markov_embedding_size=draft.markov_embedding_size,
-        confidence_head=draft.confidence_head, max_position_embeddings=g.max_position_embeddings,
-        rope_theta=g.rope_theta, rms_norm_eps=g.rms_norm_eps)
+        rms_norm_eps=g.rms_norm_eps, rope_theta=g.rope_theta, attention_bias=g.attention_bias,
+        block_size=draft.block_size, mask_token_id=draft.mask_token_id,
+        target_layer_ids=tuple(draft.target_layer_ids), num_target_layers=g.num_layers,
+        markov_rank=draft.markov_rank, markov_head_type=draft.markov_head_type,
+        confidence_head=draft.confidence_head, confidence_with_markov=draft.confidence_with_markov)
 
 
 def dummy_draft(geometry: ModelGeometry, draft: DraftRef, dtype: torch.dtype,
-                device: torch.device) -> DSparkDraft:
+                device: torch.device) -> DSparkBlockDraft:
     with _built_on(device, dtype):
-        model = DSparkDraft(dummy_draft_config(geometry, draft))
+        model = DSparkBlockDraft(draft_config(geometry, draft))
     _initialise(model, DRAFT_SEED, device)
     return model.eval()

@@ -20,8 +20,10 @@ from dspark.runtime.models.families import TargetModel
 
 class EagerVerifyRunner:
     def __init__(self, target: TargetModel, attn: AttentionBackend, shape: StepShape,
-                 build_metadata: Callable[[VerifyLayout], AttentionMetadata]) -> None:
+                 build_metadata: Callable[[VerifyLayout], AttentionMetadata], capture: tuple[int, ...] = ()
+                 ) -> None:
         self.target = target
+        self.capture = capture  # the target states the draft reads (decoder-layer counts; 0: embeddings)
         self.attn = attn
         self.shape = shape
         self.build_metadata = build_metadata
@@ -33,6 +35,13 @@ class EagerVerifyRunner:
 
     def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states `[total_rows, d]` of the real rows; padding rows run but are dropped."""
+        return self.run_states(layout, input_ids)[0]
+
+    def run_states(self, layout: VerifyLayout, input_ids: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run` plus the real rows' target states at `capture` (what the draft's context reads)."""
         ids = F.pad(input_ids, (0, layout.num_padding_rows))
-        hidden = self.target.forward_paged(ids, layout.positions, self.attn, self.build_metadata(layout))
-        return hidden[: layout.total_rows]
+        hidden, states = self.target.forward_paged_states(ids, layout.positions, self.attn,
+                                                          self.build_metadata(layout), self.capture)
+        real = slice(0, layout.total_rows)
+        return hidden[real], None if states is None else states[real]

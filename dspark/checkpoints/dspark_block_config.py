@@ -49,6 +49,19 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "enable_confidence_head")
 
 
+def default_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """The target layers a draft reads when nobody says: up to five, spread from the second layer to
+    the third-last (the released Qwen3-8B draft's [1, 9, 17, 25, 33] of 36 layers); a shallow target
+    gives every layer but its last, whose output a draft may not read; a one-layer target, its
+    embeddings (-1)."""
+    if num_target_layers < 2:
+        return (-1,)
+    if num_target_layers <= 6:
+        return tuple(range(min(5, num_target_layers - 1)))
+    start, end = 1, num_target_layers - 3
+    return tuple(sorted({round(start + i * (end - start) / 4) for i in range(5)}))
+
+
 class BlockDraftConfigError(ValueError):
     """A draft `config.json` this module cannot run exactly as written (the message names the file
     and the field)."""
