@@ -108,3 +108,20 @@ def test_cli_trains_and_names_bad_arguments(tmp_path: Path, capsys: pytest.Captu
     assert report["command"].startswith("dspark train-draft --target")
     assert "--markov-rank 4" in report["command"] and "--device cpu" in report["command"]
     assert load_block_draft(tmp_path / "d").cfg.num_layers == 1
+
+
+def test_a_qwen3_target_gets_a_draft_the_compiler_accepts(tmp_path: Path, write_spec) -> None:
+    from dspark.runtime.models.qwen3 import Qwen3ForCausalLM
+    from dspark.spec import load_spec
+
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(SMALL).eval()
+    save_target(tmp_path / "target", target, family="qwen3")
+    report = train_draft(target, prompts(), tmp_path / "draft", dataclasses.replace(SETTINGS, steps=2),
+                         frozenset({257}), 256, torch.device("cpu"), log=lambda _: None)
+    assert report is not None
+    resolved = load_spec(write_spec({"model": {"family": "qwen3", "checkpoint": str(tmp_path / "target"),
+                                               "geometry": None},
+                                     "draft": {"checkpoint": str(tmp_path / "draft"), "gamma": None},
+                                     "serving": {"max_context_len": 256}}))
+    assert resolved.spec.draft.gamma == 7 and resolved.spec.draft.markov_head_type == "gated"
