@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from dspark.checkpoints import embedded_root
 from dspark.runtime.engine.runtime import Runtime
@@ -27,6 +24,7 @@ from dspark.runtime.serve.server import CompletionServer
 from dspark.runtime.tokenizer import HFTokenizer
 
 from .runtime_helpers import REPO
+from .server_helpers import serving_in_process
 from .test_server import ServerProcess, _bytes_to_unicode
 
 openai = pytest.importorskip("openai")
@@ -253,21 +251,8 @@ class InProcess:
 
 def _serve_in_process(package: GeneratedPackage) -> Iterator[InProcess]:
     server = CompletionServer(Runtime(package), MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="critical", access_log=False))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield InProcess(server, f"http://127.0.0.1:{sock.getsockname()[1]}")
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
+    with serving_in_process(server) as (_, url):
+        yield InProcess(server, url)
 
 
 @pytest.fixture(scope="module")

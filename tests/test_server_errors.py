@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from dspark.runtime.serve.server import CompletionServer
 from dspark.runtime.serve.streaming import StopMatcher
 
 from .runtime_helpers import REPO
+from .server_helpers import serving_in_process
 
 MODEL = "tiny_cpu_static"
 CONTEXT = 1024  # the package's serving.max_context_len
@@ -39,31 +38,11 @@ class Live:
     url: str
 
 
-def _start(server: CompletionServer) -> tuple[uvicorn.Server, threading.Thread, socket.socket, str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(server.app, log_level="critical", access_log=False))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    return uv, thread, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
-def _stop(uv: uvicorn.Server, thread: threading.Thread, sock: socket.socket) -> None:
-    uv.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
-
-
 @pytest.fixture(scope="module")
 def live() -> Iterator[Live]:
     server = CompletionServer(Runtime(load_package(REPO / "generated" / MODEL)))
-    uv, thread, sock, url = _start(server)
-    yield Live(server, uv, url)
-    _stop(uv, thread, sock)
+    with serving_in_process(server) as (uv, url):
+        yield Live(server, uv, url)
 
 
 @pytest.fixture
@@ -301,15 +280,12 @@ def test_a_stopped_engine_is_reported_without_internals(monkeypatch: pytest.Monk
     def fail() -> list[Any]:
         raise RuntimeError("secret internal detail")
     monkeypatch.setattr(server.runtime, "step", fail)
-    uv, thread, sock, url = _start(server)
-    try:
-        with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
-            r = _post(http, {"model": MODEL, "prompt": "x", "max_tokens": 4})
-            error = _error(r, 503)
-            assert error["code"] == "engine_stopped" and "secret" not in r.text
-            for stream in (False, True):  # later requests are refused before anything is sent
-                error = _error(_post(http, {"model": MODEL, "prompt": "x", "stream": stream}), 503)
-                assert error["type"] == "server_error"
-            assert http.get("/health").status_code == 503
-    finally:
-        _stop(uv, thread, sock)
+    with (serving_in_process(server) as (_, url),
+          httpx.Client(base_url=url, timeout=60, trust_env=False) as http):
+        r = _post(http, {"model": MODEL, "prompt": "x", "max_tokens": 4})
+        error = _error(r, 503)
+        assert error["code"] == "engine_stopped" and "secret" not in r.text
+        for stream in (False, True):  # later requests are refused before anything is sent
+            error = _error(_post(http, {"model": MODEL, "prompt": "x", "stream": stream}), 503)
+            assert error["type"] == "server_error"
+        assert http.get("/health").status_code == 503
