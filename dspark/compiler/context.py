@@ -62,12 +62,12 @@ def _widest_request(mode: VerifyMode) -> tuple[str, str]:
     return "NUM_DRAFT_TOKENS", "every request runs all N rows"
 
 
-# How each backend's metadata builder reads the layout (the tail of its `build_verify_metadata` docstring).
+# How each attention's metadata builder reads the layout (the tail of its `build_verify_metadata` docstring).
 _METADATA_READS = {
-    "cpu": "The attention's query blocks are planned from the layout's host copies of the row counts "
-           "and KV lengths.",
-    "cuda": "Tensor code only (no host sync), so it can run inside a captured graph.",
-    "ascend": "The operator reads the lengths from the layout's host copies.",
+    "torch": "The attention's query blocks are planned from the layout's host copies of the row counts "
+             "and KV lengths.",
+    "triton": "Tensor code only (no host sync), so it can run inside a captured graph.",
+    "fused_infer_attention": "The operator reads the lengths from the layout's host copies.",
     "flashinfer": "FlashInfer plans on the host: the CSR page arrays are derived from the layout's host "
                   "copies of the row counts and KV lengths, outside any captured graph.",
 }
@@ -90,8 +90,7 @@ def _verify_rows_doc(mode: VerifyMode, backend: str, attention: str) -> str:
         if mode.plans:
             rows += " The plan's verify_lens cap only the acceptance afterwards."
     rows += " Padding requests after the real ones (graph tiers) continue the same layout."
-    reads = _METADATA_READS["flashinfer" if attention == "flashinfer" else backend]
-    return f"{rows}\n\n{reads}"
+    return f"{rows}\n\n{_METADATA_READS[attention]}"
 
 
 def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
