@@ -59,9 +59,14 @@ def dropped_drafts(lens: StepLens, raw_correct_len: np.ndarray) -> tuple[float, 
     return float(lens.survival[dropped].sum()), int((dropped & reached).sum()), int(dropped.sum())
 
 
+def commit_lens(raw_correct_len: np.ndarray, verify_lens: np.ndarray) -> np.ndarray:
+    """Tokens each request commits: its accepted drafts (capped by its verify_len) plus the bonus."""
+    return np.minimum(raw_correct_len, verify_lens - 1) + 1
+
+
 def committed_tokens(raw_correct_len: np.ndarray, verify_lens: np.ndarray) -> int:
-    """Tokens a step commits: per request the accepted drafts (capped by its verify_len) plus the bonus."""
-    return int((np.minimum(raw_correct_len, verify_lens - 1) + 1).sum())
+    """Tokens a step commits, summed over its requests."""
+    return int(commit_lens(raw_correct_len, verify_lens).sum())
 
 
 class Policy(Protocol):

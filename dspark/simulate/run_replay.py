@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dspark.simulate.policies import Batch, Policy
+from dspark.simulate.policies import Policy, commit_lens
 from dspark.simulate.pricing import StepPricer
+from dspark.simulate.sweep import trace_batch
 from dspark.simulate.trace import Trace
 
 
@@ -78,16 +79,14 @@ def replay_run(trace: Trace, policy: Policy, pricer: StepPricer, lag_steps: int 
             continue  # every admitted request finished before the next was admitted: no decode step
         rows = np.array([requests[i].rows[np.searchsorted(requests[i].offsets, position[i], "right") - 1]
                          for i in running])
-        batch = Batch(trace.confidence[rows], trace.raw_correct_len[rows])
+        source = None
         if lag_steps:
             past = recent[0] if len(recent) == lag_steps else {}
             source = np.array([past.get(i, -1) for i in running])
-            known = source >= 0
-            batch = Batch(batch.confidence, batch.raw_correct_len,
-                          trace.confidence[np.where(known, source, 0)], known)
             recent.append(dict(zip(running, rows.tolist(), strict=True)))
+        batch = trace_batch(trace, rows, source)
         lens = policy.lens(batch)
-        commit = np.minimum(batch.raw_correct_len, lens.verify_lens - 1) + 1  # as committed_tokens
+        commit = commit_lens(batch.raw_correct_len, lens.verify_lens)
         for i, c in zip(running, commit.tolist(), strict=True):
             gained = min(c, requests[i].length - int(position[i]))
             tokens += gained

@@ -87,11 +87,11 @@ class Tally:
                             self.tokens / steps, self.rows / steps, self.dropped)
 
 
-def trace_batch(trace: Trace, rows: np.ndarray, lag_source: np.ndarray | None) -> Batch:
-    """The batch of the trace's request-steps `rows`; with a lag, each request's earlier confidence."""
-    if lag_source is None:
+def trace_batch(trace: Trace, rows: np.ndarray, source: np.ndarray | None) -> Batch:
+    """The batch of the trace's request-steps `rows`; with a lag, `source` holds each request's earlier
+    row of the trace (-1: none), whose confidence the planner's budget reads."""
+    if source is None:
         return Batch(trace.confidence[rows], trace.raw_correct_len[rows])
-    source = lag_source[rows]
     known = source >= 0
     return Batch(trace.confidence[rows], trace.raw_correct_len[rows],
                  trace.confidence[np.where(known, source, 0)], known)
@@ -110,7 +110,8 @@ def simulate_concurrency(trace: Trace, policies: Sequence[Policy], pricer: StepP
     lag_source = trace.lag_source(lag_steps) if lag_steps else None
     tallies = [Tally() for _ in policies]
     for _ in range(steps):
-        batch = trace_batch(trace, draw(rng, trace.size, concurrency), lag_source)
+        rows = draw(rng, trace.size, concurrency)
+        batch = trace_batch(trace, rows, None if lag_source is None else lag_source[rows])
         for policy, tally in zip(policies, tallies, strict=True):
             lens = policy.lens(batch)
             ran = pricer.padded_rows(lens.run_rows)
