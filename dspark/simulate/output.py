@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +73,3 @@ def format_report(report: SimulationReport) -> str:
     lines += ["", "tokens/step and rows/step are summed over the batch; rows include tier padding"]
     return "\n".join(lines) + "\n"
 
-
-def summary_lines(comparisons: Sequence[Comparison]) -> list[str]:
-    """One line per concurrency: adaptive's ratios (for benchmark logs)."""
-    return [f"c={c.concurrency}: adaptive/best-fixed(k={c.best_fixed_verify_len}) "
-            f"{c.adaptive_over_best_fixed:.3f}, adaptive/oracle {c.adaptive_over_oracle:.3f}, "
-            f"adaptive/static {c.adaptive_over_static:.3f}" for c in comparisons]
