@@ -1,8 +1,9 @@
 """The planner's host cost: one budget decision plus allocation against SGLang's torch path, and a
 step's planning plus layout, timed in one run.
 
-1. Decision + allocation at B requests and gamma drafts (default 256 and 7): `choose_budget` +
-   `allocate_verify_lens` against SGLang's DSpark torch algorithm (`compute_verify_token_budget` +
+1. Decision + allocation at B requests and gamma drafts (default 256 and 7): one `Ranking` shared by
+   `decide_budget` and `Ranking.verify_lens`, as the engine's plan does, against SGLang's DSpark torch
+   algorithm (`compute_verify_token_budget` +
    `schedule_verify_lens_topk_from_survival`, SGLang 0.5.x), reimplemented below from its published
    code for this comparison only (the product never runs it). Both get the same float32 CPU survival
    and return a budget and int32 `verify_lens`; before timing, the benchmark checks that the two
@@ -37,7 +38,7 @@ import torch
 
 from dspark.modes import VerifyMode
 from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
-from dspark.runtime.planner.budget import ScheduleConfig, allocate_verify_lens, choose_budget
+from dspark.runtime.planner.budget import Ranking, ScheduleConfig, decide_budget
 from dspark.runtime.planner.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, StepPlan
 
@@ -236,9 +237,9 @@ def decision_sides(num_reqs: int, gamma: int, kinds: Sequence[str], pool: int,
             continue
 
         def ours(i: int, table: CostModel = table) -> tuple[int, torch.Tensor]:
-            survival = inputs[i % len(inputs)]
-            budget = choose_budget(survival, table, cfg).budget
-            return budget, allocate_verify_lens(survival, budget, cfg)
+            ranking = Ranking.of(inputs[i % len(inputs)], cfg)
+            budget = decide_budget(ranking, table, cfg).budget
+            return budget, torch.from_numpy(ranking.verify_lens(budget))
 
         def sglang(i: int, sgl_table: SglSps | SglAdditive = sgl_table) -> tuple[int, torch.Tensor]:
             survival = inputs[i % len(inputs)]

@@ -244,7 +244,7 @@ def test_objectives_equal_up_to_rounding_go_to_the_smaller_budget(num_reqs: int,
 
 
 def test_an_allocation_after_the_budget_sees_the_values_it_is_given() -> None:
-    """choose_budget's ranking is reused only for equal values and config, however they changed."""
+    """An allocation ranks the values it is given, however they changed since the budget."""
     cfg = ScheduleConfig(gamma=3)
     survival = torch.tensor([[0.9, 0.8, 0.7], [0.6, 0.5, 0.4]])
     choose_budget(survival, None, cfg)

@@ -13,8 +13,8 @@ Candidates rank by survival descending, ties by earlier position, then lower req
 
 The planner runs on the host every step, so it is built for B*gamma of a few thousand values: one copy
 of the survival to the host, numpy from there on, one ordering of the candidates that the budget and
-the allocation share (`Ranking`; `choose_budget` leaves its ordering for the `allocate_verify_lens`
-call on the same values), and cost tables answering a step's consecutive M values with a slice.
+the allocation share (`Ranking`: the engine's plan ranks once and passes the ranking to both), and cost
+tables answering a step's consecutive M values with a slice.
 """
 
 from __future__ import annotations
@@ -119,11 +119,6 @@ class Candidates:
     positions: np.ndarray  # 0-based offset of each ranked candidate from draft f
 
 
-def survival_host(survival: torch.Tensor, cfg: ScheduleConfig) -> np.ndarray:
-    """The survival `[B, gamma]` as a validated float64 host array (a view of `survival_by_position`)."""
-    return survival_by_position(survival, cfg).T
-
-
 def survival_by_position(survival: torch.Tensor, cfg: ScheduleConfig) -> np.ndarray:
     """The survival, validated, as a float64 host array `[gamma, B]` (position-major).
 
@@ -132,12 +127,6 @@ def survival_by_position(survival: torch.Tensor, cfg: ScheduleConfig) -> np.ndar
     does. Position-major because the rank order breaks ties by position first, and because numpy
     reduces across contiguous rows (per request, over positions) far faster than along them.
     """
-    return _by_position(_host_copy(survival, cfg))
-
-
-def _host_copy(survival: torch.Tensor, cfg: ScheduleConfig) -> np.ndarray:
-    """The survival `[B, gamma]` on the host as float32 or float64, checked for shape and dtype only
-    (it may share memory with a CPU tensor)."""
     if survival.dim() != 2 or survival.shape[1] != cfg.gamma:
         raise ValueError(f"survival must be [B, gamma={cfg.gamma}], got shape {tuple(survival.shape)}")
     if not survival.is_floating_point():
@@ -147,11 +136,7 @@ def _host_copy(survival: torch.Tensor, cfg: ScheduleConfig) -> np.ndarray:
         s = s.cpu()
     if s.dtype not in (torch.float32, torch.float64):  # numpy has no half or bfloat16
         s = s.to(torch.float64)
-    return s.numpy()
-
-
-def _by_position(host: np.ndarray) -> np.ndarray:
-    by_pos = np.ascontiguousarray(host.T, dtype=np.float64)
+    by_pos = np.ascontiguousarray(s.numpy().T, dtype=np.float64)
     # Non-increasing along positions and within [0, 1] at both ends means within [0, 1] everywhere;
     # any NaN fails a comparison. Only a failure pays for finding what exactly is wrong.
     if by_pos.size and not ((by_pos[1:] <= by_pos[:-1]).all() and by_pos[0].max() <= 1
@@ -168,8 +153,8 @@ def _by_position(host: np.ndarray) -> np.ndarray:
 
 
 def check_survival(survival: torch.Tensor, cfg: ScheduleConfig) -> torch.Tensor:
-    """`survival_host` as a float64 CPU tensor."""
-    return torch.from_numpy(survival_host(survival, cfg))
+    """The survival `[B, gamma]`, validated, as a float64 CPU tensor."""
+    return torch.from_numpy(survival_by_position(survival, cfg).T)
 
 
 class Ranking:
@@ -199,28 +184,6 @@ class Ranking:
     def of(cls, survival: torch.Tensor, cfg: ScheduleConfig) -> Ranking:
         return cls(survival_by_position(survival, cfg), cfg)
 
-    @classmethod
-    def shared(cls, survival: torch.Tensor, cfg: ScheduleConfig, keep: bool) -> Ranking:
-        """The ranking of `survival`, reusing the one `choose_budget` last sorted when the values and
-        the config are the same, so that the budget and then the allocation of one survival order its
-        candidates once. `keep` sorts this ranking and remembers it for the next call.
-
-        Reuse is decided by comparing values, not by tensor identity: a tensor changed in place (even
-        through numpy) is ranked afresh. A kept ranking is sorted before it is shared and never
-        changed afterwards, so concurrent planners may read it.
-        """
-        global _last_sorted
-        host = _host_copy(survival, cfg)
-        last = _last_sorted
-        if (last is not None and (last.cfg is cfg or last.cfg == cfg) and last.values.dtype == host.dtype
-                and last.values.shape == host.shape and np.array_equal(last.values, host)):
-            return last.ranking
-        ranking = cls(_by_position(host), cfg)
-        if keep:
-            ranking.descending  # noqa: B018  (sorted here, before any other caller can see it)
-            _last_sorted = _SortedRanking(host.copy(), cfg, ranking)  # a copy: the tensor may change
-        return ranking
-
     @property
     def descending(self) -> np.ndarray:
         """Every candidate's survival, best first (equal values are interchangeable in a prefix sum)."""
@@ -232,7 +195,7 @@ class Ranking:
     def counts(self, budget: int) -> np.ndarray:
         """How many of the `budget` best candidates each request holds (all of them past their number)."""
         if budget >= self.num_candidates:
-            return self.valid_counts.copy()  # a shared ranking's own array stays unchanged
+            return self.valid_counts.copy()  # the ranking's own array stays unchanged
         if budget == 0:
             return np.zeros(self.num_reqs, np.intp)
         if self._descending is not None:
@@ -249,16 +212,6 @@ class Ranking:
     def verify_lens(self, budget: int) -> np.ndarray:
         """`verify_lens` [B] int32: the floor plus each request's share of the budget."""
         return (self.floor + self.counts(budget)).astype(np.int32)
-
-
-@dataclass(frozen=True)
-class _SortedRanking:
-    values: np.ndarray  # the survival it ranks, as the host first saw it
-    cfg: ScheduleConfig
-    ranking: Ranking
-
-
-_last_sorted: _SortedRanking | None = None  # choose_budget's, for the allocation that follows it
 
 
 def rank_candidates(survival: torch.Tensor, cfg: ScheduleConfig) -> Candidates:
@@ -305,7 +258,7 @@ def choose_budget(survival: torch.Tensor, cost_model: CostModel | None, cfg: Sch
     verified, as far as `max_rows` allows.
     """
     _check_cost_model(cost_model)
-    return decide_budget(Ranking.shared(survival, cfg, keep=True), cost_model, cfg, max_rows)
+    return decide_budget(Ranking.of(survival, cfg), cost_model, cfg, max_rows)
 
 
 def decide_budget(ranking: Ranking, cost_model: CostModel | None, cfg: ScheduleConfig,
@@ -357,7 +310,7 @@ def allocate_verify_lens_host(survival: torch.Tensor, budget: int, cfg: Schedule
     budget = require_int("budget", budget)
     if budget < 0:
         raise ValueError(f"budget must be >= 0 extra rows, got {budget}")
-    return Ranking.shared(survival, cfg, keep=False).verify_lens(budget)
+    return Ranking.of(survival, cfg).verify_lens(budget)
 
 
 def allocate_verify_lens(survival: torch.Tensor, budget: int, cfg: ScheduleConfig) -> torch.Tensor:
