@@ -20,7 +20,6 @@ from dspark.runtime.planner.budget import (
     BudgetDecision,
     Ranking,
     ScheduleConfig,
-    check_fraction,
     decide_budget,
     fraction_of,
     tier_aligned_budget,
@@ -174,8 +173,7 @@ class AdaptiveVerifyPlan:
         decision = decide_budget(budget_ranking, self.table, cfg, max_rows=max_rows)
         ranking = budget_ranking if budget_survival is survival else Ranking.of(survival, cfg)
         budget = decision.budget
-        if self.forced_budget_fraction is not None:
-            check_fraction(self.forced_budget_fraction)
+        if self.forced_budget_fraction is not None:  # in [0, 1]: checked by __post_init__
             budget = fraction_of(ranking.num_candidates, self.forced_budget_fraction)
             if max_rows is not None:
                 budget = min(budget, max_rows - num_reqs * cfg.floor)
