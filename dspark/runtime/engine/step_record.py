@@ -7,31 +7,17 @@ step the engine just ran. The ring that keeps the records numbers them (`StepRec
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
 from dspark.formats.step_records import RequestRecord, StepRecord
 from dspark.modes import VerifyMode
 from dspark.runtime.kv_cache import SlotHandle
+from dspark.runtime.layout import VerifyLayout
 from dspark.runtime.planner.verify_plan import StepPlan
 
 
-class StepRows(Protocol):
-    """What the record reads off the step's layout: the rows run for real requests, the rows run in all
-    (the graph tier, padding included), and the padding."""
-
-    @property
-    def total_rows(self) -> int: ...
-
-    @property
-    def tier(self) -> int: ...
-
-    @property
-    def num_padding_rows(self) -> int: ...
-
-
-def step_record(handles: Sequence[SlotHandle], step: StepPlan, layout: StepRows, lens: Sequence[int],
+def step_record(handles: Sequence[SlotHandle], step: StepPlan, layout: VerifyLayout, lens: Sequence[int],
                 correct: Sequence[int], raw: Sequence[int], conf_logits: torch.Tensor | None, seconds: float,
                 lag_steps: int, mode: VerifyMode) -> StepRecord:
     """The step's record: `lens` the planned verify_lens, `correct` the accepted drafts, `raw` the uncapped
