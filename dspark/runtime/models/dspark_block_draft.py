@@ -37,6 +37,7 @@ from torch import nn
 from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.runtime.models import ops
 from dspark.runtime.models.dspark_block_attention import block_step_attention, lanewise
+from dspark.runtime.models.llama import RMSNorm  # the targets' (ops.rms_norm), Qwen3's order of casts
 
 # Picks one token per row from `[B, V]` step logits (argmax, or a sampler under each request's policy).
 TokenPicker = Callable[[torch.Tensor], torch.Tensor]
@@ -61,20 +62,6 @@ def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if layer.bias is not None:
         out = out + layer.bias
     return out.view(*x.shape[:-1], out.shape[-1])
-
-
-class RMSNorm(nn.Module):
-    """Qwen3's RMSNorm: normalised in float32, cast back, then scaled (the order matters in bf16)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class BlockDraftAttention(nn.Module):
@@ -299,15 +286,19 @@ class DSparkBlockDraft(nn.Module):
             logits=torch.stack(logits, dim=-2), hidden=hidden,
             conf_inputs=conf_in if keep_conf_inputs else None)
 
+    def _context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        feats = self.context_features(target_hidden)
+        cos, sin = self._rope(positions)
+        return [layer.self_attn.kv(feats, cos, sin) for layer in self.layers]
+
     # -- serving -------------------------------------------------------------------------
     @torch.inference_mode()
     def context_kv(self, target_hidden: torch.Tensor, positions: torch.Tensor
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer context K/V `[T, Hkv, D]` of committed positions `[T]`, from the target's
         features there (`[T, context_width]`), for the draft's cache."""
-        feats = self.context_features(target_hidden)
-        cos, sin = self._rope(positions)
-        return [layer.self_attn.kv(feats, cos, sin) for layer in self.layers]
+        return self._context_kv(target_hidden, positions)
 
     @torch.inference_mode()
     def propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
@@ -340,9 +331,7 @@ class DSparkBlockDraft(nn.Module):
         gamma = self.resolve_gamma(gamma)
         b, seq_len = tokens.shape
         n_blocks, dev = anchors.shape[1], tokens.device
-        feats = self.context_features(target_hidden)
-        ctx_cos, ctx_sin = self._rope(torch.arange(seq_len, device=dev))
-        ctx_kv = [layer.self_attn.kv(feats, ctx_cos, ctx_sin) for layer in self.layers]
+        ctx_kv = self._context_kv(target_hidden, torch.arange(seq_len, device=dev))
 
         offs = torch.arange(gamma, device=dev)
         block_pos = (anchors[..., None] + offs).reshape(b, -1)  # [b, A*gamma]
