@@ -106,6 +106,18 @@ class BlockDraftConfig:
     def confidence_inputs(self) -> int:
         return self.hidden_size + (self.markov_rank if self.confidence_with_markov else 0)
 
+    @classmethod
+    def for_target(cls, target: Any, **draft: Any) -> BlockDraftConfig:
+        """The config of a draft for `target` (any geometry with the Llama-style size fields): the
+        target's sizes, as the released drafts copy their target's config, with the draft's own
+        settings (`num_layers`, `block_size`, `mask_token_id`, `target_layer_ids`, `markov_rank`,
+        `markov_head_type`, `confidence_head`, `confidence_with_markov`)."""
+        return cls(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+                   intermediate_size=target.intermediate_size, num_heads=target.num_heads,
+                   num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                   rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+                   attention_bias=target.attention_bias, num_target_layers=target.num_layers, **draft)
+
     @property
     def default_gamma(self) -> int:
         """Drafts per step when the deployment does not say: one per block slot."""

@@ -89,13 +89,9 @@ def draft_config(target: TargetModel, s: DraftTrainSettings, mask_token_id: int)
     if not 0 <= mask_token_id < tc.vocab_size:
         raise DraftTrainingError(f"mask_token_id {mask_token_id} is outside the target's vocabulary "
                                  f"(0 .. {tc.vocab_size - 1}); the draft's embeddings are the target's")
-    return BlockDraftConfig(
-        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size, num_layers=s.num_layers,
-        num_heads=tc.num_heads, num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
-        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, attention_bias=tc.attention_bias,
-        block_size=s.block_size, mask_token_id=mask_token_id, target_layer_ids=tuple(ids),
-        num_target_layers=tc.num_layers, markov_rank=s.markov_rank,
+    return BlockDraftConfig.for_target(
+        tc, num_layers=s.num_layers, block_size=s.block_size, mask_token_id=mask_token_id,
+        target_layer_ids=tuple(ids), markov_rank=s.markov_rank,
         markov_head_type=s.markov_head_type if s.markov_rank > 0 else None, confidence_head=True,
         confidence_with_markov=s.markov_rank > 0)
 

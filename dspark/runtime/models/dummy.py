@@ -60,15 +60,11 @@ def draft_config(geometry: ModelGeometry, draft: DraftRef) -> BlockDraftConfig:
     """The architecture a deployment's draft has: the settings compiled into `draft` over the target's
     sizes (hidden size, heads, MLP width, vocabulary, RMSNorm epsilon, RoPE theta), as the released
     DSpark drafts copy their target's config."""
-    g = geometry
-    return BlockDraftConfig(
-        vocab_size=g.vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
-        num_layers=draft.num_layers, num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-        rms_norm_eps=g.rms_norm_eps, rope_theta=g.rope_theta, attention_bias=g.attention_bias,
-        block_size=draft.block_size, mask_token_id=draft.mask_token_id,
-        target_layer_ids=tuple(draft.target_layer_ids), num_target_layers=g.num_layers,
-        markov_rank=draft.markov_rank, markov_head_type=draft.markov_head_type,
-        confidence_head=draft.confidence_head, confidence_with_markov=draft.confidence_with_markov)
+    return BlockDraftConfig.for_target(
+        geometry, num_layers=draft.num_layers, block_size=draft.block_size, mask_token_id=draft.mask_token_id,
+        target_layer_ids=tuple(draft.target_layer_ids), markov_rank=draft.markov_rank,
+        markov_head_type=draft.markov_head_type, confidence_head=draft.confidence_head,
+        confidence_with_markov=draft.confidence_with_markov)
 
 
 def dummy_draft(geometry: ModelGeometry, draft: DraftRef, dtype: torch.dtype,
