@@ -8,18 +8,25 @@
 #   2. the Llama-3.1-8B geometry with dummy weights: its static and compact builds' verify steps and
 #      the plain-torch reference forward of the same rows, interleaved in one run at B = 1, 8, 32,
 #      64, 128 (benchmarks/bench_verify_step.py);
-#   3. `dspark profile` of both 8B builds at those batch sizes (the tables for specs/tables/) and
+#   3. the kernels of the 8B static and compact steps beside the reference forward's
+#      (benchmarks/kernel_breakdown.py): where a gap to the reference is spent;
+#   4. `dspark profile` of both 8B builds at those batch sizes (the tables for specs/tables/) and
 #      their point-by-point comparison;
-#   4. the tiny H200 deployment's profile (with the draft-time term) and a static / cap-accept /
+#   5. the tiny H200 deployment's profile (with the draft-time term) and a static / cap-accept /
 #      compact benchmark;
-#   5. only where flashinfer-python imports: the FlashInfer GPU tests and the 8B compact build with
+#   6. only where flashinfer-python imports: the FlashInfer GPU tests and the 8B compact build with
 #      `backend.attention: flashinfer` as the anchor of the Triton compact build, in one run.
 # Everything lands in $RES, packed into $OUT/device_results.tgz with the main logs beside it (the
 # device tool brings back at most 8 files).
 #
+# PHASES picks phases (default all), so a short first call can check the GPU tests before the
+# measurements are spent on a build that fails:
 #   OUT=runs/device benchmarks/device_check.sh
+#   PHASES="2 3 4 5 6" OUT=runs/device benchmarks/device_check.sh
 set -uo pipefail
 OUT=${OUT:-runs/device}
+PHASES=${PHASES:-1 2 3 4 5 6}
+want() { [[ " $PHASES " == *" $1 "* ]]; }
 PY=${PY:-python3}
 mkdir -p "$OUT"
 RES=$(mktemp -d)
@@ -33,7 +40,7 @@ export PYTHONUNBUFFERED=1
 
 save() {  # after every phase: what is done so far comes back even if a later phase is stopped
   tar -czf "$OUT/device_results.tgz" -C "$RES" .
-  for f in tests.log l8b_steps.txt l8b_compare.txt tiny_bench.txt; do
+  for f in tests.log l8b_steps.txt l8b_kernels.txt l8b_compare.txt tiny_bench.txt; do
     [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/"
   done
 }
@@ -43,12 +50,14 @@ nvidia-smi -L | tee "$RES/device.txt"
 
 # The Triton interpreter checks run on the CPU under the pinned triton; a device image may carry
 # another triton whose interpreter differs, so they are left out here.
+if want 1; then
 echo "== 1. GPU tests"
 timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_attention.py \
   tests/test_runtime_cuda.py tests/test_runtime_kernels.py tests/test_runtime_layout.py tests/test_runtime_metadata.py \
   tests/test_runtime_graph_buffers.py tests/test_runtime_device_placement.py -k "not under_interpreter" \
   2>&1 | tee "$RES/tests.log" | tail -n 25
 save
+fi
 
 W=$(mktemp -d)
 "$PY" - "$W" <<'PYEOF'
@@ -68,7 +77,7 @@ dummy = {"model": {"load_format": "dummy"}, "draft": {"load_format": "dummy", "n
 write("specs/llama31_8b_h200_static.yaml", "l8b_static", **dummy,
       graph={"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 96, 128], "token_tiers": []})
 compact_tiers = {"enabled": True, "capture_batch_sizes": [],
-                 "token_tiers": [8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024]}
+                 "token_tiers": [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024]}
 write("specs/llama31_8b_h200_compact.yaml", "l8b_compact", **dummy, graph=compact_tiers)
 write("specs/llama31_8b_h200_flashinfer.yaml", "l8b_flashinfer", **dummy, graph=compact_tiers)
 # The tiny deployment on the H200: a compact build without a table (to profile), and the builds to compare.
@@ -87,15 +96,29 @@ for name, verify, cost in [("h200_profile", {"mode": "compact", "allow_no_cost_m
         yaml.safe_dump(spec, f, sort_keys=False)
 PYEOF
 
-echo "== 2. 8B geometry, dummy weights: static, compact and the reference forward interleaved"
+if want 2 || want 3 || want 4; then
 for name in l8b_static l8b_compact; do
   "$PY" -m dspark.cli.compile build "$W/$name.yaml" -o "$W/pkgs/$name" >/dev/null
 done
+fi
+if want 2; then
+echo "== 2. 8B geometry, dummy weights: static, compact and the reference forward interleaved"
 timeout 150 "$PY" benchmarks/bench_verify_step.py "$W/pkgs/l8b_static" "$W/pkgs/l8b_compact" \
   --batch-sizes 1,8,32,64,128 --fractions 0.125,0.25,0.5,1 --reference --repeats 10 2>&1 | tee "$RES/l8b_steps.txt"
 save
+fi
 
-echo "== 3. 8B geometry: profiles of both builds (the tables) and their comparison"
+if want 3; then
+echo "== 3. where the 8B steps spend their time: kernels of static and compact steps beside the reference"
+for name in l8b_static l8b_compact; do
+  points=$([ $name = l8b_static ] && echo 1:8,128:1024 || echo 1:1,1:8,32:32,128:128)
+  timeout 60 "$PY" benchmarks/kernel_breakdown.py "$W/pkgs/$name" --points $points --reference --top 14 2>&1 \
+    | grep -v USDT | tee -a "$RES/l8b_kernels.txt"
+done
+save
+fi
+if want 4; then
+echo "== 4. 8B geometry: profiles of both builds (the tables) and their comparison"
 for name in l8b_static l8b_compact; do
   timeout 80 "$PY" -m dspark.cli.main profile "$W/pkgs/$name" -o "$RES/$name" --batch-sizes 1,8,32,64,128 \
     --context-len 128 --repeats 5 --warmup 2 --grid-density 6 --m-bin 64 --no-progress 2>&1 \
@@ -103,8 +126,10 @@ for name in l8b_static l8b_compact; do
 done
 "$PY" benchmarks/compare_profiles.py "$RES/l8b_static" "$RES/l8b_compact" 2>&1 | tee "$RES/l8b_compare.txt"
 save
+fi
 
-echo "== 4. tiny H200 deployment: profile with the draft term, then static vs cap-accept vs compact"
+if want 5; then
+echo "== 5. tiny H200 deployment: profile with the draft term, then static vs cap-accept vs compact"
 "$PY" -m dspark.cli.compile build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile" >/dev/null
 timeout 45 "$PY" -m dspark.cli.main profile "$W/pkgs/h200_profile" -o "$W/tiny_tables" --repeats 5 \
   --grid-density 8 --m-bin 16 --no-progress 2>&1 | tee "$RES/tiny_profile.txt" | tail -n 6
@@ -117,9 +142,12 @@ timeout 60 "$PY" benchmarks/bench_modes.py "$W/pkgs/h200_static" "$W/pkgs/h200_c
   "$W/pkgs/h200_compact" "$W/pkgs/h200_compact_aligned" --prompts 32 --max-new-tokens 128 --rounds 3 2>&1 \
   | tee "$RES/tiny_bench.txt"
 save
+fi
 
-if "$PY" -c "import flashinfer" 2>/dev/null; then
-  echo "== 5. FlashInfer: its GPU tests, then the 8B compact build against it"
+if ! want 6; then
+  :
+elif "$PY" -c "import flashinfer" 2>/dev/null; then
+  echo "== 6. FlashInfer: its GPU tests, then the 8B compact build against it"
   timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_flashinfer.py \
     tests/test_runtime_flashinfer_gpu.py 2>&1 | tee "$RES/flashinfer_tests.log" | tail -n 8
   "$PY" -m dspark.cli.compile build "$W/l8b_flashinfer.yaml" -o "$W/pkgs/l8b_flashinfer" >/dev/null
@@ -128,6 +156,6 @@ if "$PY" -c "import flashinfer" 2>/dev/null; then
     | tee "$RES/l8b_flashinfer_steps.txt"
   save
 else
-  echo "== 5. skipped: flashinfer-python is not installed here" | tee "$RES/flashinfer_skipped.txt"
+  echo "== 6. skipped: flashinfer-python is not installed here" | tee "$RES/flashinfer_skipped.txt"
 fi
 ls "$OUT"

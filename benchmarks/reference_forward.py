@@ -3,7 +3,7 @@
 What a verify step costs without dspark's runtime: the target model (dspark's Llama modules, with
 the checkpoint of a generated package, or the seeded random weights of a named geometry that a
 deployment's `load_format: dummy` also uses) runs R new rows per request against a dense
-per-request KV cache holding C tokens — embed, every layer (RMSNorm, QKV, RoPE, the rows' K/V
+per-request KV cache holding C tokens — embed, every layer (RMSNorm in torch ops, QKV, RoPE, the rows' K/V
 written at positions C … C+R-1, SDPA over the C+R keys with a causal mask within the R rows, O
 projection, SwiGLU MLP), final norm, LM head, argmax. No paging, no
 metadata, no planner. On CUDA each (B, R) step is captured once as a CUDA graph and replayed (bf16
@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from dspark.runtime.config import ModelGeometry
+from dspark.runtime.kernels.rms_norm import rms_norm_torch
 from dspark.runtime.models import ops
 from dspark.runtime.models.dummy import dummy_target
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.llama import LlamaForCausalLM, RMSNorm
 
 GEOMETRIES = {
     # Llama-3.1-8B: the H200 deployment's target.
@@ -98,7 +99,7 @@ def forward_rows(model: LlamaForCausalLM, ids: torch.Tensor, cache: DenseCache, 
     x = model.model.embed_tokens(ids)
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
+        h = plain_norm(layer.input_layernorm, x)
         q = ops.apply_rope(attn.q_proj(h).view(b, r, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
         k = ops.apply_rope(attn.k_proj(h).view(b, r, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
         v = attn.v_proj(h).view(b, r, c.num_kv_heads, c.head_dim).transpose(1, 2)
@@ -109,13 +110,18 @@ def forward_rows(model: LlamaForCausalLM, ids: torch.Tensor, cache: DenseCache, 
                                              attn_mask=mask)
         out = out.reshape(b, c.num_heads, r, c.head_dim).transpose(1, 2)
         x = x + attn.o_proj(out.reshape(b, r, -1))
-        x = x + layer.mlp.forward_dense(layer.post_attention_layernorm(x))
+        x = x + layer.mlp.forward_dense(plain_norm(layer.post_attention_layernorm, x))
     return x
+
+
+def plain_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    # torch's own ops, not the runtime's fused kernel: the reference is what plain torch costs.
+    return rms_norm_torch(x, norm.weight, norm.eps)
 
 
 def verify_step(model: LlamaForCausalLM, ids: torch.Tensor, cache: DenseCache, start: int) -> torch.Tensor:
     """One reference verify step: the rows' forward, LM head and argmax (as a verify step ends)."""
-    return model.dense_logits(forward_rows(model, ids, cache, start)).argmax(-1)
+    return model.lm_head(plain_norm(model.model.norm, forward_rows(model, ids, cache, start))).argmax(-1)
 
 
 def package_model(directory: Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, str]:

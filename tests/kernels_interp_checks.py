@@ -35,6 +35,7 @@ from dspark.runtime.kernels.paged_attention import (  # noqa: E402
     launch_paged_attention,
     paged_attention,
 )
+from dspark.runtime.kernels.rms_norm import launch_rms_norm, rms_norm, rms_norm_torch  # noqa: E402
 from dspark.runtime.kernels.scatter import (  # noqa: E402
     launch_pack_rows,
     launch_scatter_rows,
@@ -373,6 +374,29 @@ def check_triton_attention_lossless() -> None:
         assert got == want, f"prompt {i}: speculative output differs from target-only"
 
 
+def check_rms_norm_random() -> None:
+    """Widths that are not powers of two, strided rows and 3-D inputs, against the reference; each
+    row written alone into a sentinel-padded buffer has the bits it has among the others."""
+    rng = random.Random(5)
+    for case in range(CASES):
+        rows, width = rng.randint(1, 9), rng.choice([1, 5, 37, 128, 300, 4096])
+        x = torch.randn(rows, width + 3)[:, :width] * rng.choice([1e-3, 1.0, 50.0])  # row stride > width
+        weight = torch.randn(width)
+        want = rms_norm_torch(x, weight, 1e-6)
+        got = rms_norm(x, weight, 1e-6, impl="triton")
+        _close(f"rms_norm case {case}", got, want, tol=1e-5)
+        big = torch.full((rows + 1, width + 4), float(SENTINEL))
+        for r in range(rows):
+            launch_rms_norm(x[r:r + 1], weight, big[r:r + 1, :width], 1e-6)
+        if not torch.equal(big[:rows, :width], got):
+            raise AssertionError(f"rms_norm case {case}: a row alone differs from the row in the batch")
+        if not (big[rows:] == SENTINEL).all() or not (big[:, width:] == SENTINEL).all():
+            raise AssertionError(f"rms_norm case {case}: wrote outside [rows, width]")
+    heads, weight = torch.randn(3, 4, 16), torch.randn(16)  # Qwen3's per-head norms: [T, H, D]
+    _close("rms_norm 3-D", rms_norm(heads, weight, 1e-5, impl="triton"), rms_norm_torch(heads, weight, 1e-5),
+           tol=1e-5)
+
+
 CHECKS: dict[str, Callable[[], None]] = {
     "layout_worked_example": check_layout_worked_example,
     "layout_random": check_layout_random,
@@ -384,6 +408,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "paged_attention_sentinels": check_paged_attention_sentinels,
     "paged_attention_rows_independent": check_paged_attention_rows_independent,
     "triton_attention_lossless": check_triton_attention_lossless,
+    "rms_norm_random": check_rms_norm_random,
 }
 
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark.runtime.kernels import accept as accept_module
-from dspark.runtime.kernels import dispatch, scatter, verify_rows
+from dspark.runtime.kernels import dispatch, rms_norm, scatter, verify_rows
 from dspark.runtime.kernels.accept import greedy_accept
 from dspark.runtime.kernels.dispatch import Impl
 from dspark.runtime.kernels.scatter import pack_rows, scatter_rows
@@ -28,7 +28,7 @@ from dspark.runtime.kernels.verify_rows import build_verify_rows
 REPO = Path(__file__).resolve().parents[1]
 INTERP_CHECKS = ["layout_worked_example", "layout_random", "accept_cap_example", "accept_random",
                  "pack_random", "scatter_random", "paged_attention_random", "paged_attention_sentinels",
-                 "paged_attention_rows_independent", "triton_attention_lossless"]
+                 "paged_attention_rows_independent", "triton_attention_lossless", "rms_norm_random"]
 
 
 # -- independent oracles: the semantics spelled out one row at a time -------------------------
@@ -204,6 +204,9 @@ def test_auto_takes_the_torch_reference_for_cpu_tensors(monkeypatch: pytest.Monk
     monkeypatch.setattr(accept_module, "greedy_accept_triton", no_triton)
     monkeypatch.setattr(scatter, "launch_pack_rows", no_triton)
     monkeypatch.setattr(scatter, "launch_scatter_rows", no_triton)
+    monkeypatch.setattr(rms_norm, "launch_rms_norm", no_triton)
+    x, w = torch.randn(3, 8), torch.randn(8)
+    assert torch.equal(rms_norm.rms_norm(x, w, 1e-5), rms_norm.rms_norm_torch(x, w, 1e-5))
     build_verify_rows(torch.tensor([2, 1]), torch.zeros(2, dtype=torch.int64),
                       torch.zeros(2, 1, dtype=torch.int32), 4, 3, num_draft_tokens=2, impl="auto")
     greedy_accept(torch.tensor([[1]]), torch.tensor([[1, 2]]), torch.tensor([2]), impl="auto")
@@ -332,6 +335,34 @@ def test_cuda_kernels_replay_in_a_captured_graph() -> None:
     hidden.copy_(torch.randn_like(hidden))
     graph.replay()
     _assert_same(captured, _run_step(s, total, hidden, "torch"), "replay")
+
+
+def test_rms_norm_reference_is_hugging_faces_recipe() -> None:
+    """float32 statistics, cast back before the weight: bf16 rounds twice, as HF's LlamaRMSNorm does."""
+    x, w = torch.randn(4, 64).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
+    xf = x.float()
+    normed = (xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    torch.testing.assert_close(rms_norm.rms_norm_torch(x, w, 1e-6), w * normed, atol=0, rtol=1e-2)
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm.rms_norm(x, torch.ones(63), 1e-6)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_rms_norm_matches_reference_and_is_row_invariant(dtype: torch.dtype) -> None:
+    x = torch.randn(37, 4096, device="cuda").to(dtype)
+    w = torch.randn(4096, device="cuda").to(dtype)
+    got = rms_norm.rms_norm(x, w, 1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the mean's order may move one rounding
+    torch.testing.assert_close(got, rms_norm.rms_norm_torch(x, w, 1e-5), atol=tol, rtol=tol)
+    for r in (0, 36):  # a row alone has the bits it has among 37
+        assert torch.equal(rms_norm.rms_norm(x[r:r + 1], w, 1e-5), got[r:r + 1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = rms_norm.rms_norm(x, w, 1e-5)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, rms_norm.rms_norm(x, w, 1e-5))
 
 
 def test_layout_allows_the_empty_slots_of_a_captured_graph() -> None:
