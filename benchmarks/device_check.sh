@@ -10,8 +10,8 @@
 #      64, 128 (benchmarks/bench_verify_step.py);
 #   3. the kernels of the 8B static and compact steps beside the reference forward's
 #      (benchmarks/kernel_breakdown.py): where a gap to the reference is spent;
-#   4. `dspark profile` of both 8B builds at those batch sizes (the tables for specs/tables/) and
-#      their point-by-point comparison;
+#   4. `dspark profile` of both 8B builds at those batch sizes and B = 256 (the tables for
+#      specs/tables/) and their point-by-point comparison;
 #   5. the tiny H200 deployment's profile (with the draft-time term) and a static / cap-accept /
 #      compact benchmark;
 #   6. only where flashinfer-python imports: the FlashInfer GPU tests and the 8B compact build with
@@ -70,14 +70,17 @@ def write(base, name, **changes):
         spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
     with open(f"{w}/{name}.yaml", "w") as f:
         yaml.safe_dump({**spec, "name": name}, f, sort_keys=False)
-# Llama-3.1-8B geometry with dummy weights, up to B = 128 (tiers up to 128 x N = 1024 rows); a KV pool of
-# 32768 tokens holds 128 requests of context 128 + N (4.3 GB), so two builds and the reference fit at once.
+# Llama-3.1-8B geometry with dummy weights, up to B = 256 (tiers up to 256 x N = 2048 rows: `dspark
+# simulate` prices concurrency 256 only from a table that reaches it); a KV pool of 40960 tokens holds
+# 256 requests of context 128 + N (5.4 GB), so two builds and the reference fit at once.
 dummy = {"model": {"load_format": "dummy"}, "draft": {"load_format": "dummy", "num_layers": 1},
-         "serving": {"max_running_requests": 128, "max_context_len": 1024, "max_total_tokens": 32768}}
+         "serving": {"max_running_requests": 256, "max_context_len": 1024, "max_total_tokens": 40960}}
 write("specs/llama31_8b_h200_static.yaml", "l8b_static", **dummy,
-      graph={"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 96, 128], "token_tiers": []})
+      graph={"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256],
+             "token_tiers": []})
 compact_tiers = {"enabled": True, "capture_batch_sizes": [],
-                 "token_tiers": [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024]}
+                 "token_tiers": [1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 640, 768, 896, 1024, 1280,
+                                 1536, 1792, 2048]}
 write("specs/llama31_8b_h200_compact.yaml", "l8b_compact", **dummy, graph=compact_tiers)
 write("specs/llama31_8b_h200_flashinfer.yaml", "l8b_flashinfer", **dummy, graph=compact_tiers)
 # The tiny deployment on the H200: a compact build without a table (to profile), and the builds to compare.
@@ -120,7 +123,7 @@ fi
 if want 4; then
 echo "== 4. 8B geometry: profiles of both builds (the tables) and their comparison"
 for name in l8b_static l8b_compact; do
-  timeout 80 "$PY" -m dspark.cli.main profile "$W/pkgs/$name" -o "$RES/$name" --batch-sizes 1,8,32,64,128 \
+  timeout 120 "$PY" -m dspark.cli.main profile "$W/pkgs/$name" -o "$RES/$name" --batch-sizes 1,8,32,64,128,256 \
     --context-len 128 --repeats 5 --warmup 2 --grid-density 6 --m-bin 64 --no-progress 2>&1 \
     | tee "$RES/$name.profile.txt" | tail -n 8
 done
