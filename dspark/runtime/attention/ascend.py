@@ -101,7 +101,12 @@ class AscendFusedAttention:
                                           dtype=torch.bool, device=cache.k.device), diagonal=1)
         self._capture_key: int | None = None
         self._tasks: dict[int, list[_CapturedTask]] = {}
+        # The layers of one graph run one after another on one stream, so they share one workspace,
+        # sized once for the tier (the operator's maximum for its shapes), instead of one per layer.
+        self._workspaces: dict[int, torch.Tensor] = {}
         self._update_stream: Any = None
+        self._kwargs_for: tuple[AscendTndMetadata, int] | None = None  # the step whose kwargs are below
+        self._kwargs: dict[str, Any] = {}
 
     @contextmanager
     def capturing(self, key: int) -> Iterator[None]:
@@ -132,18 +137,28 @@ class AscendFusedAttention:
                 task.event.record(self._update_stream)
 
     def _operator_kwargs(self, meta: AscendTndMetadata, num_kv: int) -> dict[str, Any]:
-        return {"atten_mask": self.mask,
-                "actual_seq_lengths": list(meta.host_seq_lengths_q),
-                "actual_seq_lengths_kv": list(meta.host_seq_lengths_kv),
-                "block_table": meta.block_table, "block_size": meta.block_size,
-                "num_heads": self.num_heads, "num_key_value_heads": num_kv, "scale": self.scale,
-                "input_layout": "TND", "sparse_mode": RIGHT_DOWN_CAUSAL}
+        """The operator's keyword arguments for this step, built at its first layer and reused by the
+        others: the host lengths become the operator's lists once per step, not once per layer."""
+        if self._kwargs_for is None or self._kwargs_for[0] is not meta or self._kwargs_for[1] != num_kv:
+            self._kwargs = {"atten_mask": self.mask,
+                            "actual_seq_lengths": list(meta.host_seq_lengths_q),
+                            "actual_seq_lengths_kv": list(meta.host_seq_lengths_kv),
+                            "block_table": meta.block_table, "block_size": meta.block_size,
+                            "num_heads": self.num_heads, "num_key_value_heads": num_kv, "scale": self.scale,
+                            "input_layout": "TND", "sparse_mode": RIGHT_DOWN_CAUSAL}
+            self._kwargs_for = (meta, num_kv)
+        return self._kwargs
 
     def _capture_call(self, args: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                       kwargs: dict[str, Any]) -> torch.Tensor:
         npu = torch.npu
         stream = npu.current_stream()
-        workspace = self._torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)
+        key = self._capture_key
+        assert key is not None
+        workspace = self._workspaces.get(key)
+        if workspace is None:
+            workspace = self._torch_npu._npu_fused_infer_attention_score_get_max_workspace(*args, **kwargs)
+            self._workspaces[key] = workspace
         q = args[0]
         out = [torch.empty_like(q), torch.empty(1, dtype=q.dtype, device=q.device)]
         event = npu.ExternalEvent()
@@ -152,7 +167,7 @@ class AscendFusedAttention:
         npu.graph_task_group_begin(stream)
         self._torch_npu.npu_fused_infer_attention_score.out(*args, workspace=workspace, out=out, **kwargs)
         handle = npu.graph_task_group_end(stream)
-        self._tasks[self._capture_key].append(_CapturedTask(handle, event, args, kwargs, workspace, out))
+        self._tasks[key].append(_CapturedTask(handle, event, args, kwargs, workspace, out))
         return out[0]
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
