@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -12,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dspark.cli.profile import fit_tables
 from dspark.formats.profile import ProfileError
-from dspark.measure.cost_fit import fit_tier_table
 from dspark.measure.profiler import (
     ProfilePlan,
     ProfileResult,
@@ -380,14 +379,13 @@ def test_refitting_the_committed_profiles_reproduces_the_committed_tables(tmp_pa
         committed = path.parent
         result = ProfileResult.load(path)
         sps_json = json.loads((committed / "sps_1d.json").read_text())
-        # profiled with --no-draft-time, a table has no draft term
-        draft = {key: tuple(sps_json[key]) for key in ("draft_bs_probes", "draft_seconds") if key in sps_json}
-        sps, fit = fit_profile(result)
-        sps, additive = dataclasses.replace(sps, **draft), dataclasses.replace(fit.table, **draft)
-        tier = fit_tier_table(result, result.tiers).table if result.tiers else None
-        tier = dataclasses.replace(tier, **draft) if tier is not None else None
+        # `dspark profile`'s own fit: every table for a compact build, the 1D table alone for a static one
+        tables = fit_tables(result, result.tiers)
+        if "draft_seconds" in sps_json:  # profiled with --no-draft-time, a table has no draft term
+            probes, seconds = tuple(sps_json["draft_bs_probes"]), tuple(sps_json["draft_seconds"])
+            tables = tables.with_draft_time(probes, seconds)
         out = tmp_path / committed.name
-        written = write_tables(out, sps, additive, result, tier, sps_json["fingerprint"])
+        written = write_tables(out, tables.sps, tables.additive, result, tables.tier, sps_json["fingerprint"])
         tables = {"sps_1d.json", "additive.json", "tier.json"}
         assert set(written) - {"profile.json"} == {p.name for p in committed.iterdir() if p.name in tables}
         for name in written:
