@@ -1,0 +1,556 @@
+"""DeepSeek-V4 (DSV4) attention at small geometry: a CPU reference for speculative verification.
+
+What is modelled (the structure verification depends on)
+--------------------------------------------------------
+Every layer has a compress ratio r, one of three kinds:
+
+* r = 0, sliding window only: a row at position p attends to the raw KV of positions [p - W + 1, p].
+* C4 (``csa_ratio``, 4 in the published model): a compressor turns each closed block of r positions into
+  one compressed entry; an indexer scores the closed entries for each row and attention reads only the
+  ``index_topk`` best of them, besides the window.
+* C128 (``hca_ratio``, 128 in the published model): the same compressor, no indexer; attention reads every
+  closed entry, besides the window.
+
+Block j covers positions [j*r, (j+1)*r) and closes, writing its entry, at the row whose position p has
+(p + 1) % r == 0; that row already sees the entry (the compressor runs before attention). Attention is one
+softmax over the union of the window's raw keys, the compressed entries the row may read, and a learned
+per-head "sink" logit that takes probability mass and returns no value.
+
+The arithmetic follows DeepSeek's V4 inference code:
+
+* one latent KV head shared by all query heads (K = V = the head_dim vector, MQA); queries come through a
+  low-rank latent ``qr = q_norm(wq_a x)``, are RMS-normalised per head without a weight, and RoPE rotates
+  only the trailing ``rope_dim`` channels of queries, keys and entries; as V carries rotated channels too,
+  the attention output is rotated back by the row's own position before the output projection;
+* the compressor projects each position to a value and a gate (``wkv``, ``wgate``) and adds a learned
+  position-in-block bias (``ape``) to the gate; an entry is the softmax-over-positions (per channel) weighted
+  sum of the block's values, then RMSNorm, then RoPE at the block's first position j*r;
+* C4 compressors overlap: they project to 2*d channels, and entry j pools 2r rows, the first half of
+  block j-1's channels and the second half of block j's (block 0's missing predecessor is value 0 with gate
+  -inf, so it takes no weight);
+* the indexer (C4 layers) has its own overlapping compressor producing index keys (``index_head_dim``),
+  a query ``wq_b(qr)`` of ``index_n_heads`` heads with RoPE, and per-head weights ``weights_proj(x)`` scaled
+  by (index_head_dim * index_n_heads)^-0.5; an entry's score is sum_h w_h * relu(q_h . k). Ties go to the
+  lower entry index, so the choice is the same however the scores were batched.
+* RoPE base: ``rope_theta`` on window-only layers, ``compress_rope_theta`` on compressed ones.
+
+Sources read (no code copied): a torch port of DeepSeek's V4-Flash ``inference/model.py`` (Compressor,
+Indexer, Attention, get_window_topk_idxs / get_compress_topk_idxs, sparse_attn with sink);
+vllm-project/vllm-ascend ``vllm_ascend/models/deepseek_v4/compressor.py`` and ``.../indexer.py`` (ape, overlap
+for ratio 4 only, fp32 state of 2*coff*head_dim per position, indexer compressor with rotation); and
+sgl-project/sglang ``python/sglang/srt/layers/attention/compressed/compressor.py`` (the open block's
+per-position value/gate rows live beside the window's raw KV, keyed by position, which is what makes
+a rollback a matter of forgetting rows). They agree on the points above.
+
+Simplified, and why
+-------------------
+* MoE (routed and hash-routed experts, shared expert) is a dense SwiGLU MLP: routing does not touch the
+  attention state a verify step writes or rolls back.
+* Hyper-connections (hc_mult residual streams mixed by Sinkhorn) are a plain pre-norm residual stream, and
+  the grouped low-rank output projection (wo_a / wo_b) is one ``wo``: neither changes what is cached.
+* No quantisation (fp8 / fp4 activation QAT, fp8 KV cache) and so no Hadamard rotation of indexer queries and
+  keys (it is orthogonal on both sides, so it leaves the scores unchanged in exact arithmetic); all fp32.
+* Plain RoPE with interleaved pairs, no YaRN (it only changes frequencies past the original 64k context).
+* MTP layers and the published sizes (head_dim 512, window 128, 64 index heads, top-512) are out; every
+  size is a config field, and ``hca_ratio`` can be small in tests so C128-kind blocks close often.
+
+State and exact rollback
+------------------------
+:class:`DSV4State` is one request's attention state: per layer the raw-KV ring of the window (position p in
+slot p % W), and per compressor the closed entries, the open block's projected rows, and (C4) the overlap
+half of the last closed block; the indexer's compressor has the same state with the index keys as entries.
+:meth:`DSV4Model.step` runs L rows at positions P .. P+L-1 at once (a verify step) without touching its input
+state: row i reads the raw KV of rows <= i and every entry closed at or before its position, including those
+closed by earlier rows of the same step. It returns each row's projected writes, and :meth:`DSV4Model.commit`
+replays only the first ``accepted`` of them onto the state before the step, so entries and index keys closed
+by rejected rows never exist. For the result to be *bitwise* the state of target-only decoding, every
+computation a row's writes depend on must not depend on how many rows share the step: linear layers are an
+elementwise product and a sum over the input (a BLAS GEMM picks other kernels for 1 row than for 5), each
+row's attention and top-k run on that row's own key list, and transcendental element-wise ops (SiLU) run on
+one row at a time, so a vectorised main loop and a scalar tail always split a row the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class DSV4Config:
+    vocab_size: int = 256
+    dim: int = 64  # hidden size (4096 in V4-Flash)
+    compress_ratios: tuple[int, ...] = (0, 4, 128, 4)  # one per layer: 0, csa_ratio or hca_ratio
+    csa_ratio: int = 4  # C4: overlapping compressor + indexer top-k
+    hca_ratio: int = 128  # C128: compressor, every closed entry read
+    n_heads: int = 4
+    head_dim: int = 32  # the one latent KV head, K = V (512 published)
+    rope_dim: int = 8  # trailing channels RoPE rotates (64 published)
+    q_lora_rank: int = 32
+    window: int = 16  # raw positions a row reads, itself included (128 published)
+    index_n_heads: int = 2  # (64 published)
+    index_head_dim: int = 16  # (128 published)
+    index_topk: int = 4  # compressed entries a C4 row reads (512 published)
+    inter_dim: int = 128  # dense SwiGLU width standing in for the MoE
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # window-only layers
+    compress_rope_theta: float = 160000.0  # layers with a compressor
+
+    def __post_init__(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"DSV4Config.{name} {why} (got {getattr(self, name)!r})")
+
+        for name in ("vocab_size", "dim", "csa_ratio", "hca_ratio", "n_heads", "head_dim", "q_lora_rank",
+                     "window", "index_n_heads", "index_head_dim", "index_topk", "inter_dim", "rope_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                fail(name, "must be an integer >= 1")
+        for name in ("norm_eps", "rope_theta", "compress_rope_theta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                fail(name, "must be a number > 0")
+        if self.csa_ratio == self.hca_ratio:
+            fail("hca_ratio", "must differ from csa_ratio, as a layer's kind is read from its ratio")
+        if isinstance(self.compress_ratios, list):
+            object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        if not isinstance(self.compress_ratios, tuple) or not self.compress_ratios:
+            fail("compress_ratios", "must be a non-empty tuple, one ratio per layer")
+        allowed = (0, self.csa_ratio, self.hca_ratio)
+        for ratio in self.compress_ratios:
+            if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio not in allowed:
+                fail("compress_ratios", f"may only hold 0, csa_ratio or hca_ratio {allowed}")
+        if self.rope_dim % 2:
+            fail("rope_dim", "must be even (RoPE rotates pairs)")
+        if self.rope_dim > self.head_dim:
+            fail("rope_dim", f"must be <= head_dim {self.head_dim}")
+        if self.rope_dim > self.index_head_dim:
+            fail("rope_dim", f"must be <= index_head_dim {self.index_head_dim}")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.compress_ratios)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Row-invariant primitives: a row's result must not depend on how many rows are computed with it.
+
+
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., in] @ weight[out, in].T -> [..., out], each output one fixed-length sum over `in` (a GEMM
+    would pick a different kernel, and different rounding, for one row than for several)."""
+    return (x.unsqueeze(-2) * weight).sum(-1)
+
+
+def _rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x if weight is None else x * weight
+
+
+def _rowwise_silu(x: Tensor) -> Tensor:
+    # x [L, n]: one row per call, so vectorised lanes and the scalar tail split every row alike
+    return torch.stack([F.silu(row) for row in x]) if x.shape[0] else x
+
+
+_ROPE_TABLES: dict[tuple[float, int], tuple[Tensor, Tensor]] = {}
+
+
+def _rope_cos_sin(theta: float, rope_dim: int, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin [*pos.shape, rope_dim // 2] in fp32. Tabled per position with libm and only ever extended,
+    because a vectorised torch.cos may round a lane differently from its scalar tail, and a position's
+    angles must not depend on the batch it was first asked for in."""
+    empty = torch.zeros(0, rope_dim // 2)
+    cos, sin = _ROPE_TABLES.get((theta, rope_dim), (empty, empty))
+    need = int(pos.max()) + 1 if pos.numel() else 0
+    if need > cos.shape[0]:
+        freqs = [theta ** (-2.0 * i / rope_dim) for i in range(rope_dim // 2)]
+        new = range(cos.shape[0], max(need, 2 * cos.shape[0]))
+        cos = torch.cat([cos, torch.tensor([[math.cos(p * f) for f in freqs] for p in new])])
+        sin = torch.cat([sin, torch.tensor([[math.sin(p * f) for f in freqs] for p in new])])
+        _ROPE_TABLES[(theta, rope_dim)] = (cos, sin)
+    return cos[pos], sin[pos]
+
+
+def _rope(x: Tensor, pos: Tensor, theta: float, rope_dim: int, inverse: bool = False) -> Tensor:
+    """Rotate the trailing rope_dim channels of x [..., D] by position pos (shape x.shape[:-1],
+    broadcastable), interleaved pairs (2i, 2i+1)."""
+    cos, sin = _rope_cos_sin(theta, rope_dim, pos)
+    if inverse:
+        sin = -sin
+    nope, rot = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim :]
+    a, b = rot[..., 0::2], rot[..., 1::2]
+    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return torch.cat([nope, rot], dim=-1)
+
+
+def _attend(q: Tensor, keys: Tensor, sink: Tensor, scale: float) -> Tensor:
+    """One row's attention: q [H, D] over keys [n, D] (also the values) plus a per-head sink logit [H]
+    that takes probability and gives nothing back -> [H, D]."""
+    scores = (q.unsqueeze(1) * keys).sum(-1) * scale  # [H, n]
+    probs = torch.cat([scores, sink.unsqueeze(1)], dim=1).softmax(-1)[:, :-1]
+    return (probs.unsqueeze(-1) * keys).sum(1)
+
+
+# --------------------------------------------------------------------------------------------------------
+# State
+
+
+@dataclass(frozen=True)
+class CompressorState:
+    entries: Tensor  # [n_closed, d]: entry j pools block j = positions [j*r, (j+1)*r)
+    open_kv: Tensor  # [P % r, coff*d]: projected values of the open block's positions so far
+    open_score: Tensor  # [P % r, coff*d]: their gate logits, ape already added
+    prev_kv: Tensor  # [r, d] (C4; [0, d] otherwise): first-half values of the last closed block, 0 before any
+    prev_score: Tensor  # [r, d] (C4; [0, d] otherwise): its first-half gates, -inf before any block closed
+
+
+@dataclass(frozen=True)
+class LayerState:
+    window_kv: Tensor  # [W, head_dim] ring: raw KV of position p in slot p % W (zeros never written)
+    attn: CompressorState | None  # compressed entries the attention reads (ratio > 0)
+    index: CompressorState | None  # the indexer's keys, as entries of its own compressor (C4 only)
+
+
+@dataclass(frozen=True)
+class DSV4State:
+    length: int  # positions processed: the next row is at this position
+    layers: tuple[LayerState, ...]
+
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        out: list[tuple[str, Tensor]] = []
+        for i, layer in enumerate(self.layers):
+            out.append((f"layers.{i}.window_kv", layer.window_kv))
+            for kind, comp in (("attn", layer.attn), ("index", layer.index)):
+                if comp is not None:
+                    for field in ("entries", "open_kv", "open_score", "prev_kv", "prev_score"):
+                        out.append((f"layers.{i}.{kind}.{field}", getattr(comp, field)))
+        return out
+
+    def bitwise_equal(self, other: DSV4State) -> bool:
+        mine, theirs = self.tensors(), other.tensors()
+        if self.length != other.length or [n for n, _ in mine] != [n for n, _ in theirs]:
+            return False
+        pairs = zip(mine, theirs, strict=True)
+        return all(a.shape == b.shape and torch.equal(a, b) for (_, a), (_, b) in pairs)
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """What one layer's rows of a step write, before any is accepted."""
+
+    kv: Tensor  # [L, head_dim] raw KV (RoPE'd) for the window ring
+    attn: tuple[Tensor, Tensor] | None  # compressor values, gates (+ape) [L, coff*head_dim]
+    index: tuple[Tensor, Tensor] | None  # indexer compressor values, gates (+ape) [L, 2*index_head_dim]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    start: int  # position of the step's first row
+    logits: Tensor  # [L, vocab]: row i's prediction for position start + i + 1
+    rows: tuple[LayerRows, ...]  # per layer, for commit
+    state: DSV4State  # the state if every row is accepted
+
+
+# --------------------------------------------------------------------------------------------------------
+# Modules
+
+
+class Compressor(nn.Module):
+    """Turns each closed block of `ratio` positions into one entry of `out_dim` channels."""
+
+    def __init__(self, dim: int, out_dim: int, ratio: int, overlap: bool, rope_dim: int, theta: float,
+                 eps: float) -> None:
+        super().__init__()
+        self.out_dim, self.ratio, self.overlap = out_dim, ratio, overlap
+        self.rope_dim, self.theta, self.eps = rope_dim, theta, eps
+        width = (2 if overlap else 1) * out_dim  # overlap: half for this block, half for the next one's
+        self.wkv = nn.Parameter(torch.empty(width, dim))
+        self.wgate = nn.Parameter(torch.empty(width, dim))
+        self.ape = nn.Parameter(torch.empty(ratio, width))  # gate bias by position within the block
+        self.norm = nn.Parameter(torch.empty(out_dim))
+
+    def project(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """x [L, dim] at positions pos [L] -> values, gates [L, width]."""
+        return _linear(x, self.wkv), _linear(x, self.wgate) + self.ape[pos % self.ratio]
+
+    def _finish(self, pooled: Tensor, block: Tensor) -> Tensor:
+        # pooled [..., d], block [...] -> entry: normalised, rotated to the block's first position
+        return _rope(_rms_norm(pooled, self.norm, self.eps), block * self.ratio, self.theta, self.rope_dim)
+
+    def init_state(self) -> CompressorState:
+        d, r = self.out_dim, self.ratio
+        width = self.wkv.shape[0]
+        prev = r if self.overlap else 0
+        return CompressorState(entries=torch.zeros(0, d), open_kv=torch.zeros(0, width),
+                               open_score=torch.zeros(0, width), prev_kv=torch.zeros(prev, d),
+                               prev_score=torch.full((prev, d), float("-inf")))
+
+    def absorb(self, state: CompressorState, kv: Tensor, score: Tensor, start: int) -> CompressorState:
+        """Feed rows at positions start .. start+L-1 (kv, score [L, width]) one at a time, closing a block
+        at each row with (position + 1) % ratio == 0. The same code serves a step and a commit, so a block
+        closed by a commit is pooled from exactly the tensors target-only decoding would pool."""
+        d, r = self.out_dim, self.ratio
+        entries, open_kv, open_score = state.entries, state.open_kv, state.open_score
+        prev_kv, prev_score = state.prev_kv, state.prev_score
+        for i in range(kv.shape[0]):
+            open_kv = torch.cat([open_kv, kv[i : i + 1]])
+            open_score = torch.cat([open_score, score[i : i + 1]])
+            if (start + i + 1) % r:
+                continue
+            block_kv, block_score = open_kv, open_score  # [r, width]
+            if self.overlap:
+                block_kv = torch.cat([prev_kv, open_kv[:, d:]])  # [2r, d]
+                block_score = torch.cat([prev_score, open_score[:, d:]])
+                prev_kv, prev_score = open_kv[:, :d], open_score[:, :d]
+            pooled = (block_kv * block_score.softmax(0)).sum(0)  # [d]: per-channel softmax over positions
+            block = torch.tensor((start + i + 1) // r - 1)
+            entries = torch.cat([entries, self._finish(pooled, block).unsqueeze(0)])
+            open_kv, open_score = open_kv[:0], open_score[:0]
+        return CompressorState(entries, open_kv, open_score, prev_kv, prev_score)
+
+    def full(self, x: Tensor) -> Tensor:
+        """Reference: the entries of every closed block of a whole sequence x [T, dim] -> [T // r, d]."""
+        d, r = self.out_dim, self.ratio
+        n_blocks = x.shape[0] // r
+        kv, score = self.project(x[: n_blocks * r], torch.arange(n_blocks * r))
+        kv, score = kv.unflatten(0, (n_blocks, r)), score.unflatten(0, (n_blocks, r))  # [nb, r, width]
+        if self.overlap:
+            prev_kv = torch.cat([torch.zeros(1, r, d), kv[:-1, :, :d]])
+            prev_score = torch.cat([torch.full((1, r, d), float("-inf")), score[:-1, :, :d]])
+            kv = torch.cat([prev_kv, kv[:, :, d:]], dim=1)  # [nb, 2r, d]
+            score = torch.cat([prev_score, score[:, :, d:]], dim=1)
+        pooled = (kv * score.softmax(1)).sum(1)  # [nb, d]
+        return self._finish(pooled, torch.arange(n_blocks))
+
+
+class Indexer(nn.Module):
+    """C4 layers: scores closed entries per row and picks the top-k the attention reads."""
+
+    def __init__(self, cfg: DSV4Config, theta: float) -> None:
+        super().__init__()
+        self.cfg, self.theta = cfg, theta
+        self.wq_b = nn.Parameter(torch.empty(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank))
+        self.weights_proj = nn.Parameter(torch.empty(cfg.index_n_heads, cfg.dim))
+        self.compressor = Compressor(cfg.dim, cfg.index_head_dim, cfg.csa_ratio, True, cfg.rope_dim, theta,
+                                     cfg.norm_eps)
+
+    def query(self, x: Tensor, qr: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """-> index queries [L, IH, ID] (RoPE'd), head weights [L, IH]."""
+        cfg = self.cfg
+        q = _linear(qr, self.wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = _rope(q, pos.unsqueeze(-1), self.theta, cfg.rope_dim)
+        weights = _linear(x, self.weights_proj) * (cfg.index_head_dim * cfg.index_n_heads) ** -0.5
+        return q, weights
+
+    def select(self, q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
+        """One row: q [IH, ID], weights [IH], its closed index keys [n, ID] -> chosen entry ids, ascending."""
+        scores = ((q.unsqueeze(1) * keys).sum(-1).relu() * weights.unsqueeze(1)).sum(0)  # [n]
+        # stable: equal scores (all heads' relu at 0 is common) go to the lower index, on every path
+        top = torch.sort(scores, descending=True, stable=True).indices[: self.cfg.index_topk]
+        return top.sort().values
+
+
+class DSV4Layer(nn.Module):
+    def __init__(self, cfg: DSV4Config, ratio: int) -> None:
+        super().__init__()
+        self.cfg, self.ratio = cfg, ratio
+        self.theta = cfg.compress_rope_theta if ratio else cfg.rope_theta
+        h, d = cfg.n_heads, cfg.head_dim
+        self.attn_norm = nn.Parameter(torch.empty(cfg.dim))
+        self.wq_a = nn.Parameter(torch.empty(cfg.q_lora_rank, cfg.dim))
+        self.q_norm = nn.Parameter(torch.empty(cfg.q_lora_rank))
+        self.wq_b = nn.Parameter(torch.empty(h * d, cfg.q_lora_rank))
+        self.wkv = nn.Parameter(torch.empty(d, cfg.dim))
+        self.kv_norm = nn.Parameter(torch.empty(d))
+        self.attn_sink = nn.Parameter(torch.empty(h))
+        self.wo = nn.Parameter(torch.empty(cfg.dim, h * d))
+        self.ffn_norm = nn.Parameter(torch.empty(cfg.dim))
+        self.w1 = nn.Parameter(torch.empty(cfg.inter_dim, cfg.dim))
+        self.w3 = nn.Parameter(torch.empty(cfg.inter_dim, cfg.dim))
+        self.w2 = nn.Parameter(torch.empty(cfg.dim, cfg.inter_dim))
+        self.compressor = (Compressor(cfg.dim, d, ratio, ratio == cfg.csa_ratio, cfg.rope_dim, self.theta,
+                                      cfg.norm_eps) if ratio else None)
+        self.indexer = Indexer(cfg, self.theta) if ratio == cfg.csa_ratio else None
+
+    # -- shared by both paths -----------------------------------------------------------------------------
+    def _project(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [L, dim] -> queries [L, H, D], query latent qr [L, q_lora], raw KV [L, D]."""
+        cfg = self.cfg
+        qr = _rms_norm(_linear(x, self.wq_a), self.q_norm, cfg.norm_eps)
+        q = _linear(qr, self.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = _rope(_rms_norm(q, None, cfg.norm_eps), pos.unsqueeze(-1), self.theta, cfg.rope_dim)
+        kv = _rope(_rms_norm(_linear(x, self.wkv), self.kv_norm, cfg.norm_eps), pos, self.theta, cfg.rope_dim)
+        return q, qr, kv
+
+    def _finish(self, h: Tensor, o: Tensor, pos: Tensor) -> Tensor:
+        """h [L, dim], attention output o [L, H, D] -> the layer's output [L, dim]."""
+        cfg = self.cfg
+        o = _rope(o, pos.unsqueeze(-1), self.theta, cfg.rope_dim, inverse=True)  # V carried rotated channels
+        h = h + _linear(o.flatten(1), self.wo)
+        x = _rms_norm(h, self.ffn_norm, cfg.norm_eps)
+        return h + _linear(_rowwise_silu(_linear(x, self.w1)) * _linear(x, self.w3), self.w2)
+
+    # -- reference: the whole sequence, dense masks ----------------------------------------------------------
+    def forward_full(self, h: Tensor) -> Tensor:
+        cfg = self.cfg
+        n = h.shape[0]
+        pos = torch.arange(n)
+        x = _rms_norm(h, self.attn_norm, cfg.norm_eps)
+        q, qr, kv = self._project(x, pos)
+        scale = cfg.head_dim**-0.5
+        raw_scores = torch.einsum("thd,sd->ths", q, kv) * scale  # [T, H, T]
+        delta = pos.unsqueeze(1) - pos.unsqueeze(0)  # query minus key position
+        raw_scores = raw_scores.masked_fill(((delta < 0) | (delta >= cfg.window)).unsqueeze(1), float("-inf"))
+        entries = torch.zeros(0, cfg.head_dim)
+        readable = torch.zeros(n, 0, dtype=torch.bool)
+        if self.compressor is not None:
+            entries = self.compressor.full(x)  # [nb, D]
+            n_blocks = entries.shape[0]
+            # block j closes at position (j+1)*r - 1
+            readable = (torch.arange(n_blocks) + 1).unsqueeze(0) * self.ratio <= pos.unsqueeze(1) + 1
+            if self.indexer is not None:
+                keys = self.indexer.compressor.full(x)  # [nb, ID]
+                iq, weights = self.indexer.query(x, qr, pos)
+                scores = (torch.einsum("thd,nd->thn", iq, keys).relu() * weights.unsqueeze(-1)).sum(1)
+                scores = scores.masked_fill(~readable, float("-inf"))  # [T, nb]
+                top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : cfg.index_topk]
+                chosen = torch.zeros_like(readable).scatter(1, top, True)
+                readable = readable & chosen
+        comp_scores = torch.einsum("thd,nd->thn", q, entries) * scale
+        comp_scores = comp_scores.masked_fill(~readable.unsqueeze(1), float("-inf"))
+        sink = self.attn_sink.view(1, -1, 1).expand(n, -1, 1)
+        probs = torch.cat([raw_scores, comp_scores, sink], dim=-1).softmax(-1)
+        o = (torch.einsum("ths,sd->thd", probs[..., :n], kv)
+             + torch.einsum("thn,nd->thd", probs[..., n : n + entries.shape[0]], entries))
+        return self._finish(h, o, pos)
+
+    # -- incremental: L rows at once against a state ------------------------------------------------------
+    def init_state(self) -> LayerState:
+        return LayerState(window_kv=torch.zeros(self.cfg.window, self.cfg.head_dim),
+                          attn=None if self.compressor is None else self.compressor.init_state(),
+                          index=None if self.indexer is None else self.indexer.compressor.init_state())
+
+    def advance(self, state: LayerState, rows: LayerRows, start: int, n: int) -> LayerState:
+        """The state after the first n of `rows` (positions start ..) are accepted."""
+        window = self.cfg.window
+        pos = torch.arange(start, start + n)
+        keep = pos >= start + n - window  # older rows' slots are overwritten within these n anyway
+        ring = state.window_kv.clone()
+        ring[pos[keep] % window] = rows.kv[:n][keep]
+        attn, index = state.attn, state.index
+        if self.compressor is not None and rows.attn is not None and attn is not None:
+            attn = self.compressor.absorb(attn, rows.attn[0][:n], rows.attn[1][:n], start)
+        if self.indexer is not None and rows.index is not None and index is not None:
+            index = self.indexer.compressor.absorb(index, rows.index[0][:n], rows.index[1][:n], start)
+        return LayerState(ring, attn, index)
+
+    def step(self, h: Tensor, state: LayerState, start: int) -> tuple[Tensor, LayerRows, LayerState]:
+        cfg, window = self.cfg, self.cfg.window
+        n_rows = h.shape[0]
+        pos = torch.arange(start, start + n_rows)
+        x = _rms_norm(h, self.attn_norm, cfg.norm_eps)
+        q, qr, kv = self._project(x, pos)
+        rows = LayerRows(kv=kv,
+                         attn=None if self.compressor is None else self.compressor.project(x, pos),
+                         index=None if self.indexer is None else self.indexer.compressor.project(x, pos))
+        after = self.advance(state, rows, start, n_rows)
+        iq, weights = (None, None) if self.indexer is None else self.indexer.query(x, qr, pos)
+        outs = []
+        for i in range(n_rows):
+            p = start + i
+            lo = max(0, p - window + 1)
+            before = torch.arange(lo, max(lo, start))  # window positions written by earlier steps
+            keys = [state.window_kv[before % window], kv[max(lo, start) - start : i + 1]]
+            if after.attn is not None:
+                # entries only append, so those row i may read are a prefix of those after the whole step
+                n_closed = (p + 1) // self.ratio
+                entries = after.attn.entries[:n_closed]
+                if self.indexer is not None and after.index is not None and iq is not None:
+                    assert weights is not None
+                    entries = entries[self.indexer.select(iq[i], weights[i], after.index.entries[:n_closed])]
+                keys.append(entries)
+            outs.append(_attend(q[i], torch.cat(keys), self.attn_sink, cfg.head_dim**-0.5))
+        return self._finish(h, torch.stack(outs), pos), rows, after
+
+
+class DSV4Model(nn.Module):
+    """Embedding, one DSV4Layer per compress ratio, final RMSNorm, LM head; seeded random weights."""
+
+    def __init__(self, cfg: DSV4Config, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.layers = nn.ModuleList(DSV4Layer(cfg, ratio) for ratio in cfg.compress_ratios)
+        self.final_norm = nn.Parameter(torch.empty(cfg.dim))
+        self.head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.init_random_(seed)
+
+    @torch.no_grad()
+    def init_random_(self, seed: int) -> None:
+        """Dummy weights scaled so activations and attention stay O(1) and the top-k has real choices."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in leaf:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif leaf in ("attn_sink", "ape", "embed"):
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+
+    @torch.no_grad()
+    def forward_full(self, tokens: Tensor | list[int]) -> Tensor:
+        """Reference: logits [T, vocab] of the whole sequence at once, causal semantics by masks."""
+        tokens = _as_tokens(tokens)
+        h = self.embed[tokens]
+        for layer in self.layers:
+            h = layer.forward_full(h)
+        return _linear(_rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+
+    def init_state(self) -> DSV4State:
+        return DSV4State(0, tuple(layer.init_state() for layer in self.layers))
+
+    @torch.no_grad()
+    def step(self, state: DSV4State, tokens: Tensor | list[int]) -> StepResult:
+        """L rows at positions state.length .. + L - 1; the input state is left as it was."""
+        tokens = _as_tokens(tokens)
+        if tokens.numel() == 0:
+            raise ValueError("step needs at least one token")
+        h = self.embed[tokens]
+        rows, layers = [], []
+        for layer, layer_state in zip(self.layers, state.layers, strict=True):
+            h, layer_rows, after = layer.step(h, layer_state, state.length)
+            rows.append(layer_rows)
+            layers.append(after)
+        logits = _linear(_rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+        return StepResult(state.length, logits, tuple(rows),
+                          DSV4State(state.length + tokens.numel(), tuple(layers)))
+
+    def prefill(self, tokens: Tensor | list[int]) -> StepResult:
+        """The prompt as one step from the empty state (bitwise what decoding it token by token gives)."""
+        return self.step(self.init_state(), tokens)
+
+    @torch.no_grad()
+    def commit(self, before: DSV4State, result: StepResult, accepted: int) -> DSV4State:
+        """The state after only the first `accepted` rows of `result` (a step run on `before`)."""
+        n_rows = result.logits.shape[0]
+        if result.start != before.length:
+            raise ValueError(f"step started at position {result.start}, the state is at {before.length}")
+        if not 0 <= accepted <= n_rows:
+            raise ValueError(f"accepted must be in [0, {n_rows}] (got {accepted})")
+        if accepted == n_rows:
+            return result.state
+        per_layer = zip(self.layers, before.layers, result.rows, strict=True)
+        layers = tuple(layer.advance(layer_state, rows, before.length, accepted)
+                       for layer, layer_state, rows in per_layer)
+        return DSV4State(before.length + accepted, layers)
+
+
+def _as_tokens(tokens: Tensor | list[int]) -> Tensor:
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if tokens.dim() != 1:
+        raise ValueError(f"tokens must be one sequence [L] (got shape {tuple(tokens.shape)})")
+    return tokens
