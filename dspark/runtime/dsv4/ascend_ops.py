@@ -160,6 +160,19 @@ def _sparse_indices(name: str, a: object, rows: int, kv_heads: int) -> torch.Ten
     return t
 
 
+def _queries_and_cache(q_name: str, q: torch.Tensor, kv_name: str, kv: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Checked `[T, N1, D]` queries and the paged cache they read, and N1 / KV heads (the GQA group)."""
+    q = _tensor(q_name, q, dtypes=_FLOATS, ndim=3)
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv = _paged_cache(kv_name, kv, head_dim, q.dtype)
+    kv_heads = kv.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise AscendOpArgumentError(f"{q_name} heads N1={heads} must be a multiple of {kv_name} heads "
+                                    f"{kv_heads}")
+    return q, kv, heads // kv_heads
+
+
 def _paged_cache(name: str, a: object, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     t = _tensor(name, a, dtypes=_FLOATS, ndim=4)
     if t.shape[3] != head_dim or t.dtype != dtype:
@@ -207,13 +220,9 @@ def reference_sparse_attn_sharedkv(
     if ori_mask_mode != BAND or cmp_mask_mode != RIGHT_DOWN_CAUSAL:
         raise NotImplementedError(f"only ori_mask_mode=4 and cmp_mask_mode=3 are modelled (the only values "
                                   f"the operator accepts), got {ori_mask_mode}, {cmp_mask_mode}")
-    q = _tensor("q", q, dtypes=_FLOATS, ndim=3)
+    q, ori_kv, group = _queries_and_cache("q", q, "ori_kv", ori_kv)
     rows, heads, head_dim = q.shape
-    ori_kv = _paged_cache("ori_kv", ori_kv, head_dim, q.dtype)
     kv_heads = ori_kv.shape[2]
-    if kv_heads < 1 or heads % kv_heads:
-        raise AscendOpArgumentError(f"q heads N1={heads} must be a multiple of ori_kv heads KV_N={kv_heads}")
-    group = heads // kv_heads
     cu = _cu_seqlens("cu_seqlens_q", cu_seqlens_q, rows)
     batch = len(cu) - 1
     kv_lens = _lengths("seqused_kv", seqused_kv, batch)
@@ -347,13 +356,9 @@ def reference_lightning_indexer(
         raise AscendOpArgumentError(f"sparse_count must be >= 1, got {sparse_count}")
     if cmp_ratio < 1:
         raise AscendOpArgumentError(f"cmp_ratio must be >= 1, got {cmp_ratio}")
-    query = _tensor("query", query, dtypes=_FLOATS, ndim=3)
+    query, key, group = _queries_and_cache("query", query, "key", key)
     rows, heads, head_dim = query.shape
-    key = _paged_cache("key", key, head_dim, query.dtype)
     kv_heads = key.shape[2]
-    if kv_heads < 1 or heads % kv_heads:
-        raise AscendOpArgumentError(f"query heads N1={heads} must be a multiple of key heads N2={kv_heads}")
-    group = heads // kv_heads
     weights = _tensor("weights", weights, dtypes=_FLOATS, ndim=2)
     if tuple(weights.shape) != (rows, heads):
         raise AscendOpArgumentError(f"weights must be [T={rows}, N1={heads}], got {list(weights.shape)}")
