@@ -32,6 +32,7 @@ class FakeNpu:
         self.workspace_queries = 0
         self.task_groups = 0
         self.updates = 0
+        self.log: list[str] = []
 
     # torch_npu's operators
     def npu_fused_infer_attention_score(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -48,12 +49,13 @@ class FakeNpu:
         self.workspace_queries += 1
         return torch.empty(16)
 
-    # torch.npu's stream and graph-task API
-    def current_stream(self) -> object:
-        return object()
+    # torch.npu's stream and graph-task API; `log` orders stream waits against task updates
+    def current_stream(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(name="compute")
 
-    def Stream(self) -> object:  # noqa: N802  (torch.npu's name)
-        return object()
+    def Stream(self) -> types.SimpleNamespace:  # noqa: N802  (torch.npu's name)
+        return types.SimpleNamespace(name="update", wait_stream=lambda other: self.log.append(
+            f"update waits {other.name}"))
 
     def stream(self, s: object) -> nullcontext[None]:
         return nullcontext()
@@ -70,6 +72,7 @@ class FakeNpu:
 
     def graph_task_update_begin(self, stream: object, handle: int) -> None:
         self.updates += 1
+        self.log.append(f"update task {handle}")
 
     def graph_task_update_end(self, stream: object) -> None:
         pass
@@ -153,5 +156,7 @@ def test_a_captured_tier_shares_one_workspace_and_updates_every_layer(npu: FakeN
     before = len(npu.calls)
     attn.update_captured(8, [3, 8], [6, 9])
     assert npu.updates == LAYERS
+    # every patch waits for the work already queued on the compute stream (the previous replay)
+    assert npu.log == ["update waits compute"] + [f"update task {t.handle}" for t in tasks]
     assert [c["actual_seq_lengths"] for c in npu.calls[before:]] == [[3, 8]] * LAYERS
     assert [c["actual_seq_lengths_kv"] for c in npu.calls[before:]] == [[6, 9]] * LAYERS

@@ -127,6 +127,10 @@ class AscendFusedAttention:
         npu = torch.npu  # registered by torch_npu
         if self._update_stream is None:
             self._update_stream = npu.Stream()
+        # The patch is ordered after everything already queued on the compute stream, the previous
+        # replay of this graph included, so a task is never rewritten while it may still run; the
+        # events recorded below make the next replay wait for the patch.
+        self._update_stream.wait_stream(npu.current_stream())
         with npu.stream(self._update_stream):
             for task in self._tasks[key]:
                 npu.graph_task_update_begin(self._update_stream, task.handle)
