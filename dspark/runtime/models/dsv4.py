@@ -305,11 +305,31 @@ class Compressor(nn.Module):
                 block_kv = torch.cat([prev_kv, open_kv[:, d:]])  # [2r, d]
                 block_score = torch.cat([prev_score, open_score[:, d:]])
                 prev_kv, prev_score = open_kv[:, :d], open_score[:, :d]
-            pooled = (block_kv * block_score.softmax(0)).sum(0)  # [d]: per-channel softmax over positions
-            block = torch.tensor((start + i + 1) // r - 1)
-            entries = torch.cat([entries, self._finish(pooled, block).unsqueeze(0)])
+            entry = self.pool_block(block_kv, block_score, (start + i + 1) // r - 1)
+            entries = torch.cat([entries, entry.unsqueeze(0)])
             open_kv, open_score = open_kv[:0], open_score[:0]
         return CompressorState(entries, open_kv, open_score, prev_kv, prev_score)
+
+    def pool_block(self, block_kv: Tensor, block_score: Tensor, block: int) -> Tensor:
+        """Entry of block `block` from its pooled rows: values, gates [n, d] (n = r, or 2r with the overlap
+        half of the previous block first) -> [d]. The one pooling every path (absorb, the paged runtime)
+        calls, so they round alike."""
+        pooled = (block_kv * block_score.softmax(0)).sum(0)  # [d]: per-channel softmax over positions
+        return self._finish(pooled, torch.tensor(block))
+
+    def close_block(self, block: int, kv: Tensor, score: Tensor, prev_kv: Tensor | None = None,
+                    prev_score: Tensor | None = None) -> Tensor:
+        """Entry of block `block` from its own projected rows kv, score [r, width] and, with the overlap,
+        the previous block's rows prev_kv, prev_score [r, width] (None for block 0, which has none) -> [d].
+        The rows as `project` returned them, e.g. read back from a cache keyed by position."""
+        if self.overlap:
+            d, r = self.out_dim, self.ratio
+            if prev_kv is None or prev_score is None:
+                prev_kv, prev_score = torch.zeros(r, d), torch.full((r, d), float("-inf"))
+            else:
+                prev_kv, prev_score = prev_kv[:, :d], prev_score[:, :d]
+            kv, score = torch.cat([prev_kv, kv[:, d:]]), torch.cat([prev_score, score[:, d:]])
+        return self.pool_block(kv, score, block)
 
     def full(self, x: Tensor) -> Tensor:
         """Reference: the entries of every closed block of a whole sequence x [T, dim] -> [T // r, d]."""
@@ -392,6 +412,22 @@ class DSV4Layer(nn.Module):
         h = h + _linear(o.flatten(1), self.wo)
         x = _rms_norm(h, self.ffn_norm, cfg.norm_eps)
         return h + _linear(_rowwise_silu(_linear(x, self.w1)) * _linear(x, self.w3), self.w2)
+
+    # -- pieces for other paths (dspark.runtime.dsv4.paged), the same math as step -----------------------
+    def attn_inputs(self, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """h [L, dim] at positions pos [L] -> normed input x [L, dim], queries [L, H, D], query latent qr
+        [L, q_lora], raw KV [L, D]."""
+        x = _rms_norm(h, self.attn_norm, self.cfg.norm_eps)
+        return (x, *self._project(x, pos))
+
+    def attend_row(self, q: Tensor, keys: Tensor) -> Tensor:
+        """One row's attention, q [H, D] over its keys [n, D] (window raw KV in position order, then its
+        compressed entries) with this layer's sink -> [H, D]."""
+        return _attend(q, keys, self.attn_sink, self.cfg.head_dim**-0.5)
+
+    def finish_rows(self, h: Tensor, o: Tensor, pos: Tensor) -> Tensor:
+        """h [L, dim], attention output o [L, H, D] -> the layer's output [L, dim]."""
+        return self._finish(h, o, pos)
 
     # -- reference: the whole sequence, dense masks ----------------------------------------------------------
     def forward_full(self, h: Tensor) -> Tensor:
@@ -508,6 +544,14 @@ class DSV4Model(nn.Module):
         h = self.embed[tokens]
         for layer in self.layers:
             h = layer.forward_full(h)
+        return _linear(_rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens [L] -> hidden rows [L, dim]."""
+        return self.embed[tokens]
+
+    def lm_head(self, h: Tensor) -> Tensor:
+        """Last hidden rows [L, dim] -> logits [L, vocab] (final norm, row-invariant head)."""
         return _linear(_rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
 
     def init_state(self) -> DSV4State:
