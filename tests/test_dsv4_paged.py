@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime.dsv4 import verify_metadata
 from dspark.runtime.dsv4.ascend_ops import run_dsv4_layer_reference
 from dspark.runtime.dsv4.paged import (
     NULL_PAGE,
@@ -50,17 +49,13 @@ def step_config(cfg: DSV4Config) -> Dsv4StepConfig:
 
 
 @pytest.fixture(params=["small", "published"])
-def geometry(request, monkeypatch) -> str:
-    if request.param == "small":
-        # the planner only takes the published ratios (4, 128); a C128-kind ratio of 8 is otherwise the
-        # same code path, and makes C128 boundaries frequent
-        monkeypatch.setattr(verify_metadata, "COMPRESS_RATIOS", (4, 8))
+def geometry(request) -> str:
+    # small: a C128-kind ratio of 8 runs the same code as 128 and makes its boundaries frequent
     return request.param
 
 
 @pytest.fixture
-def small(monkeypatch) -> str:
-    monkeypatch.setattr(verify_metadata, "COMPRESS_RATIOS", (4, 8))
+def small() -> str:
     return "small"
 
 
@@ -103,8 +98,6 @@ def _bench(name: str) -> Bench:
 
 
 def bench(name: str) -> Bench:
-    if name == "small":
-        assert verify_metadata.COMPRESS_RATIOS == (4, 8), "use the `small` / `geometry` fixture"
     return _bench(name)
 
 

@@ -26,6 +26,9 @@ Layouts chosen here
   repeats the ring pages (column j holds ring page j % (C / page_size)); C must be a multiple of the
   page size for that to hold. Both peers page the window over absolute positions and free the pages
   that fall out of it; the ring gives the same reads with a fixed number of pages per request.
+  A runtime that keeps the compressor's per-position rows in the same ring (as `dsv4.paged` and
+  SGLang do) needs C >= max(W, 2 * 4, largest other ratio) + N - 1, since a boundary row reads its
+  block back (two blocks for the overlapping C4 compressor); `dsv4.paged.check_compatible` checks it.
 * Compressed caches: entries in request order, entry e at page `cmp_block_table[b, e // page]`.
   Pages cover the floor((P + L) / r) complete entries, drafts included (a rejected draft's entry is
   rewritten by the next step); the partial block counted by ceil((P + L) / r) lives in the
@@ -79,8 +82,8 @@ from typing import Generic, TypeVar
 import numpy as np
 import torch
 
-COMPRESS_RATIOS = (4, 128)
-INDEXER_RATIO = 4
+PUBLISHED_RATIOS = (4, 128)  # DeepSeek-V4's C4 and C128; any ratio >= 2 plans the same way
+INDEXER_RATIO = 4  # the C4 layers, whose rows also get the lightning indexer's lengths and top-k
 NULL_PAGE = 0
 PAD_ROW = -1  # boundary_rows, swa_indices
 PAD_SLOT = -1  # cmp_slot_mapping
@@ -115,7 +118,7 @@ class Dsv4StepConfig:
 
     num_draft_tokens: int  # N = gamma + 1: most rows a request verifies
     window: int  # W: raw positions a row attends to, itself included
-    compress_ratios: tuple[int, ...]  # the compressed ratios the model's layers use, each 4 or 128
+    compress_ratios: tuple[int, ...]  # the compressed ratios the model's layers use (4: C4, with the indexer)
     swa_page_size: int
     swa_ring_size: int  # C: raw-KV ring slots per request
     cmp_page_sizes: Mapping[int, int]  # ratio -> compressed entries per page
@@ -129,9 +132,11 @@ class Dsv4StepConfig:
         if w < 1:
             raise Dsv4MetadataError(f"window must be >= 1, got {w}")
         ratios = tuple(self.compress_ratios)
-        if len(set(ratios)) != len(ratios) or not set(ratios) <= set(COMPRESS_RATIOS):
-            raise Dsv4MetadataError(f"compress_ratios must be distinct values of {COMPRESS_RATIOS}, "
-                                    f"got {ratios}")
+        # The published ratios are 4 and 128; smaller C128-kind ratios plan identically and make
+        # boundaries frequent in tests. A ratio of 1 would compress nothing.
+        if len(set(ratios)) != len(ratios) or any(r < 2 for r in ratios):
+            raise Dsv4MetadataError(f"compress_ratios must be distinct integers >= 2 (DeepSeek-V4 uses "
+                                    f"{PUBLISHED_RATIOS}), got {ratios}")
         object.__setattr__(self, "compress_ratios", tuple(sorted(ratios)))
         if self.swa_page_size < 1:
             raise Dsv4MetadataError(f"swa_page_size must be >= 1, got {self.swa_page_size}")
