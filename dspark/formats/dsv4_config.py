@@ -1,0 +1,479 @@
+"""What a DeepSeek-V4 (DSV4) Hugging Face config.json says, read for dspark's DSV4 reference model.
+
+`dsv4_geometry(cfg)` reads a config.json (a dict) into a `Dsv4Geometry`, whose fields are exactly
+`dspark.runtime.models.dsv4.DSV4Config`'s, and `dsv4_config_kwargs(geometry)` gives the keyword arguments
+for `DSV4Config`. A key whose value changes the computation in a way the reference does not implement is
+refused with a `ConfigFieldError` (hf_config's) naming the key and what to do, so a checkpoint is never
+served with a computation other than the one it was trained with. Torch-free: the compiler imports it.
+
+Where the key names come from (read, not copied)
+-----------------------------------------------
+* The released layout: the DeepSeek-V4-Flash config.json on the Hugging Face hub
+  (huggingface.co/deepseek-ai/DeepSeek-V4-Flash, written by transformers 4.57.1, as quoted verbatim in
+  several public repositories): hidden_size, num_hidden_layers 43, num_attention_heads, num_key_value_heads 1,
+  head_dim 512, q_lora_rank, qk_rope_head_dim 64, o_groups, o_lora_rank, sliding_window 128, index_n_heads,
+  index_head_dim, index_topk, compress_ratios (44 entries for 43 layers: the last belongs to the one
+  num_nextn_predict_layers MTP layer), compress_rope_theta, rope_theta, rope_scaling {type: yarn, ...},
+  hc_mult, hc_sinkhorn_iters, hc_eps, n_routed_experts, n_shared_experts, num_experts_per_tok,
+  moe_intermediate_size, num_hash_layers, scoring_func, topk_method, routed_scaling_factor, norm_topk_prob,
+  swiglu_limit, quantization_config {quant_method fp8, ...}, rms_norm_eps, vocab_size, tie_word_embeddings.
+* huggingface/transformers ``src/transformers/models/deepseek_v4/configuration_deepseek_v4.py``: the
+  defaults of absent keys (n_routed_experts 256, hc_mult 4, o_groups 8, o_lora_rank 1024, ...), the
+  transformers-5 spellings (layer_types, compress_rates, partial_rotary_factor, rope_parameters with main /
+  compress, mlp_layer_types), the legacy ones it folds in (compress_ratios, compress_rate_csa / _hca,
+  qk_rope_head_dim, num_hash_layers), and ``intermediate_size`` as an alias of ``moe_intermediate_size``.
+* vllm-project/vllm ``vllm/model_executor/models/deepseek_v4.py`` and
+  ``vllm/transformers_utils/configs/deepseek_v4.py``: the indexer only on ratio-4 layers, only the first
+  num_hidden_layers entries of compress_ratios read (MTP layers get none), ratio 1 read as "no compressor"
+  (``max(1, ratio)``), compress_rope_theta on compressed layers, interleaved RoPE, swiglu_limit clamping
+  the shared expert too, n_shared_experts null meaning no shared expert; vllm-project/vllm-ascend
+  ``vllm_ascend/transformers_utils/configs/deepseek_v4.py``; DeepSeek's V4 ``inference/model.py`` (as
+  ported publicly): the shared expert unclamped, hyper-connection pre/post mixing.
+
+Geometry field <- config.json key
+---------------------------------
+vocab_size <- vocab_size; dim <- hidden_size; n_heads <- num_attention_heads; head_dim <- head_dim;
+rope_dim <- qk_rope_head_dim (or head_dim * partial_rotary_factor); q_lora_rank <- q_lora_rank;
+window <- sliding_window; index_n_heads, index_head_dim, index_topk <- the same names;
+inter_dim <- n_shared_experts * moe_intermediate_size (the shared expert is the whole FFN once there are no
+routed experts); norm_eps <- rms_norm_eps; rope_theta <- rope_theta; compress_rope_theta <-
+compress_rope_theta (or rope_parameters.main / .compress rope_theta); compress_ratios <- the first
+num_hidden_layers entries of compress_ratios (or layer_types through compress_rates); csa_ratio <- 4, or
+compress_rates.compressed_sparse_attention / compress_rate_csa, which must be 4; hca_ratio <- the ratio of
+the other compressed layers (compress_rates.heavily_compressed_attention / compress_rate_hca, else 128).
+
+Accepted, refused, ignored
+--------------------------
+Refused: routed experts (n_routed_experts absent, as transformers then means 256, or > 0); hyper-connections
+(hc_mult absent, as transformers then means 4, or any number: even 1 keeps a learned per-token gate on
+every sub-layer output, so only ``hc_mult: null`` is the reference's plain residual); the grouped low-rank
+output projection (o_groups / o_lora_rank absent, as transformers then means 8 / 1024, or set: only null is
+the reference's single wo); a quantization_config; rope_scaling / rope_parameters other than default (YaRN
+included); a numeric swiglu_limit (readers disagree on whether it clamps the shared expert; the reference
+does not clamp); a CSA ratio other than 4 (DeepSeek's code keys the overlap and the indexer on 4); ratio 1
+(vLLM reads it as no compressor, DeepSeek's code as a compressor); two different HCA ratios; a ratio list
+whose length is neither num_hidden_layers nor num_hidden_layers + num_nextn_predict_layers; more than one
+KV head; attention or MLP bias; tied embeddings; non-interleaved RoPE; an activation other than silu;
+n_shared_experts other than a positive integer; wrong types and missing required keys.
+
+Ignored deliberately, as they do not change the target's computation: architectures, torch_dtype, dtype,
+transformers_version, bos/eos/pad_token_id, use_cache, initializer_range, attention_dropout (inference),
+max_position_embeddings (no YaRN, so positions do not rescale), num_nextn_predict_layers beyond checking the
+ratio list (the MTP layers are not part of the target's forward and dspark does not draft with them), the
+routing keys that only matter with routed experts (num_experts_per_tok, scoring_func, topk_method,
+routed_scaling_factor, norm_topk_prob, num_hash_layers, mlp_layer_types, n_group, topk_group, expert_dtype,
+output_router_logits, router_aux_loss_coef, router_jitter_noise) and the hyper-connection keys that only
+matter with hc_mult set (hc_sinkhorn_iters, hc_eps).
+
+Unknown keys are refused, unlike the llama / qwen3 reader (which reads the keys it knows and leaves the
+rest): the DeepSeek-V4 layout is young and its variants add keys that change the computation (engram,
+shared KV source layers, candidate blocks, vision), so a key this reader has not classified is more likely
+a feature than noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dspark.formats.hf_config import ConfigFieldError
+
+DSV4_MODEL_TYPE = "deepseek_v4"
+CSA_RATIO = 4  # DeepSeek's inference and vLLM give the overlap and the indexer to ratio-4 layers only
+DEFAULT_HCA_RATIO = 128
+LAYER_TYPE_SLIDING = "sliding_attention"
+LAYER_TYPE_CSA = "compressed_sparse_attention"
+LAYER_TYPE_HCA = "heavily_compressed_attention"
+
+# The config.json key each geometry field is read from: the key an error about the field names.
+DSV4_GEOMETRY_KEYS = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "compress_ratios": "compress_ratios",
+    "csa_ratio": "compress_rates.compressed_sparse_attention",
+    "hca_ratio": "compress_rates.heavily_compressed_attention",
+    "n_heads": "num_attention_heads",
+    "head_dim": "head_dim",
+    "rope_dim": "qk_rope_head_dim",
+    "q_lora_rank": "q_lora_rank",
+    "window": "sliding_window",
+    "index_n_heads": "index_n_heads",
+    "index_head_dim": "index_head_dim",
+    "index_topk": "index_topk",
+    "inter_dim": "moe_intermediate_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "compress_rope_theta": "compress_rope_theta",
+}
+# transformers' DeepseekV4Config defaults for the keys read here that a config.json may leave out.
+DSV4_DEFAULTS: dict[str, Any] = {
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 1,
+    "n_shared_experts": 1, "num_nextn_predict_layers": 1,
+}
+# transformers' default for absent keys whose default is a feature the reference lacks.
+_FEATURE_DEFAULTS = {"n_routed_experts": 256, "hc_mult": 4, "o_groups": 8, "o_lora_rank": 1024}
+DSV4_IGNORED_KEYS = frozenset({
+    "architectures", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
+    "pad_token_id", "use_cache", "initializer_range", "attention_dropout", "max_position_embeddings",
+    "num_experts_per_tok", "scoring_func", "topk_method", "routed_scaling_factor", "norm_topk_prob",
+    "num_hash_layers", "mlp_layer_types", "n_group", "topk_group", "expert_dtype", "output_router_logits",
+    "router_aux_loss_coef", "router_jitter_noise", "hc_sinkhorn_iters", "hc_eps",
+})
+DSV4_READ_KEYS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "q_lora_rank", "qk_rope_head_dim", "partial_rotary_factor",
+    "sliding_window", "index_n_heads",
+    "index_head_dim", "index_topk", "compress_ratios", "layer_types", "compress_rates", "compress_rate_csa",
+    "compress_rate_hca", "num_nextn_predict_layers", "rope_theta", "compress_rope_theta", "rope_scaling",
+    "rope_parameters", "rope_interleave", "rms_norm_eps", "n_routed_experts", "n_shared_experts",
+    "moe_intermediate_size", "intermediate_size", "swiglu_limit", "hc_mult", "o_groups", "o_lora_rank",
+    "quantization_config", "hidden_act", "tie_word_embeddings", "attention_bias", "mlp_bias",
+})
+
+
+@dataclass(frozen=True)
+class Dsv4Geometry:
+    """A DSV4 model as dspark's reference computes it: `DSV4Config`'s fields, validated as it validates
+    them, errors naming the config.json key each field is read from (`DSV4_GEOMETRY_KEYS`)."""
+
+    vocab_size: int
+    dim: int
+    compress_ratios: tuple[int, ...]  # one per layer: 0 (window only), csa_ratio or hca_ratio
+    csa_ratio: int
+    hca_ratio: int
+    n_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    window: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    inter_dim: int
+    norm_eps: float
+    rope_theta: float
+    compress_rope_theta: float
+
+    def __post_init__(self) -> None:
+        def fail(name: str, problem: str, hint: str) -> None:
+            raise ConfigFieldError(DSV4_GEOMETRY_KEYS[name], f"{problem} (Dsv4Geometry.{name})", hint)
+
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("norm_eps", "rope_theta", "compress_rope_theta"):
+                if not _positive_number(value):
+                    fail(f.name, f"is {value!r}, not a positive number", "write it as a positive number")
+            elif f.name != "compress_ratios" and not _int_at_least(value, 1):
+                fail(f.name, f"is {value!r}, not an integer >= 1", "write it as a positive integer")
+        if isinstance(self.compress_ratios, list):
+            object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
+        if self.csa_ratio == self.hca_ratio:
+            fail("hca_ratio", f"is {self.hca_ratio}, the CSA ratio too", "use distinct CSA and HCA ratios")
+        ratios, allowed = self.compress_ratios, (0, self.csa_ratio, self.hca_ratio)
+        if not isinstance(ratios, tuple) or not ratios or any(
+                not _int_at_least(r, 0) or r not in allowed for r in ratios):
+            fail("compress_ratios", f"is {ratios!r}, not a non-empty list of ratios in {allowed}",
+                 "write one ratio per layer: 0, the CSA ratio or the HCA ratio")
+        if self.rope_dim % 2:
+            fail("rope_dim", f"is {self.rope_dim}, an odd number", "RoPE rotates pairs: use an even size")
+        for name in ("head_dim", "index_head_dim"):
+            if self.rope_dim > getattr(self, name):
+                fail("rope_dim", f"is {self.rope_dim}, more than {DSV4_GEOMETRY_KEYS[name]} "
+                     f"{getattr(self, name)}", f"use a rope size of at most {DSV4_GEOMETRY_KEYS[name]}")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.compress_ratios)
+
+
+def dsv4_config_kwargs(geometry: Dsv4Geometry) -> dict[str, Any]:
+    """The keyword arguments of `dspark.runtime.models.dsv4.DSV4Config` for `geometry` (same names)."""
+    return {f.name: getattr(geometry, f.name) for f in fields(geometry)}
+
+
+def dsv4_geometry(cfg: Any) -> Dsv4Geometry:
+    """The `Dsv4Geometry` a DeepSeek-V4 config.json (parsed into a dict) describes.
+
+    Raises `ConfigFieldError` naming the key for a value dspark's DSV4 reference does not implement, a
+    missing required key, a value of the wrong type, or a key this reader does not know.
+    """
+    if not isinstance(cfg, dict):
+        raise ConfigFieldError("config.json", f"is a {type(cfg).__name__}, not a JSON object",
+                               "point at a Hugging Face config.json")
+    model_type = cfg.get("model_type", DSV4_MODEL_TYPE)
+    if model_type != DSV4_MODEL_TYPE:
+        raise ConfigFieldError("model_type", f"is {model_type!r}, not {DSV4_MODEL_TYPE!r}",
+                               "point at a DeepSeek-V4 checkpoint, or read it with its own family")
+    unknown = sorted(set(cfg) - DSV4_READ_KEYS - DSV4_IGNORED_KEYS)
+    if unknown:
+        raise ConfigFieldError(unknown[0], "is not a DeepSeek-V4 config key dspark knows, so it may change "
+                               "the computation", "remove it if it does not, or use a checkpoint without it")
+    _refuse_features(cfg)
+    layers = _int(cfg, "num_hidden_layers", 1)
+    head_dim = _int(cfg, "head_dim", 1)
+    csa, hca, ratios = _layer_ratios(cfg, layers)
+    theta, compress_theta = _rope(cfg)
+    values = {
+        "vocab_size": _int(cfg, "vocab_size", 1),
+        "dim": _int(cfg, "hidden_size", 1),
+        "compress_ratios": ratios,
+        "csa_ratio": csa,
+        "hca_ratio": hca,
+        "n_heads": _int(cfg, "num_attention_heads", 1),
+        "head_dim": head_dim,
+        "rope_dim": _rope_dim(cfg, head_dim),
+        "q_lora_rank": _int(cfg, "q_lora_rank", 1),
+        "window": _int(cfg, "sliding_window", 1),
+        "index_n_heads": _int(cfg, "index_n_heads", 1),
+        "index_head_dim": _int(cfg, "index_head_dim", 1),
+        "index_topk": _int(cfg, "index_topk", 1),
+        "inter_dim": _int(cfg, "n_shared_experts", 1) * _ffn_width(cfg),
+        "norm_eps": _number(cfg, "rms_norm_eps"),
+        "rope_theta": theta,
+        "compress_rope_theta": compress_theta,
+    }
+    return Dsv4Geometry(**values)
+
+
+def _refuse_features(cfg: dict[str, Any]) -> None:
+    """The keys that switch on a part of DeepSeek-V4 the reference leaves out."""
+    experts = cfg.get("n_routed_experts", _FEATURE_DEFAULTS["n_routed_experts"])
+    if experts is not None and not (_int_at_least(experts, 0) and experts == 0):
+        said = f"is {experts!r}" if "n_routed_experts" in cfg else "is absent (transformers: 256)"
+        raise ConfigFieldError("n_routed_experts", f"{said}; dspark's DSV4 has no routed experts (MoE)",
+                               "use a dense checkpoint with n_routed_experts: 0")
+    hc = cfg.get("hc_mult", _FEATURE_DEFAULTS["hc_mult"])
+    if hc is not None:
+        said = f"is {hc!r}" if "hc_mult" in cfg else "is absent (transformers: 4)"
+        raise ConfigFieldError("hc_mult", f"{said}; dspark's DSV4 has a plain residual stream, "
+                               "and any hc_mult, 1 included, gates each sub-layer's output",
+                               "use a checkpoint without hyper-connections (hc_mult: null)")
+    for key in ("o_groups", "o_lora_rank"):
+        value = cfg.get(key, _FEATURE_DEFAULTS[key])
+        if value is not None:
+            said = f"is {value!r}" if key in cfg else f"is absent (transformers: {value})"
+            raise ConfigFieldError(key, f"{said}; dspark's DSV4 has one output projection, not "
+                                   "the grouped low-rank one", f"use a checkpoint without it ({key}: null)")
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ConfigFieldError("quantization_config", f"is set (quant_method {method!r}); dspark's DSV4 "
+                               "computes unquantised weights and activations",
+                               "use an unquantised (bf16 / fp32) checkpoint without quantization_config")
+    if cfg.get("swiglu_limit") is not None:
+        raise ConfigFieldError("swiglu_limit", f"is {cfg['swiglu_limit']!r}; readers disagree on whether it "
+                               "clamps the shared expert and dspark's MLP does not clamp",
+                               "use a checkpoint whose swiglu_limit is null or absent")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigFieldError("hidden_act", f"is {act!r}; dspark's DSV4 MLP implements silu only",
+                               "use a checkpoint whose hidden_act is silu")
+    for key, wanted, why in (("tie_word_embeddings", False, "has separate embedding and LM head weights"),
+                             ("attention_bias", False, "has no attention bias"),
+                             ("mlp_bias", False, "has no MLP bias"),
+                             ("rope_interleave", True, "rotates interleaved pairs")):
+        value = cfg.get(key, wanted)
+        if not isinstance(value, bool):
+            raise ConfigFieldError(key, f"is {value!r}, not true or false", f"write {key}: true or false")
+        if value != wanted:
+            raise ConfigFieldError(key, f"is {str(value).lower()}; dspark's DSV4 {why}",
+                                   f"use a checkpoint with {key}: {str(wanted).lower()}")
+    kv_heads = _int(cfg, "num_key_value_heads", 1)
+    if kv_heads != 1:
+        raise ConfigFieldError("num_key_value_heads", f"is {kv_heads}; DeepSeek-V4 shares one latent KV head",
+                               "use a checkpoint with num_key_value_heads: 1")
+
+
+def _layer_ratios(cfg: dict[str, Any], layers: int) -> tuple[int, int, tuple[int, ...]]:
+    """(csa_ratio, hca_ratio, one ratio per layer) from compress_ratios (the released layout) or
+    layer_types with compress_rates (transformers 5)."""
+    rates = cfg.get("compress_rates")
+    if rates is not None and not isinstance(rates, dict):
+        raise ConfigFieldError("compress_rates", f"is {rates!r}, not an object",
+                               f"write compress_rates as {{{LAYER_TYPE_CSA!r}: 4, {LAYER_TYPE_HCA!r}: 128}}")
+    rates = rates or {}
+    strange = sorted(set(rates) - {LAYER_TYPE_CSA, LAYER_TYPE_HCA})
+    if strange:
+        raise ConfigFieldError(f"compress_rates.{strange[0]}", "is not a DeepSeek-V4 attention type",
+                               f"use only {LAYER_TYPE_CSA} and {LAYER_TYPE_HCA}")
+    csa_key = "compress_rate_csa" if "compress_rate_csa" in cfg else f"compress_rates.{LAYER_TYPE_CSA}"
+    csa = cfg.get("compress_rate_csa", rates.get(LAYER_TYPE_CSA, CSA_RATIO))
+    if csa != CSA_RATIO or not _int_at_least(csa, 0):
+        raise ConfigFieldError(csa_key, f"is {csa!r}; DeepSeek's code gives the overlapping compressor and "
+                               "the indexer to ratio-4 layers only",
+                               f"use a checkpoint whose CSA ratio is {CSA_RATIO}")
+    hca_key = "compress_rate_hca" if "compress_rate_hca" in cfg else f"compress_rates.{LAYER_TYPE_HCA}"
+    hca_set = cfg.get("compress_rate_hca", rates.get(LAYER_TYPE_HCA))
+    if hca_set is not None and (not _int_at_least(hca_set, 2) or hca_set == CSA_RATIO):
+        raise ConfigFieldError(hca_key, f"is {hca_set!r}, not an integer >= 2 other than {CSA_RATIO}",
+                               "write the HCA ratio as such an integer (128 published)")
+    mtp = _int(cfg, "num_nextn_predict_layers", 0)
+    lengths = sorted({layers, layers + mtp})
+    if "compress_ratios" in cfg or "layer_types" not in cfg:
+        key = "compress_ratios"
+        listed = _list(cfg, key, lengths, layers, mtp)
+        for ratio in listed:
+            if not _int_at_least(ratio, 0) or ratio == 1:
+                why = "vLLM reads 1 as no compressor, DeepSeek's code as one" if ratio == 1 else "not a ratio"
+                raise ConfigFieldError(key, f"holds {ratio!r} ({why})",
+                                       f"use 0 (window only), {CSA_RATIO} (CSA) or one HCA ratio >= 2")
+        hca_seen = sorted({r for r in listed[:layers] if r not in (0, csa)})
+        both = sorted({*hca_seen, *([hca_set] if hca_set is not None else [])}) if hca_seen else hca_seen
+        if len(both) > 1:
+            also = f" (with {hca_key})" if hca_set is not None else ""
+            raise ConfigFieldError(key, f"holds{also} the HCA ratios {both}; dspark's DSV4 implements one",
+                                   "use a checkpoint with a single HCA ratio")
+        hca = hca_seen[0] if hca_seen else hca_set or DEFAULT_HCA_RATIO
+        ratios = tuple(listed[:layers])
+        if "layer_types" in cfg:
+            kinds = _kinds(cfg, lengths, layers, mtp, csa, hca)
+            if kinds != ratios:
+                raise ConfigFieldError("layer_types", f"disagrees with compress_ratios ({list(ratios)})",
+                                       "remove one of them or make them agree")
+        return csa, hca, ratios
+    hca = hca_set or DEFAULT_HCA_RATIO
+    return csa, hca, _kinds(cfg, lengths, layers, mtp, csa, hca)
+
+
+def _kinds(cfg: dict[str, Any], lengths: list[int], layers: int, mtp: int, csa: int,
+           hca: int) -> tuple[int, ...]:
+    ratio_of = {LAYER_TYPE_SLIDING: 0, LAYER_TYPE_CSA: csa, LAYER_TYPE_HCA: hca}
+    listed = _list(cfg, "layer_types", lengths, layers, mtp)
+    for kind in listed:
+        if kind not in ratio_of:
+            raise ConfigFieldError("layer_types", f"holds {kind!r}, not a DeepSeek-V4 attention type",
+                                   f"use only {', '.join(ratio_of)}")
+    return tuple(ratio_of[kind] for kind in listed[:layers])
+
+
+def _list(cfg: dict[str, Any], key: str, lengths: list[int], layers: int, mtp: int) -> list[Any]:
+    value = cfg.get(key)
+    if value is None:
+        raise ConfigFieldError(key, "is missing; dspark needs each layer's attention kind",
+                               "write compress_ratios: one ratio per layer (0, 4 or the HCA ratio)")
+    if not isinstance(value, list):
+        raise ConfigFieldError(key, f"is {value!r}, not a list", f"write {key} as a JSON list, one per layer")
+    if len(value) not in lengths:
+        raise ConfigFieldError(key, f"has {len(value)} entries, not num_hidden_layers {layers}"
+                               + (f" (+ num_nextn_predict_layers {mtp})" if mtp else ""),
+                               "write one entry per layer (MTP layers last)")
+    return value
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, float]:
+    """(rope_theta, compress_rope_theta), refusing any RoPE scaling (YaRN included)."""
+    theta = _number(cfg, "rope_theta")
+    compress = _number(cfg, "compress_rope_theta")
+    _default_rope(cfg.get("rope_scaling"), "rope_scaling")
+    params = cfg.get("rope_parameters")
+    if params is None:
+        return theta, compress
+    if not isinstance(params, dict):
+        raise ConfigFieldError("rope_parameters", f"is {params!r}, not an object",
+                               "write it as a JSON object")
+    if set(params) & {"main", "compress"}:
+        # transformers 5: one set of parameters per kind of layer, each with its own theta
+        strange = sorted(set(params) - {"main", "compress"})
+        if strange:
+            raise ConfigFieldError(f"rope_parameters.{strange[0]}", "is not main or compress",
+                                   "write rope_parameters as {main: {...}, compress: {...}}")
+        thetas = [theta, compress]
+        for i, label in enumerate(("main", "compress")):
+            sub = params.get(label)
+            _default_rope(sub, f"rope_parameters.{label}")
+            if isinstance(sub, dict) and "rope_theta" in sub:
+                thetas[i] = _number(sub, "rope_theta", f"rope_parameters.{label}.rope_theta")
+        return thetas[0], thetas[1]
+    _default_rope(params, "rope_parameters")
+    if "rope_theta" in params and _number(params, "rope_theta", "rope_parameters.rope_theta") != theta:
+        raise ConfigFieldError("rope_parameters.rope_theta", f"is {params['rope_theta']!r}, not rope_theta "
+                               f"{theta!r}; transformers would use the top-level one",
+                               "remove one of them or make them agree")
+    return theta, compress
+
+
+def _default_rope(params: Any, key: str) -> None:
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ConfigFieldError(key, f"is {params!r}, not an object", f"write {key} as a JSON object")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        name = "rope_type" if "rope_type" in params else "type"
+        raise ConfigFieldError(f"{key}.{name}", f"is {rope_type!r}; dspark's DSV4 implements plain RoPE "
+                               "(no YaRN or other scaling)",
+                               f"use a checkpoint without RoPE scaling in {key}")
+    extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    if extra:
+        raise ConfigFieldError(f"{key}.{extra[0]}", "is not a default RoPE parameter",
+                               f"remove it from {key}")
+
+
+def _rope_dim(cfg: dict[str, Any], head_dim: int) -> int:
+    """qk_rope_head_dim, or head_dim * partial_rotary_factor (transformers 5), which must agree."""
+    sources = [cfg] + [p for p in _rope_dicts(cfg) if "partial_rotary_factor" in p]
+    dims = set()
+    for source in sources:
+        factor = source.get("partial_rotary_factor")
+        if factor is None:
+            continue
+        if not _positive_number(factor) or factor > 1 or not float(head_dim * factor).is_integer():
+            raise ConfigFieldError("partial_rotary_factor", f"is {factor!r}, not a fraction of head_dim "
+                                   f"{head_dim} giving whole channels", "write qk_rope_head_dim instead")
+        dims.add(int(head_dim * factor))
+    if "qk_rope_head_dim" in cfg:
+        dims.add(_int(cfg, "qk_rope_head_dim", 1))
+    if len(dims) > 1:
+        raise ConfigFieldError("qk_rope_head_dim", f"disagrees with partial_rotary_factor ({sorted(dims)})",
+                               "write one of them")
+    # transformers' default: 64 / 512 of head_dim, the published proportion
+    return dims.pop() if dims else head_dim // 8
+
+
+def _rope_dicts(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    params = cfg.get("rope_parameters")
+    if not isinstance(params, dict):
+        return []
+    nested = [params.get(k) for k in ("main", "compress") if isinstance(params.get(k), dict)]
+    return nested or [params]
+
+
+def _ffn_width(cfg: dict[str, Any]) -> int:
+    """moe_intermediate_size, or intermediate_size (transformers maps it onto moe_intermediate_size)."""
+    if "moe_intermediate_size" in cfg and "intermediate_size" in cfg and \
+            cfg["moe_intermediate_size"] != cfg["intermediate_size"]:
+        raise ConfigFieldError("intermediate_size", f"is {cfg['intermediate_size']!r}, not "
+                               f"moe_intermediate_size {cfg['moe_intermediate_size']!r}, and transformers "
+                               "reads it as that key",
+                               "remove intermediate_size")
+    key = "moe_intermediate_size" if "moe_intermediate_size" in cfg or "intermediate_size" not in cfg \
+        else "intermediate_size"
+    return _int(cfg, key, 1)
+
+
+def _int(cfg: dict[str, Any], key: str, minimum: int) -> int:
+    value = cfg.get(key, DSV4_DEFAULTS.get(key))
+    if key not in cfg and value is None:
+        raise ConfigFieldError(key, "is missing; dspark's DSV4 needs it", f"add {key} to config.json")
+    if not _int_at_least(value, minimum):
+        raise ConfigFieldError(key, f"is {value!r}, not an integer >= {minimum}",
+                               f"write {key} as an integer >= {minimum}")
+    return value
+
+
+def _number(cfg: dict[str, Any], key: str, where: str | None = None) -> float:
+    value = cfg.get(key, DSV4_DEFAULTS.get(key))
+    if not _positive_number(value):
+        raise ConfigFieldError(where or key, f"is {value!r}, not a positive number",
+                               f"write {where or key} as a positive number")
+    return float(value)
+
+
+def _int_at_least(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _positive_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
