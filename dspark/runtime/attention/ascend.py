@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -64,6 +65,19 @@ def reference_fused_infer_attention_tnd(
     return out
 
 
+def import_torch_npu() -> ModuleType:
+    """torch_npu, imported where an Ascend backend is built and nowhere else: installed on a machine
+    without an NPU it breaks `import torch`, so no module imports it at load time."""
+    try:
+        import torch_npu  # registers the NPU device and its operators
+    except (ImportError, RuntimeError, OSError) as err:
+        raise RuntimeError(
+            "the Ascend backend needs torch_npu on an Ascend machine (pip install "
+            "'dspark[ascend]'); to dry-run this deployment here, compile it with "
+            "backend.kind: cpu") from err
+    return torch_npu
+
+
 @dataclass
 class _CapturedTask:
     """One layer's attention inside a captured NPU graph, kept so it can be re-issued."""
@@ -85,14 +99,7 @@ class AscendFusedAttention:
     """
 
     def __init__(self, cache: PagedKVCache, page_size: int, num_heads: int, scale: float) -> None:
-        try:
-            import torch_npu  # noqa: F401  (registers the NPU device and its operators)
-        except (ImportError, RuntimeError, OSError) as err:
-            raise RuntimeError(
-                "the Ascend backend needs torch_npu on an Ascend machine (pip install "
-                "'dspark[ascend]'); to dry-run this deployment here, compile it with "
-                "backend.kind: cpu") from err
-        self._torch_npu = torch_npu
+        self._torch_npu = import_torch_npu()
         self.cache = cache
         self.page_size = page_size
         self.num_heads = num_heads

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dspark.runtime.attention.ascend import import_torch_npu
 from dspark.runtime.dsv4.verify_metadata import INDEXER_RATIO, Dsv4VerifyMetadata
 
 if TYPE_CHECKING:
@@ -150,14 +151,7 @@ class Dsv4AscendAttention:
     def __init__(self, layer_ratios: Sequence[int], *, num_heads: int, head_dim: int, softmax_scale: float,
                  index_num_heads: int = 0, index_head_dim: int = 0, ops: Dsv4AscendOps = TORCH_NPU_OPS,
                  window_via_indices: bool = False) -> None:
-        try:
-            import torch_npu  # noqa: F401  (registers the NPU device and its operators)
-        except (ImportError, RuntimeError, OSError) as err:
-            raise RuntimeError(
-                "the Ascend backend needs torch_npu on an Ascend machine (pip install "
-                "'dspark[ascend]'); to dry-run this deployment here, compile it with "
-                "backend.kind: cpu") from err
-        self._torch_npu = torch_npu
+        self._torch_npu = import_torch_npu()
         self.layer_ratios = tuple(int(r) for r in layer_ratios)
         if any(r < 0 or r == 1 for r in self.layer_ratios):
             raise Dsv4AscendBackendError(f"layer_ratios must be 0 (window only) or a compress ratio >= 2, "
