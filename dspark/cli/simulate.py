@@ -75,7 +75,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         run = read_run(args.trace)
         check_trace_matches(pkg, run, str(args.trace))
-        trace = read_trace(args.trace)
+        trace = read_trace(args.trace, run)
         setup = simulation_setup(pkg, args.cost_model, args.step_overhead_ms / 1e3)
     except (TraceError, SimulationConfigError, ValueError) as err:  # ValueError: CostTableError
         raise CliError(str(err)) from None

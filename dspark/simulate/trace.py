@@ -163,11 +163,13 @@ def read_run(path: str | os.PathLike[str]) -> RunInfo:
     return info
 
 
-def read_trace(path: str | os.PathLike[str]) -> Trace:
+def read_trace(path: str | os.PathLike[str], info: RunInfo | None = None) -> Trace:
     """The trace of a recording directory (`run.json` + `steps.jsonl`), with errors naming file and
-    field for anything a replay cannot use."""
+    field for anything a replay cannot use. `info`: its run.json, when the caller has already read it
+    with `read_run` (to check the recording against a package before reading its steps)."""
     directory = recording_dir(path)
-    info = read_run(directory)
+    if info is None:
+        info = read_run(directory)
     steps_path = directory / STEPS_FILE
     try:
         steps = read_steps(steps_path, info.gamma)
