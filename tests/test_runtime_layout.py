@@ -77,6 +77,9 @@ def test_a_forced_tier_lays_out_padding_only() -> None:
                          tier=16)
     assert layout.num_requests == 0 and layout.total_rows == 0 and layout.tier == 16
     assert layout.rows_per_slot.tolist() == [N, N, N, N, 0]
+    # a shape without padding requests cannot be forced to a larger tier (it used to give 0-row padding)
+    with pytest.raises(LayoutError, match="padding_request_rows 0"):
+        plan_verify((2,), (2,), [3], torch.zeros(1, 4, dtype=torch.int32), shape(padding_rows=0), CPU, tier=8)
 
 
 def test_bad_lengths_are_refused() -> None:

@@ -178,7 +178,11 @@ class VerifyLayout:
 def _padded_slots(run_lens: np.ndarray, shape: StepShape, tier: int) -> np.ndarray:
     """`run_lens` followed by the padding requests that carry the tier's unused rows and the empty
     slots a fixed-slot graph needs."""
-    full, rest = divmod(tier - int(run_lens.sum()), shape.padding_request_rows or 1)
+    unused = tier - int(run_lens.sum())
+    if unused and shape.padding_request_rows < 1:
+        raise LayoutError(f"tier {tier} leaves {unused} rows to padding requests, but this step shape has "
+                          "none (padding_request_rows 0); give it padding_request_rows in [1, N]")
+    full, rest = divmod(unused, shape.padding_request_rows or 1)
     count = run_lens.size + full + (1 if rest else 0)
     slots = count
     if shape.slots_for_tier is not None:
