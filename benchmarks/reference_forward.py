@@ -1,9 +1,10 @@
 """The plain-torch reference forward: B requests × R new rows after C cached tokens, timed.
 
-What a verify step costs without dspark's runtime: the target model (dspark's Llama modules, with
-the checkpoint of a generated package, or the seeded random weights of a named geometry that a
+What a verify step costs without dspark's runtime: the target model (dspark's Llama or Qwen3 modules,
+with the checkpoint of a generated package, or the seeded random weights of a named geometry that a
 deployment's `load_format: dummy` also uses) runs R new rows per request against a dense
-per-request KV cache holding C tokens — embed, every layer (RMSNorm in torch ops, QKV, RoPE, the rows' K/V
+per-request KV cache holding C tokens — embed, every layer (RMSNorm in torch ops, QKV, Qwen3's per-head
+q/k norms, RoPE with the family's scaling, the rows' K/V
 written at positions C … C+R-1, SDPA over the C+R keys with a causal mask within the R rows, O
 projection, SwiGLU MLP), final norm, LM head, argmax. No paging, no
 metadata, no planner. On CUDA each (B, R) step is captured once as a CUDA graph and replayed (bf16
@@ -42,6 +43,7 @@ from dspark.runtime.kernels.rms_norm import rms_norm_torch
 from dspark.runtime.models import ops
 from dspark.runtime.models.dummy import dummy_target
 from dspark.runtime.models.llama import LlamaForCausalLM, RMSNorm
+from dspark.runtime.models.qwen3 import Qwen3Attention
 
 GEOMETRIES = {
     # Llama-3.1-8B: the H200 deployment's target.
@@ -87,7 +89,7 @@ def forward_rows(model: LlamaForCausalLM, ids: torch.Tensor, cache: DenseCache, 
     b, r = ids.shape
     end = start + r
     positions = torch.arange(start, end, device=ids.device)
-    cos, sin = ops.rope_cos_sin(positions, c.head_dim, c.rope_theta)
+    cos, sin = model.rope(positions)  # the family's RoPE, its scaling included
     group = c.num_heads // c.num_kv_heads
     # Row i sees key j when j <= start + i; a single row sees every key, so it needs no mask. The query
     # heads sharing a KV head are folded into the rows (head h reads KV head h // group, as Llama's
@@ -100,8 +102,10 @@ def forward_rows(model: LlamaForCausalLM, ids: torch.Tensor, cache: DenseCache, 
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         h = plain_norm(layer.input_layernorm, x)
-        q = ops.apply_rope(attn.q_proj(h).view(b, r, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
-        k = ops.apply_rope(attn.k_proj(h).view(b, r, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+        q, k = plain_qk_heads(attn, attn.q_proj(h).view(b, r, c.num_heads, c.head_dim),
+                              attn.k_proj(h).view(b, r, c.num_kv_heads, c.head_dim))
+        q = ops.apply_rope(q, cos, sin).transpose(1, 2)
+        k = ops.apply_rope(k, cos, sin).transpose(1, 2)
         v = attn.v_proj(h).view(b, r, c.num_kv_heads, c.head_dim).transpose(1, 2)
         cache.keys[i][:, :, start:end] = k
         cache.values[i][:, :, start:end] = v
@@ -119,6 +123,15 @@ def plain_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     return rms_norm_torch(x, norm.weight, norm.eps)
 
 
+def plain_qk_heads(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the family does to the query and key heads before RoPE (`qk_heads`), in torch's own ops:
+    Qwen3 normalises each head, Llama leaves them."""
+    if isinstance(attn, Qwen3Attention):
+        return plain_norm(attn.q_norm, q), plain_norm(attn.k_norm, k)
+    return q, k
+
+
 def verify_step(model: LlamaForCausalLM, ids: torch.Tensor, cache: DenseCache, start: int) -> torch.Tensor:
     """One reference verify step: the rows' forward, LM head and argmax (as a verify step ends)."""
     return model.lm_head(plain_norm(model.model.norm, forward_rows(model, ids, cache, start))).argmax(-1)
@@ -132,9 +145,10 @@ def package_model(directory: Path, dtype: torch.dtype, device: torch.device) -> 
     pkg = load_package(directory)
     model = pkg.deployment.model
     if model.load_format == "dummy":
-        return dummy_target(model.geometry, dtype, device), pkg.deployment.name
+        return dummy_target(model.geometry, dtype, device, model.family), pkg.deployment.name
     name = next(k for k, v in DTYPES.items() if v == dtype)
-    return load_target(model.checkpoint, name, pkg.directory).to(device).eval(), pkg.deployment.name
+    target = load_target(model.checkpoint, name, pkg.directory, model.family)
+    return target.to(device).eval(), pkg.deployment.name
 
 
 def synchronize(device: torch.device) -> None:

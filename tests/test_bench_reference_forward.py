@@ -21,9 +21,16 @@ TINY = ModelGeometry(vocab_size=97, hidden_size=64, intermediate_size=96, num_la
                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
 
 
-@pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    return dummy_target(TINY, torch.float32, torch.device("cpu"))
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request) -> LlamaForCausalLM:
+    # qwen3 normalises each query and key head before RoPE: the reference must do it too
+    return dummy_target(TINY, torch.float32, torch.device("cpu"), request.param)
+
+
+def test_a_packages_reference_model_is_its_family() -> None:
+    qwen3 = reference.package_model(REPO / "generated" / "qwen3_tiny_cpu_compact", torch.float32,
+                                    torch.device("cpu"))[0]
+    assert type(qwen3).__name__ == "Qwen3ForCausalLM"
 
 
 def test_rows_after_a_cached_context_are_the_dense_forward_of_the_whole_sequence(model) -> None:
