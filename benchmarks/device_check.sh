@@ -52,7 +52,7 @@ nvidia-smi -L | tee "$RES/device.txt"
 # another triton whose interpreter differs, so they are left out here.
 if want 1; then
 echo "== 1. GPU tests"
-timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_attention.py \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_attention.py \
   tests/test_runtime_cuda.py tests/test_runtime_kernels.py tests/test_runtime_layout.py tests/test_runtime_metadata.py \
   tests/test_runtime_graph_buffers.py tests/test_runtime_device_placement.py tests/test_train_draft.py \
   tests/test_dsv4_attention_kernel.py \
