@@ -16,11 +16,9 @@ Prints one JSON object: check name -> "ok" or the failure's traceback.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +42,7 @@ from dspark.runtime.kernels.dsv4_attention import (  # noqa: E402
     dsv4_attention_torch,
     launch_dsv4_attention,
 )
+from tests.interp_runner import run_checks  # noqa: E402  (imports neither torch nor triton)
 
 SENTINEL = -777.0
 PAD = 3  # extra heads / dims / rows of the sentinel-padded buffers
@@ -341,17 +340,5 @@ CHECKS: dict[str, Callable[[], None]] = {
 }
 
 
-def main() -> int:
-    results: dict[str, str] = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:  # report every check, not just the first failure
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_checks(CHECKS))

@@ -13,11 +13,9 @@ Prints one JSON object: check name -> "ok" or the failure's traceback.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 import sys
-import traceback
 from collections.abc import Callable
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -43,6 +41,7 @@ from dspark.runtime.kernels.scatter import (  # noqa: E402
     scatter_rows,
 )
 from dspark.runtime.kernels.verify_rows import VerifyRows, build_verify_rows, launch_verify_rows  # noqa: E402
+from tests.interp_runner import run_checks  # noqa: E402
 
 SENTINEL = -777
 CASES = 30
@@ -412,17 +411,5 @@ CHECKS: dict[str, Callable[[], None]] = {
 }
 
 
-def main() -> int:
-    results: dict[str, str] = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:  # report every check, not just the first failure
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_checks(CHECKS))

@@ -7,10 +7,6 @@ refusals, and on a GPU the compiled kernel without host sync and inside a replay
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +26,7 @@ from dspark.runtime.kernels.dsv4_attention import (
     launch_dsv4_attention,
 )
 from tests.dsv4_kernel_interp_checks import CASE_KINDS, SEEDS, Case, ascend_reference, make_case, rule_topk
+from tests.interp_runner import interpreter_results
 
 REPO = Path(__file__).resolve().parents[1]
 INTERP_CHECKS = ["kinds_match_reference", "operator_mode", "many_heads_and_wide_head_dim",
@@ -194,12 +191,7 @@ def test_refuses_malformed_inputs(what: str) -> None:
 def interp_results() -> dict[str, str]:
     if not dispatch.HAS_TRITON:
         pytest.skip("Triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "dsv4_kernel_interp_checks.py")], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_results("dsv4_kernel_interp_checks.py")
 
 
 @pytest.mark.parametrize("check", INTERP_CHECKS)

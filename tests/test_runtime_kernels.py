@@ -6,10 +6,6 @@ for why); this module checks the references, the dispatch and the input validati
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +20,8 @@ from dspark.runtime.kernels.accept import greedy_accept
 from dspark.runtime.kernels.dispatch import Impl
 from dspark.runtime.kernels.scatter import pack_rows, scatter_rows
 from dspark.runtime.kernels.verify_rows import build_verify_rows
+
+from .interp_runner import interpreter_results
 
 REPO = Path(__file__).resolve().parents[1]
 INTERP_CHECKS = ["layout_worked_example", "layout_random", "accept_cap_example", "accept_random",
@@ -231,12 +229,7 @@ def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyP
 def interp_results() -> dict[str, str]:
     if not dispatch.HAS_TRITON:
         pytest.skip("Triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "kernels_interp_checks.py")], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreter_results("kernels_interp_checks.py")
 
 
 @pytest.mark.parametrize("check", INTERP_CHECKS)

@@ -1,0 +1,43 @@
+"""Running Triton kernels' checks under the interpreter, shared by the kernel test modules.
+
+`TRITON_INTERPRET` is read when `triton.jit` decorates a kernel, i.e. when a kernel module is first
+imported, so each check script (`kernels_interp_checks.py`, `dsv4_kernel_interp_checks.py`) runs in a
+fresh process started by `interpreter_results`, and prints one JSON object through `run_checks`:
+check name -> "ok" or the failure's traceback. This module imports neither torch nor triton, so a
+check script can import it before it sets the variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_checks(checks: dict[str, Callable[[], None]]) -> int:
+    """Run every check and print the JSON result (a check script's `main`)."""
+    results: dict[str, str] = {}
+    for name, check in checks.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:  # report every check, not just the first failure
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+    return 0
+
+
+def interpreter_results(script: str) -> dict[str, str]:
+    """The results of `tests/<script>` run under `TRITON_INTERPRET=1` in a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / script)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
