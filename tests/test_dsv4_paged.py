@@ -54,11 +54,6 @@ def geometry(request) -> str:
     return request.param
 
 
-@pytest.fixture
-def small() -> str:
-    return "small"
-
-
 def config_of(name: str) -> DSV4Config:
     return SMALL if name == "small" else PUBLISHED
 
@@ -86,7 +81,7 @@ class Bench:
 
 
 @functools.cache
-def _bench(name: str) -> Bench:
+def bench(name: str) -> Bench:
     cfg = config_of(name)
     m, step = model(cfg), step_config(cfg)
     prompts = tuple(tuple(random_tokens(n, seed=10 + i)) for i, n in enumerate(PROMPTS[name]))
@@ -95,10 +90,6 @@ def _bench(name: str) -> Bench:
     results = [m.prefill(list(p)) for p in prompts]
     return Bench(cfg, step, prompts, caches, tuple(r.state for r in results), tuple(paged),
                  tuple(r.logits for r in results))
-
-
-def bench(name: str) -> Bench:
-    return _bench(name)
 
 
 def ring_slot(caches: Dsv4PagedCaches, request: int, pos: int) -> int:
@@ -156,7 +147,7 @@ def pages_changed(before: Dsv4PagedCaches, after: Dsv4PagedCaches) -> dict[str, 
 # (0) the caches' geometry
 
 
-def test_ring_must_hold_the_compressor_rows(small):
+def test_ring_must_hold_the_compressor_rows():
     assert required_ring_size(SMALL, N) == 8 + N - 1  # C4's two overlapping blocks outreach the window (6)
     assert required_ring_size(PUBLISHED, N) == 128 + N - 1
     assert max_rows_per_request(PUBLISHED, 136) == 9
@@ -176,7 +167,7 @@ def test_paged_prefill_equals_reference_and_holds_its_state(geometry):
         assert_cache_holds_state(b.caches, i, b.states[i])
 
 
-def test_prefill_chunking_does_not_change_the_caches(small):
+def test_prefill_chunking_does_not_change_the_caches():
     b = bench("small")
     m = model(SMALL)
     one_by_one = Dsv4PagedCaches.allocate(SMALL, b.step, max_requests=3, max_len=79, seed=7)
@@ -300,7 +291,7 @@ Truth = tuple[tuple[tuple[int, ...], ...], tuple[tuple[DSV4State, ...], ...]]
 def greedy_truth(name: str, n_new: int) -> Truth:
     """Each prompt's target-only greedy continuation, and the target-only state after every position
     from the prompt on (states[k - len(prompt)] holds k positions)."""
-    b = _bench(name)
+    b = bench(name)
     m = model(b.cfg)
     seqs, all_states = [], []
     for prompt, state, logits in zip(b.prompts, b.states, b.reference_logits, strict=True):
@@ -365,7 +356,7 @@ def drive(name: str, mode: str, plan: list[list[tuple[int, int]]]) -> dict:
     return {"commits": commits, "prefix": prefix, "seqs": seqs, "rejected_boundaries": rejected_boundaries}
 
 
-def test_scripted_drafts_static_and_compact_agree_with_target_greedy(small):
+def test_scripted_drafts_static_and_compact_agree_with_target_greedy():
     plan = schedule(steps=8, seed=3)
     seen = {pair for step in plan for pair in step}
     assert seen == {(n, a) for n in range(1, N + 1) for a in range(n)}
