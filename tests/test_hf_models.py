@@ -162,7 +162,8 @@ def test_paged_prefill_decode_and_verify_logits_equal_transformers(served) -> No
         # verify: a ragged compact step (each request runs its planned rows) through the verify runner
         run_lens = (GAMMA + 1, 1, 2)
         drafts = prompts(run_lens, seed=3)
-        layout = rt.verify_runner.plan(run_lens, run_lens, [len(s) for s in seqs], table)
+        layout = rt.verify_runner.plan(run_lens, run_lens, [len(s) for s in seqs], table,
+                                       [h.slot for h in handles])
         ids = torch.tensor([t for d in drafts for t in d])
         logits = rt.target.compute_logits(rt.verify_runner.run(layout, ids))
         close(logits, torch.cat([hf_logits(reference, s + d)[-len(d):]

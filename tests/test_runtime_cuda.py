@@ -53,7 +53,7 @@ def test_graph_replay_matches_eager_forward(runtimes: dict[str, Runtime], name: 
     try:
         page_table = rt.slots.page_table[[h.slot for h in slots]].cuda()
         prefix = [5, 9, 17, 1, 30][: len(lens)]
-        layout = rt.verify_runner.plan(tuple(lens), tuple(lens), prefix, page_table)
+        layout = rt.verify_runner.plan(tuple(lens), tuple(lens), prefix, page_table, [h.slot for h in slots])
         assert layout.tier in rt.verify_runner.graphs  # a captured tier
         ids = torch.randint(0, 256, (layout.total_rows,), device="cuda")
         replayed = rt.verify_runner.run(layout, ids).clone()

@@ -125,7 +125,8 @@ def test_compact_flashinfer_deployment_replays_what_it_runs_eagerly(
     for h in slots:
         rt.slots.reserve(h.slot, 64)
     page_table = rt.slots.page_table[[h.slot for h in slots]].cuda()
-    layout = rt.verify_runner.plan(tuple(lens), tuple(lens), [5, 9, 17, 1, 30], page_table)
+    layout = rt.verify_runner.plan(tuple(lens), tuple(lens), [5, 9, 17, 1, 30], page_table,
+                                   list(range(len(lens))))
     assert layout.tier in rt.verify_runner.graphs
     ids = torch.randint(0, 8192, (layout.total_rows,), device="cuda")
     replayed = rt.verify_runner.run(layout, ids).clone()

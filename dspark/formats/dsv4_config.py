@@ -79,6 +79,7 @@ from typing import Any
 
 from dspark.formats.hf_config import ConfigFieldError
 
+DSV4_FAMILY = "dsv4"  # a spec's model.family
 DSV4_MODEL_TYPE = "deepseek_v4"
 CSA_RATIO = 4  # DeepSeek's inference and vLLM give the overlap and the indexer to ratio-4 layers only
 DEFAULT_HCA_RATIO = 128
@@ -185,6 +186,87 @@ class Dsv4Geometry:
     @property
     def n_layers(self) -> int:
         return len(self.compress_ratios)
+
+    # The Llama-style size names a DSpark draft copies from its target (`BlockDraftConfig.for_target`),
+    # and the names the runtime's shared checks read: one latent K=V head (MQA), no biases.
+    @property
+    def num_layers(self) -> int:
+        return self.n_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.dim
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.inter_dim
+
+    @property
+    def num_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return 1
+
+    @property
+    def rms_norm_eps(self) -> float:
+        return self.norm_eps
+
+    @property
+    def attention_bias(self) -> bool:
+        return False
+
+    @property
+    def compressed_ratios(self) -> tuple[int, ...]:
+        """The distinct ratios > 0 of the layers, ascending (the caches a step plans)."""
+        return tuple(sorted({r for r in self.compress_ratios if r}))
+
+    @property
+    def ring_reach(self) -> int:
+        """Positions up to and including its own that one row reads back from the raw-KV ring: the
+        window, and the blocks a compressor pools (two for the overlapping CSA compressor)."""
+        reach = self.window
+        for ratio in self.compressed_ratios:
+            reach = max(reach, (2 if ratio == self.csa_ratio else 1) * ratio)
+        return reach
+
+
+@dataclass(frozen=True)
+class Dsv4CacheLayout:
+    """How a deployment pages a DSV4 model's caches, fixed at compile time (torch-free, for the
+    compiler; `dspark.runtime.dsv4.verify_metadata.Dsv4StepConfig` is built from it).
+
+    Every request owns a raw-KV ring of `swa_ring_size` slots in pages of `swa_page_size`, and, per
+    compressed ratio, pages of `cmp_page_size` entries covering `max_context_len // ratio` entries.
+    The ring holds a row's reach plus the rows one step runs per request, so a request may run
+    `max_rows_per_request` rows at once: N in a verify step, more in a prefill chunk.
+    """
+
+    window: int
+    compress_ratios: tuple[int, ...]
+    swa_page_size: int
+    swa_ring_size: int
+    cmp_page_size: int
+    index_topk: int
+    max_rows_per_request: int
+
+    @property
+    def swa_ring_pages(self) -> int:
+        return self.swa_ring_size // self.swa_page_size
+
+
+def dsv4_cache_layout(geometry: Dsv4Geometry, num_draft_tokens: int, page_size: int,
+                      prefill_rows: int) -> Dsv4CacheLayout:
+    """The layout for verify steps of up to N = `num_draft_tokens` rows per request and prefill chunks
+    of up to `prefill_rows` rows per request: a ring of reach + rows - 1 slots, rounded up to whole
+    pages (whose spare slots only let a chunk run more rows)."""
+    rows = max(num_draft_tokens, prefill_rows)
+    ring = -(-(geometry.ring_reach + rows - 1) // page_size) * page_size
+    return Dsv4CacheLayout(window=geometry.window, compress_ratios=geometry.compressed_ratios,
+                           swa_page_size=page_size, swa_ring_size=ring, cmp_page_size=page_size,
+                           index_topk=geometry.index_topk,
+                           max_rows_per_request=ring + 1 - geometry.ring_reach)
 
 
 def dsv4_config_kwargs(geometry: Dsv4Geometry) -> dict[str, Any]:

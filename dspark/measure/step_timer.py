@@ -75,7 +75,8 @@ class VerifyStepTimer:
             handle = runtime.slots.admit()
             runtime.slots.reserve(handle.slot, reserve)
             handles.append(handle)
-        self.page_table = runtime.slots.page_table[[h.slot for h in handles]].to(runtime.device)
+        self.slots = [h.slot for h in handles]
+        self.page_table = runtime.slots.page_table[self.slots].to(runtime.device)
         self.generator = torch.Generator().manual_seed(seed)
 
     def batch_sizes(self, requested: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -132,7 +133,8 @@ class VerifyStepTimer:
         _synchronize(rt.device)
         start = time.perf_counter()
         # Laying the step out is part of every verify step, so it is timed with the forward.
-        layout = rt.verify_runner.plan(lens, lens, [self.context_len] * num_reqs, self.page_table[:num_reqs])
+        layout = rt.verify_runner.plan(lens, lens, [self.context_len] * num_reqs, self.page_table[:num_reqs],
+                                       self.slots[:num_reqs])
         hidden, _ = rt.verify_runner.run_states(layout, ids)  # with the draft's states, as serving runs it
         rt.target.compute_logits(hidden).argmax(-1)
         _synchronize(rt.device)

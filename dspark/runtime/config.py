@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dspark.backends import ATTENTION_BY_BACKEND
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.formats.hf_config import (
     FAMILIES,
     HF_DEFAULTS,
@@ -21,6 +22,7 @@ from dspark.formats.hf_config import (
 from dspark.modes import VerifyMode, num_draft_tokens
 
 LOAD_FORMATS = ("auto", "dummy")
+MODEL_FAMILIES = (*FAMILIES, DSV4_FAMILY)  # the dense families config.json readers know, and DeepSeek-V4
 
 
 def _require(cond: bool, what: str) -> None:
@@ -81,13 +83,21 @@ class ModelRef:
     family: str
     checkpoint: str
     dtype: str
-    geometry: ModelGeometry
+    geometry: ModelGeometry | Dsv4Geometry  # Dsv4Geometry exactly for the dsv4 family
     digest: str = ""  # content hash of the checkpoint's config and weights at compile time ("": absent)
     load_format: str = "auto"  # "dummy": seeded random weights of the geometry, no checkpoint read
 
     def __post_init__(self) -> None:
         _require(self.load_format in LOAD_FORMATS, f"model load_format must be one of {LOAD_FORMATS}")
-        _require(self.family in FAMILIES, f"model family {self.family!r} is not one of {tuple(FAMILIES)}")
+        _require(self.family in MODEL_FAMILIES,
+                 f"model family {self.family!r} is not one of {MODEL_FAMILIES}")
+        expected = Dsv4Geometry if self.family == DSV4_FAMILY else ModelGeometry
+        _require(isinstance(self.geometry, expected),
+                 f"the {self.family} family's geometry is a {expected.__name__}, got "
+                 f"{type(self.geometry).__name__}")
+        # dspark's DSV4 model is the attention structure with a dense MLP: no released weights load into it
+        _require(self.family != DSV4_FAMILY or self.load_format == "dummy",
+                 f"the {DSV4_FAMILY} family runs with load_format 'dummy' only")
 
 
 @dataclass(frozen=True)

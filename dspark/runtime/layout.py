@@ -90,6 +90,7 @@ class ExtendLayout:
     out_cache_loc: torch.Tensor  # int64 [T]: KV slot each row writes
     host_qo_indptr: tuple[int, ...]
     host_kv_lens: tuple[int, ...]
+    host_slots: tuple[int, ...]  # each request's slot in the runtime's pool (what per-slot caches index)
     max_rows: int  # widest request, for max_seqlen_q
 
     @property
@@ -97,9 +98,18 @@ class ExtendLayout:
         return self.host_qo_indptr[-1]
 
 
+def _slots(slots: Sequence[int] | None, num_reqs: int) -> tuple[int, ...]:
+    if slots is None:
+        return tuple(range(num_reqs))
+    if len(slots) != num_reqs:
+        raise LayoutError(f"a step needs one slot per request, got {len(slots)} for {num_reqs}")
+    return tuple(slots)
+
+
 def plan_extend(prefix_lens: Sequence[int], extend_lens: Sequence[int], page_table: torch.Tensor,
-                page_size: int, device: torch.device) -> ExtendLayout:
-    """The layout of an extend step; `page_table` is the requests' host page table `[B, P]`."""
+                page_size: int, device: torch.device, slots: Sequence[int] | None = None) -> ExtendLayout:
+    """The layout of an extend step; `page_table` is the requests' host page table `[B, P]`, `slots`
+    their slots in the runtime's pool (default 0 .. B-1, for a caller without a pool)."""
     if len(prefix_lens) != len(extend_lens) or len(extend_lens) != page_table.shape[0] or not extend_lens:
         raise LayoutError(f"an extend step needs one prefix length, extend length and page-table row "
                           f"per request, got {len(prefix_lens)}, {len(extend_lens)} and "
@@ -126,6 +136,7 @@ def plan_extend(prefix_lens: Sequence[int], extend_lens: Sequence[int], page_tab
         out_cache_loc=out_cache_loc.to(device),
         host_qo_indptr=qo,
         host_kv_lens=kv,
+        host_slots=_slots(slots, len(extend_lens)),
         max_rows=max(extend_lens),
     )
 
@@ -155,6 +166,7 @@ class VerifyLayout:
     packed: bool  # whether some request runs fewer than N rows, so rows move between the two orders
     host_qo_indptr: tuple[int, ...]
     host_kv_lens: tuple[int, ...]
+    host_slots: tuple[int, ...]  # [num_requests]: each real request's slot in the runtime's pool
 
     @property
     def num_slots(self) -> int:
@@ -215,11 +227,12 @@ def _host_rows(lens: np.ndarray, ends: np.ndarray, prefix: np.ndarray, table: np
 
 def plan_verify(run_lens: Sequence[int], verify_lens: Sequence[int], prefix_lens: Sequence[int],
                 page_table: torch.Tensor, shape: StepShape, device: torch.device,
-                tier: int | None = None) -> VerifyLayout:
+                tier: int | None = None, slots: Sequence[int] | None = None) -> VerifyLayout:
     """The layout of a verify step.
 
     `run_lens` are the rows each request runs, `verify_lens` the plan's (they differ in cap-accept),
-    `prefix_lens` the cached positions, `page_table` the requests' host page table `[B, P]`. `tier`
+    `prefix_lens` the cached positions, `page_table` the requests' host page table `[B, P]`, `slots`
+    their slots in the runtime's pool (default 0 .. B-1, for a caller without a pool). `tier`
     forces the tier (graph capture lays out a step of padding only); by default it is the smallest
     of `shape.tiers` that holds the rows, or the row count without tiers.
     """
@@ -278,4 +291,5 @@ def plan_verify(run_lens: Sequence[int], verify_lens: Sequence[int], prefix_lens
         packed=total < num_reqs * n,
         host_qo_indptr=(0, *ends.tolist()),
         host_kv_lens=tuple(kv.tolist()),
+        host_slots=_slots(slots, num_reqs),
     )

@@ -23,7 +23,7 @@ from dspark.runtime.config import DeploymentConfig
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.layout import ExtendLayout, StepShape, VerifyLayout
 from dspark.runtime.models.checkpoint import CheckpointError, resolve_checkpoint
-from dspark.runtime.models.families import TargetModel
+from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.planner.verify_plan import VerifyPlan
 from dspark.runtime.tokenizer import (
     BYTE_TOKENIZER_FILE,
@@ -51,7 +51,9 @@ class VerifyRunner(Protocol):
     shape: StepShape
 
     def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor) -> VerifyLayout: ...
+             page_table: torch.Tensor, slots: list[int]) -> VerifyLayout:
+        """The step's layout; `slots` are the requests' slots in the runtime's pool."""
+        ...
 
     def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -66,7 +68,7 @@ class VerifyRunnerFactory(Protocol):
     `capture` lists the target states a verify step also returns (decoder-layer counts, 0: the
     embeddings), the draft's `layers_before_capture`."""
 
-    def __call__(self, target: TargetModel, attn: AttentionBackend, capture: tuple[int, ...] = ()
+    def __call__(self, target: ServingTarget, attn: AttentionBackend, capture: tuple[int, ...] = ()
                  ) -> VerifyRunner: ...
 
 

@@ -135,6 +135,24 @@ class Dsv4LayerCache:
                 if isinstance(getattr(self, f.name), Tensor)}
 
 
+def cmp_pages_per_request(config: Dsv4StepConfig, ratio: int, max_len: int) -> int:
+    """Pages of ratio `ratio`'s compressed entries one request of up to `max_len` positions needs."""
+    return max(1, -(-(max_len // ratio) // config.cmp_page_sizes[ratio]))
+
+
+def slot_page_tables(config: Dsv4StepConfig, max_len: int, slots: Sequence[int]) -> Dsv4PageTables:
+    """The page tables of request slots `slots` in caches allocated in order (`allocate(seed=None)`): slot
+    b owns pages 1 + b * cols ... (b + 1) * cols of each pool, so a step's tables follow from its slots."""
+    idx = np.asarray(list(slots), dtype=np.int32)[:, None]
+
+    def pages(cols: int) -> np.ndarray:
+        return (1 + idx * cols + np.arange(cols, dtype=np.int32)[None, :]).astype(np.int32)
+
+    return Dsv4PageTables(swa=pages(config.swa_ring_pages),
+                          compressed={r: pages(cmp_pages_per_request(config, r, max_len))
+                                      for r in config.compress_ratios})
+
+
 @dataclass
 class Dsv4PagedCaches:
     """Every layer's caches for up to `max_requests` requests of up to `max_len` positions (P + L), and
@@ -164,10 +182,8 @@ class Dsv4PagedCaches:
         ps, d = step_config.swa_page_size, cfg.head_dim
         swa_pages = assign(max_requests, step_config.swa_ring_pages)
         n_swa = 1 + swa_pages.size
-        cmp_pages = {}
-        for ratio in step_config.compress_ratios:
-            cps = step_config.cmp_page_sizes[ratio]
-            cmp_pages[ratio] = assign(max_requests, max(1, -(-(max_len // ratio) // cps)))
+        cmp_pages = {ratio: assign(max_requests, cmp_pages_per_request(step_config, ratio, max_len))
+                     for ratio in step_config.compress_ratios}
         layers = []
         for ratio in cfg.compress_ratios:
             lc = Dsv4LayerCache(ratio, torch.zeros(n_swa, ps, d))
@@ -255,7 +271,7 @@ def _close_blocks(comp: Compressor, meta: Dsv4VerifyMetadata, state_kv: Tensor |
         out[int(plan.cmp_slot_mapping[m])] = entry
 
 
-def _layer_forward(layer: DSV4Layer, lc: Dsv4LayerCache, h: Tensor, meta: Dsv4VerifyMetadata,
+def layer_forward(layer: DSV4Layer, lc: Dsv4LayerCache, h: Tensor, meta: Dsv4VerifyMetadata,
                    trace: list[Dsv4LayerTrace] | None) -> Tensor:
     """h [T, dim] -> [T, dim]: write the step's rows into the caches, then attend row by row."""
     cfg, host, dev = layer.cfg, meta.host, meta.device
@@ -323,7 +339,7 @@ def forward_verify(model: DSV4Model, tokens: Tensor | Sequence[int], meta: Dsv4V
     check_compatible(model.cfg, meta.config)
     h = model.embed_tokens(tokens)
     for layer, lc in zip(model.layers, caches.layers, strict=True):
-        h = _layer_forward(layer, lc, h, meta, trace)
+        h = layer_forward(layer, lc, h, meta, trace)
     return model.lm_head(h)
 
 
@@ -381,10 +397,12 @@ __all__ = [
     "Dsv4PagedCaches",
     "Dsv4PagedError",
     "check_compatible",
+    "cmp_pages_per_request",
     "forward_verify",
     "max_rows_per_request",
     "prefill",
     "prefill_config",
     "required_ring_size",
     "run_step",
+    "slot_page_tables",
 ]

@@ -29,7 +29,8 @@ class ExtendSteps:
     def _forward(self, requests: list[Request], prefix: list[int], extend: list[int], ids: list[int],
                  capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
         m = self.models
-        layout = plan_extend(prefix, extend, m.host_page_table(requests), m.page_size, m.device)
+        layout = plan_extend(prefix, extend, m.host_page_table(requests), m.page_size, m.device,
+                             [r.handle.slot for r in requests])
         hidden, states = m.target.forward_paged_states(m.tensor(ids), layout.positions, m.attn,
                                                        self.build_metadata(layout), capture)
         return hidden, states, layout

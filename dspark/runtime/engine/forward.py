@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from dspark.runtime.attention.metadata import AttentionBackend
+from dspark.runtime.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.layout import cache_slots, prefix_slots
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
-from dspark.runtime.models.families import TargetModel
+from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.sampling import BatchSampling, Generator, RowGenerators
 
 DEVICES = {"cpu": "cpu", "cuda": "cuda", "ascend": "npu"}
@@ -28,18 +29,17 @@ def backend_device(backend: str) -> torch.device:
 
 @dataclass
 class EngineModels:
-    """The target and draft on their device, with one paged KV cache each over the same pages.
+    """The target and draft on their device; the target's caches belong to its attention backend.
 
-    The draft's cache holds, per committed position, its context K/V (a projection of the target's
-    hidden states there at the draft's `target_layer_ids`), at the same slot as the target's own
-    K/V, so one page table serves both.
+    The draft's paged cache holds, per committed position, its context K/V (a projection of the
+    target's hidden states there at the draft's `target_layer_ids`), at the same slot as a dense
+    target's own K/V, so one page table serves both.
     """
 
-    target: TargetModel
+    target: ServingTarget
     draft: DSparkBlockDraft
-    kv: PagedKVCache
     draft_kv: PagedKVCache
-    attn: AttentionBackend
+    attn: AttentionBackend | Dsv4LayerBackend
     slots: RequestSlots
     device: torch.device
     generator: torch.Generator  # the runtime's sampling stream (requests with a seed have their own)

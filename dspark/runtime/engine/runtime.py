@@ -15,6 +15,7 @@ import time
 import torch
 
 from dspark.runtime.attention.metadata import AttentionBackend
+from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
 from dspark.runtime.engine.forward import EngineModels, backend_device
 from dspark.runtime.engine.requests import Request, RequestError, validate_request
@@ -25,8 +26,8 @@ from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.models.checkpoint import load_models
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dummy import draft_config
-from dspark.runtime.models.families import TargetModel
-from dspark.runtime.package import GeneratedPackage, VerifyRunner
+from dspark.runtime.models.families import ServingTarget
+from dspark.runtime.package import GeneratedPackage, PackageParts, VerifyRunner
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams
 
@@ -52,19 +53,18 @@ class Runtime:
         num_pages = s.max_total_tokens // s.page_size + 1  # + the null page
         self.slots = RequestSlots(s.max_running_requests, s.pages_per_request, num_pages, s.page_size)
         dtype = target.lm_head.weight.dtype
-        tc, dc = target.cfg, draft.cfg
-        kv = PagedKVCache(tc.num_layers, num_pages, s.page_size, tc.num_kv_heads, tc.head_dim, dtype,
-                          self.device)
+        dc = draft.cfg
         draft_kv = PagedKVCache(dc.num_layers, num_pages, s.page_size, dc.num_kv_heads, dc.head_dim, dtype,
                                 self.device)
         parts = package.parts
-        attn = parts.attention_backend(kv, s.page_size, tc.num_heads, tc.head_dim ** -0.5)
+        attn = self._target_attention(parts, target, num_pages)
         self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
-        self.models = EngineModels(target, draft, kv, draft_kv, attn, self.slots, self.device,
+        self.models = EngineModels(target, draft, draft_kv, attn, self.slots, self.device,
                                    torch.Generator(device=self.device).manual_seed(seed))
         self.verify_runner: VerifyRunner = parts.verify_runner(target, attn, draft.cfg.layers_before_capture)
         eos = package.tokenizer.eos_ids
-        self.scheduler = Scheduler(self.slots, self.plan.num_draft_tokens, s.chunked_prefill_tokens)
+        self.scheduler = Scheduler(self.slots, self.plan.num_draft_tokens, s.chunked_prefill_tokens,
+                                   attn.max_extend_rows if isinstance(target, Dsv4ForCausalLM) else None)
         self.extend = ExtendSteps(self.models, parts.build_extend_metadata, eos)
         self.speculative = SpeculativeStep(self.models, self.plan, self.verify_runner, eos, self.sampling)
         self.speculative.recorder = recorder
@@ -73,7 +73,19 @@ class Runtime:
         self.target_only = False
         self._rids = itertools.count()
 
-    def _check_models(self, target: TargetModel, draft: DSparkBlockDraft) -> None:
+    def _target_attention(self, parts: PackageParts, target: ServingTarget,
+                          num_pages: int) -> AttentionBackend | Dsv4LayerBackend:
+        """The target's attention backend over its caches: a DSV4 backend allocates its own per-slot
+        caches; a dense target's is one paged K/V cache over the pool's pages."""
+        s = self.deployment.serving
+        if isinstance(target, Dsv4ForCausalLM):
+            return parts.attention_backend(target, s.max_running_requests, s.max_context_len)
+        tc = target.cfg
+        kv = PagedKVCache(tc.num_layers, num_pages, s.page_size, tc.num_kv_heads, tc.head_dim,
+                          target.lm_head.weight.dtype, self.device)
+        return parts.attention_backend(kv, s.page_size, tc.num_heads, tc.head_dim ** -0.5)
+
+    def _check_models(self, target: ServingTarget, draft: DSparkBlockDraft) -> None:
         geo = self.deployment.model.geometry
         tc, dc = target.cfg, draft.cfg
         # every field that changes the computation, not only the shapes: a config.json edited after
@@ -97,7 +109,7 @@ class Runtime:
 
     # -- what the models are ---------------------------------------------------------------
     @property
-    def target(self) -> TargetModel:
+    def target(self) -> ServingTarget:
         return self.models.target
 
     @property
@@ -105,7 +117,7 @@ class Runtime:
         return self.models.draft
 
     @property
-    def attn(self) -> AttentionBackend:
+    def attn(self) -> AttentionBackend | Dsv4LayerBackend:
         return self.models.attn
 
     @property

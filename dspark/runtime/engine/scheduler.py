@@ -25,10 +25,13 @@ class Scheduler:
     admitted, so the pool never runs out mid-request; one that does not fit waits.
     """
 
-    def __init__(self, slots: RequestSlots, num_draft_tokens: int, chunked_prefill_tokens: int) -> None:
+    def __init__(self, slots: RequestSlots, num_draft_tokens: int, chunked_prefill_tokens: int,
+                 max_chunk_rows: int | None = None) -> None:
         self.slots = slots
         self.num_draft_tokens = num_draft_tokens
         self.chunked_prefill_tokens = chunked_prefill_tokens
+        # A target whose caches bound the rows one request appends per step (DSV4's raw-KV ring)
+        self.max_chunk_rows = max_chunk_rows
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not fully prefilled yet
         self.running: list[Request] = []
@@ -75,14 +78,15 @@ class Scheduler:
             admitted += 1
 
     def prefill_chunks(self) -> list[PrefillChunk]:
-        """This step's prompt tokens: at most `chunked_prefill_tokens` over all requests, in
-        admission order (a long prompt is prefilled over several steps)."""
+        """This step's prompt tokens: at most `chunked_prefill_tokens` over all requests (and
+        `max_chunk_rows` per request), in admission order (a long prompt is prefilled over several
+        steps)."""
         budget = self.chunked_prefill_tokens
         chunks = []
         for r in self.prefilling:
             if budget == 0:
                 break
-            take = min(len(r.prompt) - r.prefilled, budget)
+            take = min(len(r.prompt) - r.prefilled, budget, self.max_chunk_rows or budget)
             chunks.append(PrefillChunk(r, take))
             budget -= take
         return chunks

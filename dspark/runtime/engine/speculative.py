@@ -81,7 +81,8 @@ class SpeculativeStep:
         handles = [r.handle for r in running]
         plan = self.plan.plan_step(proposal.conf_logits, num_reqs, [h.slot for h in handles],
                                    [h.generation for h in handles], self.history)
-        layout = self.runner.plan(plan.run_lens, plan.verify_lens, prefix_host, page_table)
+        layout = self.runner.plan(plan.run_lens, plan.verify_lens, prefix_host, page_table,
+                                  [h.slot for h in handles])
 
         # 3. Verify: the target runs the step's rows (packed when some request runs fewer than N).
         fixed_ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)

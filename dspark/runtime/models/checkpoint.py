@@ -19,7 +19,7 @@ from dspark.runtime.config import DeploymentConfig, ModelGeometry
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dspark_block_loader import BlockDraftCheckpointError, load_block_draft
 from dspark.runtime.models.dummy import dummy_draft, dummy_target
-from dspark.runtime.models.families import TargetModel, build_target
+from dspark.runtime.models.families import ServingTarget, TargetModel, build_target
 from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -116,7 +116,7 @@ def load_draft(ref: str, dtype: str = "float32", base_dir: Path | None = None,
 
 
 def load_models(deployment: DeploymentConfig, base_dir: Path,
-                device: torch.device) -> tuple[TargetModel, DSparkBlockDraft]:
+                device: torch.device) -> tuple[ServingTarget, DSparkBlockDraft]:
     """The deployment's target and draft on `device`: their checkpoints, or dummy weights where the
     spec asks for them (`load_format: dummy`)."""
     model, draft = deployment.model, deployment.draft

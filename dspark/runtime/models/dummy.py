@@ -14,9 +14,11 @@ from contextlib import contextmanager
 import torch
 
 from dspark.checkpoints.dspark_block_config import BlockDraftConfig
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.config import DraftRef, ModelGeometry
+from dspark.runtime.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
-from dspark.runtime.models.families import TargetModel, build_target
+from dspark.runtime.models.families import ServingTarget, build_target
 
 TARGET_SEED = 0
 DRAFT_SEED = 1
@@ -48,15 +50,19 @@ def _initialise(module: torch.nn.Module, seed: int, device: torch.device) -> Non
             param.zero_()  # biases
 
 
-def dummy_target(geometry: ModelGeometry, dtype: torch.dtype, device: torch.device,
-                 family: str = "llama") -> TargetModel:
+def dummy_target(geometry: ModelGeometry | Dsv4Geometry, dtype: torch.dtype, device: torch.device,
+                 family: str = "llama") -> ServingTarget:
     with _built_on(device, dtype):
         model = build_target(family, geometry)  # the deployment's geometry is the model's config
-    _initialise(model, TARGET_SEED, device)
+    if isinstance(model, Dsv4ForCausalLM):
+        # Its sinks and compressor gates need O(1) values for the window, entries and top-k to matter.
+        model.init_dummy_(TARGET_SEED)
+    else:
+        _initialise(model, TARGET_SEED, device)
     return model.eval()
 
 
-def draft_config(geometry: ModelGeometry, draft: DraftRef) -> BlockDraftConfig:
+def draft_config(geometry: ModelGeometry | Dsv4Geometry, draft: DraftRef) -> BlockDraftConfig:
     """The architecture a deployment's draft has: the settings compiled into `draft` over the target's
     sizes (hidden size, heads, MLP width, vocabulary, RMSNorm epsilon, RoPE theta), as the released
     DSpark drafts copy their target's config."""
@@ -67,7 +73,7 @@ def draft_config(geometry: ModelGeometry, draft: DraftRef) -> BlockDraftConfig:
         confidence_with_markov=draft.confidence_with_markov)
 
 
-def dummy_draft(geometry: ModelGeometry, draft: DraftRef, dtype: torch.dtype,
+def dummy_draft(geometry: ModelGeometry | Dsv4Geometry, draft: DraftRef, dtype: torch.dtype,
                 device: torch.device) -> DSparkBlockDraft:
     with _built_on(device, dtype):
         model = DSparkBlockDraft(draft_config(geometry, draft))

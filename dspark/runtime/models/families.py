@@ -2,26 +2,50 @@
 
 A generated deployment names its family (`DEPLOYMENT.model.family`); the loader builds that
 family's model from here, and everything else in the runtime (engine, runners, generated graph
-runners) sees only `TargetModel`. Adding a family is one model module and one entry here (and its
-config reading in `dspark.formats.hf_config.FAMILIES`); no template changes.
+runners) sees only `ServingTarget` (a dense family's model is also a `TargetModel`, which training
+and the references run densely). Adding a dense family is one model module and one entry here (and
+its config reading in `dspark.formats.hf_config.FAMILIES`); no template changes. DeepSeek-V4 keeps
+other caches than paged K/V, so it also has its own attention templates (`dspark/templates/dsv4`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.formats.hf_config import FAMILIES
 from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
-from dspark.runtime.config import ModelGeometry
+from dspark.runtime.config import MODEL_FAMILIES, ModelGeometry
+from dspark.runtime.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.models.llama import LlamaForCausalLM
 from dspark.runtime.models.qwen3 import Qwen3ForCausalLM
 
 
+class ServingTarget(Protocol):
+    """What the engine asks of every target model (an `nn.Module`) it serves."""
+
+    cfg: ModelGeometry | Dsv4Geometry
+    lm_head: torch.nn.Linear  # its weight's dtype and device are the model's
+
+    def forward_paged_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any,
+                             capture: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`[T, d]` residual stream of a step's packed rows over the caches `attn` owns, planned by `meta`,
+        and the streams after `capture` layers (0: the embeddings)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[T, V]` logits of `[T, d]` residual-stream rows, row-invariant."""
+        ...
+
+    def greedy_continue(self, prompts: torch.Tensor, steps: int) -> torch.Tensor: ...
+
+
 class TargetModel(Protocol):
-    """What the runtime asks of a target model (an `nn.Module`)."""
+    """A dense target (Llama, Qwen3): served over the paged KV cache, and run densely for training
+    and as the reference."""
 
     cfg: ModelGeometry
     lm_head: torch.nn.Linear
@@ -59,20 +83,29 @@ class TargetModel(Protocol):
     def tied_weights(self) -> tuple[str, ...]: ...
 
 
-TARGET_MODELS: dict[str, Callable[[ModelGeometry], TargetModel]] = {
+TARGET_MODELS: dict[str, Callable[[Any], ServingTarget]] = {
     "llama": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    DSV4_FAMILY: Dsv4ForCausalLM,
 }
-assert set(TARGET_MODELS) == set(FAMILIES), "every family the compiler accepts has a model here"
+assert set(TARGET_MODELS) == set(MODEL_FAMILIES), "every family the compiler accepts has a model here"
 
 
-def target_model_class(family: str) -> Callable[[ModelGeometry], TargetModel]:
+def dense_target(target: ServingTarget, what: str) -> TargetModel:
+    """`target` as a dense family's model, for `what` needs its dense forward; a clear error otherwise."""
+    if isinstance(target, Dsv4ForCausalLM):
+        raise ValueError(f"{what} needs a dense target (one of {', '.join(FAMILIES)}); the {DSV4_FAMILY} "
+                         "family is served only")
+    return target  # type: ignore[return-value]
+
+
+def target_model_class(family: str) -> Callable[[Any], ServingTarget]:
     try:
         return TARGET_MODELS[family]
     except KeyError:
         raise ValueError(f"model family {family!r} is not one of {', '.join(TARGET_MODELS)}") from None
 
 
-def build_target(family: str, cfg: ModelGeometry) -> TargetModel:
+def build_target(family: str, cfg: ModelGeometry | Dsv4Geometry) -> ServingTarget:
     """An initialised (not loaded) target model of `family` with config `cfg`."""
     return target_model_class(family)(cfg)

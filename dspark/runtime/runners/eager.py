@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
 from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
-from dspark.runtime.models.families import TargetModel
+from dspark.runtime.models.families import ServingTarget
 
 
 class EagerVerifyRunner:
-    def __init__(self, target: TargetModel, attn: AttentionBackend, shape: StepShape,
+    def __init__(self, target: ServingTarget, attn: AttentionBackend, shape: StepShape,
                  build_metadata: Callable[[VerifyLayout], AttentionMetadata], capture: tuple[int, ...] = ()
                  ) -> None:
         self.target = target
@@ -30,8 +30,9 @@ class EagerVerifyRunner:
         self.device = target.lm_head.weight.device
 
     def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor) -> VerifyLayout:
-        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, self.shape, self.device)
+             page_table: torch.Tensor, slots: list[int]) -> VerifyLayout:
+        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, self.shape, self.device,
+                           slots=slots)
 
     def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states `[total_rows, d]` of the real rows; padding rows run but are dropped."""

@@ -64,4 +64,5 @@ class StepBuffers:
             packed=captured.packed,
             host_qo_indptr=captured.host_qo_indptr,
             host_kv_lens=captured.host_kv_lens,
+            host_slots=captured.host_slots,
         )
