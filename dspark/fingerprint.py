@@ -51,13 +51,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dspark.backends import ATTENTION_BY_BACKEND
+from dspark.backends import default_attention
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.formats.hf_config import ROPE_SCALING_FIELDS
 from dspark.modes import VerifyMode
 
 if TYPE_CHECKING:
     from dspark.runtime.config import DeploymentConfig
-    from dspark.spec.models import DeploymentSpec, GeometrySpec
+    from dspark.spec.models import DeploymentSpec, TargetGeometry
     from dspark.spec.resolved import ResolvedSpec
 
 COST_FIELDS = ("backend", "device", "dtype", "model_geometry", "model_weights", "draft", "draft_weights",
@@ -70,6 +71,7 @@ GEOMETRY_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers
                    "num_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "rms_norm_eps")
 _FLOAT_GEOMETRY = ("rope_theta", "rms_norm_eps")
 _FLAG_GEOMETRY = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+_DSV4_FLOATS = ("norm_eps", "rope_theta", "compress_rope_theta")
 _DIGEST_CHARS = 16  # 64 bits: enough to tell deployments apart, short enough to read in an error
 _VERIFY_MODES = tuple(mode.value for mode in VerifyMode)
 GREEDY = "greedy"
@@ -187,14 +189,16 @@ def short_digest(value: Any) -> str:
 
 
 def geometry_digest(geometry: Any, family: str = "llama") -> str:
-    """Digest of a model geometry (a spec `GeometrySpec` or a runtime `ModelGeometry`, head_dim set)
-    of a model `family`.
+    """Digest of a model geometry (a spec `GeometrySpec` or a runtime `ModelGeometry`, head_dim set; a
+    `Dsv4Geometry` for the dsv4 family) of a model `family`.
 
     Integers and floats are normalised so `rope_theta: 500000` in YAML and `500000.0` in generated
     code hash alike. The family and the config fields added with it (RoPE scaling, tied embeddings,
     biases) enter only where they differ from a plain untied Llama, so the digests of tables
     measured before they existed stay valid.
     """
+    if family == DSV4_FAMILY:
+        return _dsv4_digest(geometry)
     values: dict[str, Any] = {}
     for name in GEOMETRY_FIELDS:
         value = getattr(geometry, name)
@@ -210,6 +214,18 @@ def geometry_digest(geometry: Any, family: str = "llama") -> str:
     for flag in _FLAG_GEOMETRY:
         if getattr(geometry, flag, False):
             values[flag] = True
+    return short_digest(values)
+
+
+def _dsv4_digest(geometry: Dsv4Geometry) -> str:
+    """Every field of a DeepSeek-V4 geometry, normalised as the dense ones are, and the family."""
+    values: dict[str, Any] = {"family": DSV4_FAMILY}
+    for field in dataclasses.fields(geometry):
+        value = getattr(geometry, field.name)
+        if field.name == "compress_ratios":
+            values[field.name] = [int(ratio) for ratio in value]
+        else:
+            values[field.name] = float(value) if field.name in _DSV4_FLOATS else int(value)
     return short_digest(values)
 
 
@@ -250,10 +266,11 @@ def sampling_policy(temperature: float, top_p: float, top_k: int) -> str:
     return f"sample:temperature={_number(temperature)},top_p={_number(top_p)},top_k={int(top_k)}"
 
 
-def backend_identity(kind: str, attention: str | None) -> str:
+def backend_identity(kind: str, attention: str | None, family: str) -> str:
     """The backend as fingerprints store it: a table measured with FlashInfer's attention is not one
-    measured with the project's Triton kernel, but the default attention keeps the bare kind."""
-    if attention is None or attention == ATTENTION_BY_BACKEND[kind][0]:
+    measured with the project's Triton kernel, but the default attention for the model family keeps
+    the bare kind."""
+    if attention is None or attention == default_attention(kind, family):
         return kind
     return f"{kind}+{attention}"
 
@@ -270,13 +287,14 @@ def _build(*, backend: str, device: str, dtype: str, geometry: Any, family: str,
         policy=sampling_policy(temperature, top_p, top_k))
 
 
-def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: GeometrySpec, tiers: Sequence[int], *,
+def fingerprint_of_spec_parts(spec: DeploymentSpec, geometry: TargetGeometry, tiers: Sequence[int], *,
                               model_digest: str, draft_digest: str) -> Fingerprint:
     """The spec's fingerprint from its parts, for checks that run before a `ResolvedSpec` exists
     (`model_digest`, `draft_digest`: `checkpoint_digest` of each checkpoint, "" when absent)."""
     generation = spec.serving.generation
     return _build(
-        backend=backend_identity(spec.backend.kind, spec.backend.attention), device=spec.backend.device,
+        backend=backend_identity(spec.backend.kind, spec.backend.attention, spec.model.family),
+        device=spec.backend.device,
         dtype=spec.model.dtype, geometry=geometry, family=spec.model.family,
         model_digest=model_digest, draft_weights_digest=draft_digest, draft=spec.draft,
         tp=spec.parallelism.tp,
@@ -298,7 +316,8 @@ def fingerprint_of_deployment(deployment: DeploymentConfig, tiers: Sequence[int]
     """
     serving = deployment.serving
     return _build(
-        backend=backend_identity(deployment.backend, deployment.attention), device=deployment.device,
+        backend=backend_identity(deployment.backend, deployment.attention, deployment.model.family),
+        device=deployment.device,
         dtype=deployment.model.dtype,
         geometry=deployment.model.geometry, family=deployment.model.family,
         model_digest=deployment.model.digest,

@@ -4,26 +4,68 @@ from __future__ import annotations
 
 import os
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dspark import __version__
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4CacheLayout, Dsv4Geometry, dsv4_cache_layout
 from dspark.modes import VerifyMode
 from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
 
 HEADER_WIDTH = 100
-# Each attention implementation (`backend.attention`): its module under dspark.runtime.attention and
-# class, as its eager runner names them, and the template folder of its metadata builder and graph runner.
-ATTENTION_BACKENDS = {"torch": ("torch_paged", "TorchPagedAttention", "cpu"),
-                      "triton": ("triton_paged", "TritonPagedAttention", "cuda"),
-                      "flashinfer": ("flashinfer_paged", "FlashInferPagedAttention", "flashinfer"),
-                      "fused_infer_attention": ("ascend", "AscendFusedAttention", "ascend")}
+RUNTIME_ATTENTION = "dspark.runtime.attention"  # the package of the dense families' attention modules
+
+
+@dataclass(frozen=True)
+class AttentionCode:
+    """Where an attention implementation's code is: the module and class its runners import, and the
+    template folder of its metadata builder and graph runner."""
+
+    module: str  # import path
+    cls: str
+    templates: str
+
+
+# Each attention implementation (`backend.attention`) of the dense families.
+ATTENTION_BACKENDS = {
+    "torch": AttentionCode(f"{RUNTIME_ATTENTION}.torch_paged", "TorchPagedAttention", "cpu"),
+    "triton": AttentionCode(f"{RUNTIME_ATTENTION}.triton_paged", "TritonPagedAttention", "cuda"),
+    "flashinfer": AttentionCode(f"{RUNTIME_ATTENTION}.flashinfer_paged", "FlashInferPagedAttention",
+                                "flashinfer"),
+    "fused_infer_attention": AttentionCode(f"{RUNTIME_ATTENTION}.ascend", "AscendFusedAttention", "ascend"),
+}
+# DeepSeek-V4's: its own caches and operators, so its own modules and templates, under the names the
+# spec's backend.attention gives them.
+DSV4_ATTENTION_BACKENDS = {
+    "torch": AttentionCode("dspark.runtime.dsv4.attention", "Dsv4PagedAttention", "dsv4/cpu"),
+    "sparse_attn_sharedkv": AttentionCode("dspark.runtime.dsv4.ascend_backend", "Dsv4AscendAttention",
+                                          "dsv4/ascend"),
+}
+
+
+def attention_code(resolved: ResolvedSpec) -> AttentionCode:
+    """The code of the spec's attention: the model family picks the table (DeepSeek-V4 runs its own
+    attention), backend.attention the entry."""
+    spec = resolved.spec
+    table = DSV4_ATTENTION_BACKENDS if spec.model.family == DSV4_FAMILY else ATTENTION_BACKENDS
+    return table[spec.attention_impl]
 
 
 def attention_templates(resolved: ResolvedSpec) -> str:
     """The template folder of the spec's attention implementation."""
-    return ATTENTION_BACKENDS[resolved.spec.backend.attention_impl][2]
+    return attention_code(resolved).templates
+
+
+def dsv4_layout(resolved: ResolvedSpec) -> Dsv4CacheLayout | None:
+    """How a DeepSeek-V4 deployment pages its caches (None for a dense model): verify steps of N rows per
+    request and prefill chunks of at most the chunk budget, which no request's context exceeds."""
+    geometry, serving = resolved.geometry, resolved.spec.serving
+    if not isinstance(geometry, Dsv4Geometry):
+        return None
+    return dsv4_cache_layout(geometry, resolved.num_draft_tokens, serving.page_size,
+                             prefill_rows=min(serving.chunked_prefill_tokens, serving.max_context_len))
 
 
 def header_text(resolved: ResolvedSpec) -> str:
@@ -68,6 +110,8 @@ _METADATA_READS = {
              "and KV lengths.",
     "triton": "Tensor code only (no host sync), so it can run inside a captured graph.",
     "fused_infer_attention": "The operator reads the lengths from the layout's host copies.",
+    "sparse_attn_sharedkv": "The operators read their lengths from device tensors, planned from the layout's "
+                            "host copies.",
     "flashinfer": "FlashInfer plans on the host: the CSR page arrays are derived from the layout's host "
                   "copies of the row counts and KV lengths, outside any captured graph.",
 }
@@ -120,6 +164,8 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
         updated = "KV lengths (`prefix + N`; the query ends stay fixed-width, `[N, 2N, ..., B*N]`)."
     padding = ("Padding requests have prefix 0 and an all-null page table, so their K/V writes land in the "
                "null page that no real request reads.")
+    if isinstance(resolved.geometry, Dsv4Geometry):
+        return {"eager_doc": eager, "graph_runner_doc": _dsv4_graph_doc(graph_key, replay)}
     if backend == "ascend":
         graph = (f"One NPU graph per {graph_key}.\n\nThe fused attention operator takes its sequence "
                  "lengths on the host, so they are baked into a captured graph: every layer's attention is "
@@ -128,7 +174,7 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
                  "on that page.")
     else:
         graph = f"One CUDA graph per {graph_key}.\n\n{replay} {padding}"
-    if spec.backend.attention_impl == "flashinfer":
+    if spec.attention_impl == "flashinfer":
         graph += (" A step's layout is planned outside the graph and copied into static buffers, and "
                   "FlashInfer's plan() for the tier's wrapper runs on the host before every replay (it "
                   "writes the CSR page arrays into the wrapper's fixed buffers); the graph holds only the "
@@ -139,13 +185,25 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
     return {"eager_doc": eager, "graph_runner_doc": graph}
 
 
+def _dsv4_graph_doc(graph_key: str, replay: str) -> str:
+    """DeepSeek-V4's NPU graphs (docs/dsv4.md): its operators read their lengths from device tensors, so a
+    graph is refreshed by copying into its buffers, not by re-issuing captured tasks."""
+    return (f"One NPU graph per {graph_key}.\n\nThe DeepSeek-V4 operators take their lengths as device "
+            "tensors, so a tier's graph reads fixed buffers: before each replay "
+            "`Dsv4AscendAttention.update_captured` copies the step's metadata into them and recomputes the "
+            "operators' tiling plans on an update stream, which first waits for the compute stream so a "
+            f"replay still running is never patched.\n\n{replay} Padding requests have prefix 0, write only "
+            "the null page and close no compressed blocks.")
+
+
 def _source(kind: str, file: str | None) -> str:
     return f"{kind} from {file}" if file else f"{kind}, inline in the spec"
 
 
 def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any]:
     spec = resolved.spec
-    mode, backend, attention = spec.verify.mode, spec.backend.kind, spec.backend.attention_impl
+    mode, backend, attention = spec.verify.mode, spec.backend.kind, spec.attention_impl
+    code = attention_code(resolved)
     widest, widest_doc = _widest_request(mode)
     cost_file = getattr(spec.cost_model, "file", None)
     calibration_file = getattr(spec.calibration, "file", None)
@@ -156,10 +214,11 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "spec_sha256": resolved.source_sha256,
         "name": spec.name,
         "spec": spec,
-        "geometry": resolved.geometry,
-        # RoPE scaling's fields (what a RopeScaling holds), None for plain RoPE
-        "rope_scaling": (resolved.geometry.rope_scaling.model_dump(exclude_none=True)
-                         if resolved.geometry.rope_scaling else None),
+        "model_family": spec.model.family,
+        "geometry": resolved.geometry,  # a Dsv4Geometry for the dsv4 family
+        # RoPE scaling's fields (what a RopeScaling holds), None for plain RoPE (DeepSeek-V4's only)
+        "rope_scaling": _rope_scaling(resolved),
+        "dsv4_layout": dsv4_layout(resolved),
         "gamma": spec.draft.gamma,
         "N": resolved.num_draft_tokens,
         "mode": mode,
@@ -192,7 +251,16 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "widest_request_doc": widest_doc,
         "verify_rows_doc": _verify_rows_doc(mode, backend, attention),
         "attention": attention,
-        "attention_module": ATTENTION_BACKENDS[attention][0],
-        "attention_class": ATTENTION_BACKENDS[attention][1],
+        "attention_import": code.module,
+        # the module as the shared eager runner imports it, from dspark.runtime.attention
+        "attention_module": code.module.removeprefix(f"{RUNTIME_ATTENTION}."),
+        "attention_class": code.cls,
         **_runner_docs(resolved),
     }
+
+
+def _rope_scaling(resolved: ResolvedSpec) -> dict[str, Any] | None:
+    geometry = resolved.geometry
+    if isinstance(geometry, Dsv4Geometry) or geometry.rope_scaling is None:
+        return None
+    return geometry.rope_scaling.model_dump(exclude_none=True)

@@ -38,7 +38,7 @@ def build_graph(resolved: ResolvedSpec) -> nx.DiGraph:
             templates = sorted(node.templates(resolved).values())
             value = {"value": value, "templates": {t: template_sha256(t) for t in templates}}
         graph.add_node(node.id, kind="file" if node.files else "derived", value=value, files=node.files)
-        graph.add_edges_from((source, node.id) for source in node.inputs)
+        graph.add_edges_from((source, node.id) for source in node.inputs_of(resolved))
     graph.add_node("manifest", kind="file", value=None, files=(MANIFEST_FILE,))
     graph.add_edges_from((source, "manifest") for source in FILE_NODES)
     for node_id in nx.lexicographical_topological_sort(graph):

@@ -8,11 +8,12 @@ derived from the inputs its node declares here.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from dspark.compiler.context import attention_templates
 from dspark.fingerprint import Fingerprint
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.spec import ResolvedSpec
 
 SPEC_SECTIONS = ("name", "model", "draft", "parallelism", "backend", "verify", "graph",
@@ -25,6 +26,7 @@ MANIFEST_FILE = "manifest.json"
 
 
 TemplateChoice = Callable[[ResolvedSpec], Mapping[str, str]]
+InputChoice = Callable[[ResolvedSpec], tuple[str, ...]]
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,8 @@ class DerivedNode:
     """A value computed from its inputs; with `templates`, also the files rendered from it.
 
     `templates(resolved)` maps each generated file to the template it is rendered from, which may
-    depend on the backend (one template per backend and file kind).
+    depend on the backend (one template per backend and file kind). `family_inputs(resolved)` names
+    what the templates of the spec's model family read beyond `inputs`.
     """
 
     id: str
@@ -40,6 +43,11 @@ class DerivedNode:
     value: Callable[[ResolvedSpec], Any]
     files: tuple[str, ...] = ()
     templates: TemplateChoice | None = None
+    family_inputs: InputChoice | None = None
+
+    def inputs_of(self, resolved: ResolvedSpec) -> tuple[str, ...]:
+        """The nodes this one reads for `resolved`."""
+        return self.inputs + (self.family_inputs(resolved) if self.family_inputs else ())
 
 
 def section_value(resolved: ResolvedSpec, section: str) -> Any:
@@ -76,15 +84,18 @@ def _leaves(prefix: str, value: Any) -> list[str]:
 
 
 def _geometry(resolved: ResolvedSpec) -> Any:
-    return resolved.geometry.model_dump(mode="json")
+    geometry = resolved.geometry
+    return asdict(geometry) if isinstance(geometry, Dsv4Geometry) else geometry.model_dump(mode="json")
 
 
 def _parallel_plan(resolved: ResolvedSpec) -> Any:
-    parallelism = resolved.spec.parallelism
+    parallelism, geometry = resolved.spec.parallelism, resolved.geometry
+    # DeepSeek-V4's one latent K=V head is read by every query head, so each rank keeps a copy.
+    kv_heads = 1 if isinstance(geometry, Dsv4Geometry) else geometry.num_kv_heads // parallelism.tp
     return {**parallelism.model_dump(mode="json"),
             "world_size": parallelism.tp * parallelism.dp,
-            "heads_per_rank": resolved.geometry.num_heads // parallelism.tp,
-            "kv_heads_per_rank": resolved.geometry.num_kv_heads // parallelism.tp}
+            "heads_per_rank": geometry.num_heads // parallelism.tp,
+            "kv_heads_per_rank": kv_heads}
 
 
 def _tier_grid(resolved: ResolvedSpec) -> Any:
@@ -136,11 +147,26 @@ def _attention_metadata(resolved: ResolvedSpec) -> Mapping[str, str]:
     return {"attn_metadata.py": f"{attention_templates(resolved)}/attn_metadata.py.j2"}
 
 
+def _deployment(resolved: ResolvedSpec) -> Mapping[str, str]:
+    """DeepSeek-V4's geometry is its own class (`Dsv4Geometry`), so its deployment has its own template."""
+    dsv4 = resolved.spec.model.family == DSV4_FAMILY
+    return {"deployment.py": "deployment_dsv4.py.j2" if dsv4 else "deployment.py.j2"}
+
+
 def _graph_runner(resolved: ResolvedSpec) -> Mapping[str, str]:
     """Graph capture is CUDA's or Ascend's own mechanics; without it (and on the CPU, which pads
-    to its tiers eagerly) every backend runs the same eager runner."""
-    captures = resolved.spec.graph.enabled and resolved.spec.backend.kind != "cpu"
-    return {"graph_runner.py": f"{attention_templates(resolved) if captures else 'eager'}/graph_runner.py.j2"}
+    to its tiers eagerly) every backend runs the same eager runner, importing DeepSeek-V4's attention
+    from its own package."""
+    if resolved.spec.graph.enabled and resolved.spec.backend.kind != "cpu":
+        return {"graph_runner.py": f"{attention_templates(resolved)}/graph_runner.py.j2"}
+    dsv4 = resolved.spec.model.family == DSV4_FAMILY
+    return {"graph_runner.py": "eager/graph_runner_dsv4.py.j2" if dsv4 else "eager/graph_runner.py.j2"}
+
+
+def _dsv4_layout_inputs(resolved: ResolvedSpec) -> tuple[str, ...]:
+    """A DeepSeek-V4 deployment's attention templates are its family's and read its cache layout, which
+    follows from the model's geometry (N and the serving limits are read by every such node)."""
+    return ("spec.model", "model_geometry") if resolved.spec.model.family == DSV4_FAMILY else ()
 
 
 def _entry(resolved: ResolvedSpec) -> Mapping[str, str]:
@@ -154,15 +180,15 @@ DERIVED: tuple[DerivedNode, ...] = (
     DerivedNode("deployment",
                 (*HEADER_INPUTS, "spec.model", "spec.draft", "spec.serving", "model_geometry",
                  "parallel_plan", "tier_grid"),
-                _files_only, ("deployment.py",), _shared("deployment.py")),
+                _files_only, ("deployment.py",), _deployment),
     DerivedNode("planner_config",
                 (*HEADER_INPUTS, "spec.draft", "spec.cost_model", "spec.calibration", "tier_grid"),
                 _planner, ("planner_config.py",), _shared("planner_config.py")),
     DerivedNode("backend_metadata", (*HEADER_INPUTS, "spec.draft", "spec.serving"),
-                _files_only, ("attn_metadata.py",), _attention_metadata),
+                _files_only, ("attn_metadata.py",), _attention_metadata, _dsv4_layout_inputs),
     DerivedNode("graph_capture",
                 (*HEADER_INPUTS, "spec.draft", "spec.graph", "spec.serving", "tier_grid"),
-                _files_only, ("graph_runner.py",), _graph_runner),
+                _files_only, ("graph_runner.py",), _graph_runner, _dsv4_layout_inputs),
     DerivedNode("runtime_entry", HEADER_INPUTS, _files_only, ("__init__.py", "__main__.py"), _entry),
 )
 

@@ -29,8 +29,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from dspark.spec import ResolvedSpec
+from dspark.formats.dsv4_config import DSV4_FAMILY
+from dspark.formats.hf_config import FAMILIES
+from dspark.spec import ResolvedSpec, SpecError
 from dspark.spec.checkpoints import CheckpointRef
+from dspark.spec.errors import SpecIssue
 from dspark.spec.external import resolve_path
 from dspark.spec.introspect import leaf_values
 from dspark.spec.tables import CalibrationFile, CostModelFile
@@ -154,6 +157,8 @@ class _Builder:
 
 
 def sglang_launch(resolved: ResolvedSpec, cwd: Path | None = None) -> SglangLaunch:
+    """The launch; raises `SpecError` at model.family for a family SGLang would serve as another model."""
+    _refuse_dsv4(resolved)
     cwd = Path.cwd() if cwd is None else cwd
     spec, n = resolved.spec, resolved.num_draft_tokens
     verify, serving, parallelism = spec.verify, spec.serving, spec.parallelism
@@ -196,16 +201,28 @@ def sglang_launch(resolved: ResolvedSpec, cwd: Path | None = None) -> SglangLaun
         out.says("backend.kind", "no SGLang equivalent: SGLang's DSpark runs on CUDA or NPU devices only")
     else:
         out.says("backend.kind", "CUDA, SGLang's default device (no flag)")
-    if backend.attention_impl == "flashinfer":
+    if spec.attention_impl == "flashinfer":
         out.flag(("backend.attention",), "--attention-backend", "flashinfer")
     else:
-        out.says("backend.attention", ATTENTION_NOTES[backend.attention_impl])
+        out.says("backend.attention", ATTENTION_NOTES[spec.attention_impl])
     header = (f"SGLang launch for deployment {spec.name} (spec {resolved.display_path}), printed by "
               f"`dspark-compile export-sglang`.",
               *resolved.stale_tables)
     fields = tuple((f"{path} = {_value(value)}", out.mapped.get(path) or _unmapped(path))
                    for path, value in leaf_values(spec))
     return SglangLaunch(tuple(out.env), tuple(out.flags), tuple(out.notes), header, fields)
+
+
+def _refuse_dsv4(resolved: ResolvedSpec) -> None:
+    if resolved.spec.model.family != DSV4_FAMILY:
+        return
+    raise SpecError([SpecIssue(
+        ("model", "family"),
+        f"export-sglang does not cover the {DSV4_FAMILY} family: SGLang would serve a DeepSeek-V4 checkpoint "
+        f"as the released model (MoE, hyper-connections, quantisation), not dspark's {DSV4_FAMILY} model (a "
+        "dense MLP without them), so the launch would describe another deployment",
+        f"export-sglang prints launches for the dense families ({', '.join(FAMILIES)})",
+        resolved.location_of("model.family"))])
 
 
 def _cost_model(resolved: ResolvedSpec, cwd: Path, out: _Builder) -> None:

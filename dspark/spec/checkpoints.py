@@ -4,12 +4,13 @@ their content digest (`dspark.checkpoints.digest`)."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.digest import DigestError, checkpoint_digest
+from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_MODEL_TYPE, Dsv4Geometry, dsv4_geometry
 from dspark.formats.fields import FieldValueError
 from dspark.formats.hf_config import (
     FAMILIES,
@@ -19,7 +20,7 @@ from dspark.formats.hf_config import (
     geometry_values,
 )
 from dspark.spec.external import path_kind, read_json, resolve_path, validate_file_data
-from dspark.spec.models import GeometrySpec
+from dspark.spec.models import GeometrySpec, TargetGeometry
 
 Role = Literal["target", "draft"]
 
@@ -89,6 +90,10 @@ def geometry_from_hf_config(config: dict[str, Any], path: Path, family: str = "l
     (`dspark.formats.hf_config`), so the compiled geometry is what will load; a value the runtime
     does not implement is refused here, naming the config key."""
     fam = FAMILIES[family]
+    if config.get("model_type") == DSV4_MODEL_TYPE:
+        raise FieldValueError(f"model config {str(path)!r} is a DeepSeek-V4 config (model_type "
+                              f"{DSV4_MODEL_TYPE!r}), not a {family} one",
+                              f"set model.family: {DSV4_FAMILY}")
     missing = [key for key in HF_GEOMETRY_KEYS.values()
                if key not in config and key not in HF_OPTIONAL_KEYS]
     if missing:
@@ -101,14 +106,26 @@ def geometry_from_hf_config(config: dict[str, Any], path: Path, family: str = "l
     return validate_file_data(GeometrySpec, values, path, "model config")
 
 
-def geometry_differences(inline: GeometrySpec, from_checkpoint: GeometrySpec
+def geometry_from_dsv4_config(config: dict[str, Any], path: Path) -> Dsv4Geometry:
+    """The DeepSeek-V4 geometry a checkpoint's config.json describes (`dsv4_geometry`, the reader the
+    runtime's model is built from); a key whose value dspark's DSV4 does not implement is refused here,
+    naming config.json and the key."""
+    try:
+        return dsv4_geometry(config)
+    except ConfigFieldError as exc:
+        raise FieldValueError(f"model config {str(path)!r}: {exc}", exc.hint) from None
+
+
+def geometry_differences(inline: TargetGeometry, from_checkpoint: TargetGeometry
                          ) -> list[tuple[str, Any, Any]]:
-    """(field, inline value, checkpoint value) for every field where the two disagree."""
-    out = []
-    for field in GeometrySpec.model_fields:
-        mine, theirs = getattr(inline, field), getattr(from_checkpoint, field)
-        if field == "head_dim":
-            mine, theirs = inline.resolved_head_dim, from_checkpoint.resolved_head_dim
-        if mine != theirs:
-            out.append((field, mine, theirs))
-    return out
+    """(field, inline value, checkpoint value) for every field where two geometries of one kind disagree."""
+    mine, theirs = _compiled_values(inline), _compiled_values(from_checkpoint)
+    return [(field, value, theirs[field]) for field, value in mine.items() if value != theirs[field]]
+
+
+def _compiled_values(geometry: TargetGeometry) -> dict[str, Any]:
+    """Every field of a geometry as it is compiled (a dense geometry's head_dim resolved)."""
+    if isinstance(geometry, GeometrySpec):
+        values = {name: getattr(geometry, name) for name in GeometrySpec.model_fields}
+        return {**values, "head_dim": geometry.resolved_head_dim}
+    return {field.name: getattr(geometry, field.name) for field in fields(geometry)}

@@ -17,6 +17,7 @@ _TYPE_NAMES = {
     "int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
     "string_type": "a string", "tuple_type": "a list", "list_type": "a list",
     "model_type": "a mapping", "dict_type": "a mapping", "model_attributes_type": "a mapping",
+    "model_mapping": "a mapping",  # the target model's sections, told apart by family
 }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from dspark.checkpoints.dspark_block_config import BlockDraftConfig, BlockDraftConfigError, default_layer_ids
 from dspark.spec.errors import SpecIssue
-from dspark.spec.models import DeploymentSpec, DraftSpec, GeometrySpec
+from dspark.spec.models import DeploymentSpec, DraftSpec, TargetGeometry
 
 DEFAULT_BLOCK_SIZE = 7
 DEFAULT_MARKOV_RANK = 64
@@ -42,7 +42,7 @@ def _from_checkpoint(draft: DraftSpec, cfg: BlockDraftConfig, where: str
     return values, issues
 
 
-def _from_spec(draft: DraftSpec, geometry: GeometrySpec | None) -> tuple[dict[str, Any], list[SpecIssue]]:
+def _from_spec(draft: DraftSpec, geometry: TargetGeometry | None) -> tuple[dict[str, Any], list[SpecIssue]]:
     issues = []
     rank = DEFAULT_MARKOV_RANK if draft.markov_rank is None else draft.markov_rank
     kind = draft.markov_head_type
@@ -72,7 +72,7 @@ def _from_spec(draft: DraftSpec, geometry: GeometrySpec | None) -> tuple[dict[st
     return values, issues
 
 
-def _target_issues(values: dict[str, Any], geometry: GeometrySpec, cfg: BlockDraftConfig | None
+def _target_issues(values: dict[str, Any], geometry: TargetGeometry, cfg: BlockDraftConfig | None
                    ) -> list[SpecIssue]:
     """What must agree between the draft and the target, wherever the draft's settings came from."""
     issues = []
@@ -86,7 +86,7 @@ def _target_issues(values: dict[str, Any], geometry: GeometrySpec, cfg: BlockDra
                                    ("intermediate_size", cfg.intermediate_size, geometry.intermediate_size),
                                    ("num_attention_heads", cfg.num_heads, geometry.num_heads),
                                    ("num_key_value_heads", cfg.num_kv_heads, geometry.num_kv_heads),
-                                   ("head_dim", cfg.head_dim, geometry.resolved_head_dim),
+                                   ("head_dim", cfg.head_dim, geometry.head_dim),
                                    ("rms_norm_eps", cfg.rms_norm_eps, geometry.rms_norm_eps),
                                    ("rope_theta", cfg.rope_theta, geometry.rope_theta),
                                    ("attention_bias", cfg.attention_bias, geometry.attention_bias)):
@@ -115,7 +115,7 @@ def _target_issues(values: dict[str, Any], geometry: GeometrySpec, cfg: BlockDra
 
 
 def resolve_draft(spec: DeploymentSpec, config: dict[str, Any] | None, config_path: Path | None,
-                  geometry: GeometrySpec | None) -> tuple[DeploymentSpec, list[SpecIssue]]:
+                  geometry: TargetGeometry | None) -> tuple[DeploymentSpec, list[SpecIssue]]:
     """The spec with its draft section complete, and what is wrong with it."""
     draft = spec.draft
     cfg = None

@@ -7,19 +7,27 @@ from pathlib import Path
 from typing import Any
 
 from dspark.formats.cost_tables import COST_TABLE_MODELS, CostTable
+from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.formats.fields import FieldValueError
 from dspark.formats.hf_config import FAMILIES
 from dspark.formats.sts_calibration import CalibrationFileContents
 from dspark.spec.checkpoints import (
     CheckpointRef,
     geometry_differences,
+    geometry_from_dsv4_config,
     geometry_from_hf_config,
     resolve_checkpoint,
 )
 from dspark.spec.draft import resolve_draft
 from dspark.spec.errors import SpecIssue
 from dspark.spec.external import read_json, resolve_path, validate_file_data
-from dspark.spec.models import DeploymentSpec, GeometrySpec
+from dspark.spec.models import (
+    DeploymentSpec,
+    Dsv4GeometrySpec,
+    GeometrySpec,
+    TargetGeometry,
+    required_fields,
+)
 from dspark.spec.tables import CalibrationFile, CalibrationInline, CostModelFile
 
 
@@ -29,7 +37,7 @@ class SpecFacts:
     draft section is complete (`dspark.spec.draft.resolve_draft`) wherever it could be resolved."""
 
     spec: DeploymentSpec
-    geometry: GeometrySpec | None
+    geometry: TargetGeometry | None  # a dense geometry with head_dim resolved, or a Dsv4Geometry
     model_checkpoint: CheckpointRef | None
     draft_checkpoint: CheckpointRef | None
     draft_config: dict[str, Any] | None
@@ -86,27 +94,25 @@ def _digest(ref: CheckpointRef | None, readable: bool, path: tuple[str, ...], at
 
 
 def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[SpecIssue],
-              attempt: Any) -> GeometrySpec | None:
-    inline = spec.model.geometry
-    if inline is not None:
-        issues += _family_geometry_issues(spec.model.family, inline)
+              attempt: Any) -> TargetGeometry | None:
+    inline = _inline_geometry(spec, issues)
     if ref is None:
-        return _with_head_dim(inline)
+        return inline
     config = attempt(("model", "checkpoint"), lambda: ref.config("model"))
     if config is None:
         if ref.present:
             return None  # the config could not be read; that issue is already recorded
         if inline is None:
+            section = Dsv4GeometrySpec if spec.model.family == DSV4_FAMILY else GeometrySpec
             issues.append(SpecIssue(
                 ("model", "geometry"),
                 f"required field is missing: checkpoint {spec.model.checkpoint!r} is not on "
                 f"this machine, so there is no config.json to read the geometry from",
-                "add model.geometry (vocab_size, hidden_size, intermediate_size, num_layers, "
-                "num_heads, num_kv_heads, max_position_embeddings, rope_theta, rms_norm_eps) or "
+                f"add model.geometry ({required_fields(section)}) or "
                 "point model.checkpoint at a directory with a config.json"))
-        return _with_head_dim(inline)
+        return inline
     from_checkpoint = attempt(("model", "checkpoint"),
-                              lambda: geometry_from_hf_config(config, ref.config_path, spec.model.family))
+                              lambda: _checkpoint_geometry(spec.model.family, config, ref.config_path))
     if from_checkpoint is None:
         return None
     for field, mine, theirs in geometry_differences(inline, from_checkpoint) if inline else ():
@@ -114,7 +120,25 @@ def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[Spec
             ("model", "geometry", field),
             f"{field} is {mine!r} here but {theirs!r} in {str(ref.config_path)!r}",
             "remove model.geometry (it is read from the checkpoint) or make it match"))
-    return _with_head_dim(from_checkpoint)
+    return from_checkpoint
+
+
+def _inline_geometry(spec: DeploymentSpec, issues: list[SpecIssue]) -> TargetGeometry | None:
+    """The spec's own geometry as it compiles, and what it cannot say for its family."""
+    inline = spec.model.geometry
+    if inline is None:
+        return None
+    if isinstance(inline, Dsv4GeometrySpec):
+        return inline.geometry()
+    issues += _family_geometry_issues(spec.model.family, inline)
+    return _with_head_dim(inline)
+
+
+def _checkpoint_geometry(family: str, config: dict[str, Any], path: Path) -> TargetGeometry:
+    """The geometry a checkpoint's config.json describes, read by the family's own reader."""
+    if family == DSV4_FAMILY:
+        return geometry_from_dsv4_config(config, path)
+    return _with_head_dim(geometry_from_hf_config(config, path, family))
 
 
 def _family_geometry_issues(family: str, inline: GeometrySpec) -> list[SpecIssue]:
@@ -132,9 +156,7 @@ def _family_geometry_issues(family: str, inline: GeometrySpec) -> list[SpecIssue
     return issues
 
 
-def _with_head_dim(geometry: GeometrySpec | None) -> GeometrySpec | None:
-    if geometry is None:
-        return None
+def _with_head_dim(geometry: GeometrySpec) -> GeometrySpec:
     return geometry.model_copy(update={"head_dim": geometry.resolved_head_dim})
 
 

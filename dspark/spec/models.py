@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import keyword
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
 
-from dspark.backends import ATTENTION_BY_BACKEND
+from dspark.backends import ATTENTION_BY_BACKEND, default_attention
+from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_GEOMETRY_KEYS, Dsv4Geometry
 from dspark.formats.fields import FieldValueError, IntTuple, Section, strictly_increasing
-from dspark.formats.hf_config import FAMILIES, RopeScaling
+from dspark.formats.hf_config import FAMILIES, ConfigFieldError, RopeScaling
 from dspark.modes import VerifyMode
 from dspark.spec.tables import CalibrationSpec, CostModelSpec
 
@@ -55,7 +65,7 @@ class RopeScalingSpec(Section):
 
 
 class GeometrySpec(Section):
-    """Shape of the target model (Hugging Face config.json names in parentheses)."""
+    """Shape of a dense target model (Hugging Face config.json names in parentheses)."""
 
     vocab_size: int = Field(ge=1, description="Vocabulary size (vocab_size).")
     hidden_size: int = Field(ge=1, description="Model width (hidden_size).")
@@ -79,6 +89,16 @@ class GeometrySpec(Section):
         default=False, description="q/k/v/o projections have a bias (attention_bias).")
     mlp_bias: bool = Field(default=False, description="MLP projections have a bias (mlp_bias; Llama only).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _not_dsv4(cls, data: Any) -> Any:
+        foreign = _foreign_keys(data, cls, Dsv4GeometrySpec)
+        if foreign:
+            raise FieldValueError(
+                f"a DeepSeek-V4 geometry ({', '.join(foreign)}) for a dense model family",
+                f"set model.family: {DSV4_FAMILY}, or give the dense fields ({required_fields(cls)})")
+        return data
+
     @field_validator("num_kv_heads")
     @classmethod
     def _kv_heads_divide_heads(cls, value: int, info: ValidationInfo) -> int:
@@ -101,13 +121,104 @@ class GeometrySpec(Section):
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
 
-class ModelSpec(Section):
-    """The target model that verifies draft tokens."""
+class Dsv4GeometrySpec(Section):
+    """Shape of a DeepSeek-V4 target: `Dsv4Geometry`'s fields (the config.json key each is read from in
+    parentheses), validated as `Dsv4Geometry` validates them."""
 
-    family: str = Field(
-        json_schema_extra={"enum": list(FAMILIES)},  # the registry's names, for editor completion
-        description=f"Model family: {', '.join(FAMILIES)} (dense). Selects the model code and how the "
-                    "checkpoint's config.json is read; it must match the config's model_type.")
+    vocab_size: int = Field(ge=1, description="Vocabulary size (vocab_size).")
+    dim: int = Field(ge=1, description="Model width (hidden_size).")
+    compress_ratios: IntTuple = Field(
+        description="One ratio per decoder layer: 0 (sliding window only), csa_ratio (compressed sparse "
+                    "attention, with the indexer) or hca_ratio (heavily compressed attention) "
+                    "(compress_ratios: its first num_hidden_layers entries).")
+    csa_ratio: int = Field(
+        ge=1, description="Ratio of the compressed sparse attention layers "
+                          "(compress_rates.compressed_sparse_attention; 4 in DeepSeek-V4).")
+    hca_ratio: int = Field(
+        ge=1, description="Ratio of the heavily compressed attention layers "
+                          "(compress_rates.heavily_compressed_attention; 128 in DeepSeek-V4).")
+    n_heads: int = Field(
+        ge=1, description="Attention query heads, sharing one latent K=V head (num_attention_heads).")
+    head_dim: int = Field(ge=1, description="Per-head width (head_dim).")
+    rope_dim: int = Field(ge=1, description="Rotated channels of each head, even (qk_rope_head_dim).")
+    q_lora_rank: int = Field(ge=1, description="Width of the low-rank query projection (q_lora_rank).")
+    window: int = Field(
+        ge=1, description="Positions of the sliding window every layer reads (sliding_window).")
+    index_n_heads: int = Field(
+        ge=1, description="Lightning-indexer heads of the CSA layers (index_n_heads).")
+    index_head_dim: int = Field(ge=1, description="Lightning-indexer head width (index_head_dim).")
+    index_topk: int = Field(
+        ge=1, description="Compressed entries a row of a CSA layer reads, as the indexer picks them "
+                          "(index_topk).")
+    inter_dim: int = Field(
+        ge=1, description="MLP width: the shared expert, the whole FFN without routed experts "
+                          "(moe_intermediate_size, times n_shared_experts).")
+    norm_eps: float = Field(gt=0, description="RMSNorm epsilon (rms_norm_eps).")
+    rope_theta: float = Field(gt=0, description="RoPE base of the window-only layers (rope_theta).")
+    compress_rope_theta: float = Field(
+        gt=0, description="RoPE base of the compressed layers (compress_rope_theta).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_dense(cls, data: Any) -> Any:
+        foreign = _foreign_keys(data, cls, GeometrySpec)
+        if foreign:
+            raise FieldValueError(
+                f"a dense model's geometry ({', '.join(foreign)}) for model.family {DSV4_FAMILY}",
+                f"give DeepSeek-V4's fields ({required_fields(cls)}), or set model.family to a dense "
+                f"family ({', '.join(FAMILIES)})")
+        return data
+
+    @model_validator(mode="after")
+    def _valid_geometry(self) -> Dsv4GeometrySpec:
+        try:
+            self.geometry()
+        except ConfigFieldError as exc:
+            raise _at_field(self, exc) from None
+        return self
+
+    def geometry(self) -> Dsv4Geometry:
+        """The geometry the compiler and the runtime share."""
+        return Dsv4Geometry(**self.model_dump())
+
+
+# The geometry a resolved spec compiles: a dense section, or DeepSeek-V4's (the runtime's own class).
+TargetGeometry = GeometrySpec | Dsv4Geometry
+# Dsv4Geometry's errors name the config.json key of the field they concern.
+_DSV4_FIELD_OF_KEY = {key: field for field, key in DSV4_GEOMETRY_KEYS.items()}
+
+
+def _at_field(section: Dsv4GeometrySpec, exc: ConfigFieldError) -> ValidationError:
+    """`Dsv4Geometry`'s refusal as an error of the field it concerns, so the spec loader points at the
+    line that field is written on."""
+    field = _DSV4_FIELD_OF_KEY[exc.key]
+    problem = exc.problem.removesuffix(f" (Dsv4Geometry.{field})")
+    error = FieldValueError(f"{field} {problem}", exc.hint)
+    return ValidationError.from_exception_data(type(section).__name__, [InitErrorDetails(
+        type="value_error", loc=(field,), input=getattr(section, field), ctx={"error": error})])
+
+
+def _foreign_keys(data: Any, own: type[Section], other: type[Section]) -> list[str]:
+    """The keys of a geometry mapping that only `other` has, when it has none that only `own` has: a
+    geometry written for the other kind of model, refused once instead of key by key."""
+    if not isinstance(data, dict):
+        return []
+    own_only = set(own.model_fields) - set(other.model_fields)
+    if own_only & set(data):
+        return []
+    return [key for key in data if key in set(other.model_fields) - set(own.model_fields)]
+
+
+def required_fields(model: type[Section]) -> str:
+    """The fields a section must be given, in order, for a hint."""
+    return ", ".join(name for name, field in model.model_fields.items() if field.is_required())
+
+
+class _TargetModelSection(Section):
+    """The target model that verifies draft tokens; each kind of model (dense, DeepSeek-V4) narrows
+    `family` and `geometry`."""
+
+    family: str = Field(description="Model family.")
     checkpoint: str = Field(
         min_length=1,
         description="`embedded:<name>` for a checkpoint shipped with dspark, or a directory "
@@ -115,11 +226,7 @@ class ModelSpec(Section):
                     "the spec file's directory).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         default="float32", description="Weight and activation dtype.")
-    geometry: GeometrySpec | None = Field(
-        default=None,
-        description="Model shape. Read from the checkpoint's config.json when it exists (an "
-                    "inline geometry must then equal it); required when the checkpoint "
-                    "directory is not available at compile time.")
+    geometry: GeometrySpec | Dsv4GeometrySpec | None = Field(default=None, description="Model shape.")
     load_format: Literal["auto", "dummy"] = Field(
         default="auto",
         description="auto: load the checkpoint's weights; dummy: seeded random weights of the "
@@ -129,13 +236,56 @@ class ModelSpec(Section):
                     "when present.")
 
 
+MODEL_FAMILIES = (*FAMILIES, DSV4_FAMILY)
+_GEOMETRY_SOURCE = ("Read from the checkpoint's config.json when it exists (an inline geometry must then "
+                    "equal it); required when the checkpoint directory is not available at compile time.")
+
+
+class ModelSpec(_TargetModelSection):
+    """A dense target model (llama, qwen3)."""
+
+    family: str = Field(
+        json_schema_extra={"enum": list(MODEL_FAMILIES)},  # the registry's names, for editor completion
+        description=f"Model family: {', '.join(FAMILIES)} (dense) or {DSV4_FAMILY} (DeepSeek-V4). Selects "
+                    "the model code, the geometry's fields and how the checkpoint's config.json is read; "
+                    "it must match the config's model_type.")
+    geometry: GeometrySpec | None = Field(default=None, description=f"Model shape. {_GEOMETRY_SOURCE}")
+
     @field_validator("family")
     @classmethod
     def _known_family(cls, value: str) -> str:
         if value not in FAMILIES:
             raise FieldValueError(f"model family {value!r} is not implemented",
-                                 f"use one of: {', '.join(FAMILIES)}")
+                                 f"use one of: {', '.join(MODEL_FAMILIES)}")
         return value
+
+
+class Dsv4ModelSpec(_TargetModelSection):
+    """A DeepSeek-V4 target model: compressed sparse attention over a sliding window and compressed
+    entries (docs/dsv4.md), with a dense MLP."""
+
+    family: Literal["dsv4"] = Field(description="Model family: dsv4 (DeepSeek-V4).")
+    geometry: Dsv4GeometrySpec | None = Field(
+        default=None, description=f"Model shape: `Dsv4Geometry`'s fields. {_GEOMETRY_SOURCE}")
+
+
+def _family_tag(value: Any) -> str | None:
+    """The kind of target a model mapping describes, by its family: DeepSeek-V4 or dense (a family
+    that is neither is refused by the dense section, which lists them all)."""
+    if isinstance(value, dict):
+        family = value.get("family")
+    elif isinstance(value, _TargetModelSection):
+        family = value.family
+    else:
+        return None  # a list or a scalar: no model at all
+    return DSV4_FAMILY if family == DSV4_FAMILY else "dense"
+
+
+TargetModelSpec = Annotated[
+    Annotated[ModelSpec, Tag("dense")] | Annotated[Dsv4ModelSpec, Tag(DSV4_FAMILY)],
+    Discriminator(_family_tag, custom_error_type="model_mapping",
+                  custom_error_message="the model must be a mapping"),
+]
 
 
 class DraftSpec(Section):
@@ -206,8 +356,8 @@ class BackendSpec(Section):
         default=None,
         description="Attention implementation: cpu → torch; cuda → triton (the project's own kernel, the "
                     "default) or flashinfer (FlashInfer's paged prefill wrapper; needs flashinfer-python "
-                    "where the deployment runs); ascend → fused_infer_attention. Left out: the "
-                    "backend's default.")
+                    "where the deployment runs); ascend → fused_infer_attention (dense families) or "
+                    "sparse_attn_sharedkv (dsv4). Left out: the backend's default for the model family.")
 
     @field_validator("device")
     @classmethod
@@ -225,15 +375,11 @@ class BackendSpec(Section):
         kind = info.data.get("kind")
         allowed = ATTENTION_BY_BACKEND.get(kind, ()) if isinstance(kind, str) else ()
         if value is not None and kind is not None and value not in allowed:
-            others = f" or use {', '.join(allowed[1:])}" if len(allowed) > 1 else ""
+            # which of the kind's implementations is the default depends on the model family
             raise FieldValueError(f"attention {value!r} does not run on the {kind} backend",
-                                 f"leave backend.attention out for the {kind} backend's {allowed[0]}{others}")
+                                 f"leave backend.attention out for the {kind} backend's default, or use "
+                                 f"one of: {', '.join(allowed)}")
         return value
-
-    @property
-    def attention_impl(self) -> str:
-        """The attention implementation this backend runs (the spec's, or the backend's default)."""
-        return self.attention or ATTENTION_BY_BACKEND[self.kind][0]
 
 
 class VerifySpec(Section):
@@ -338,7 +484,7 @@ class DeploymentSpec(Section):
     name: str = Field(
         description="Deployment name; becomes the generated package name "
                     "(lowercase identifier, not a Python keyword).")
-    model: ModelSpec = Field(description="The target model.")
+    model: TargetModelSpec = Field(description="The target model.")
     draft: DraftSpec = Field(description="The draft model.")
     parallelism: ParallelismSpec = Field(
         default_factory=ParallelismSpec, description="Device parallelism.")
@@ -366,3 +512,9 @@ class DeploymentSpec(Section):
             raise FieldValueError(f"{value!r} is a Python keyword and cannot name a package",
                                  f"use e.g. {value}_deploy")
         return value
+
+    @property
+    def attention_impl(self) -> str:
+        """The attention implementation the deployment runs: backend.attention, or the backend's default
+        for the model family."""
+        return self.backend.attention or default_attention(self.backend.kind, self.model.family)

@@ -10,7 +10,7 @@ from dspark.fingerprint import Fingerprint
 from dspark.formats.cost_tables import CostTable
 from dspark.spec.checkpoints import CheckpointRef
 from dspark.spec.errors import FieldPath, Location, format_path
-from dspark.spec.models import DeploymentSpec, GeometrySpec
+from dspark.spec.models import DeploymentSpec, TargetGeometry
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class ResolvedSpec:
     source: Path  # absolute path of the spec file
     display_path: str  # posix path written into generated code (repo-relative when possible)
     source_sha256: str  # of the spec file's bytes
-    geometry: GeometrySpec  # head_dim always set
+    geometry: TargetGeometry  # a dense geometry with head_dim always set, or a Dsv4Geometry
     model_checkpoint: CheckpointRef
     draft_checkpoint: CheckpointRef
     # dspark.checkpoints.digest.checkpoint_digest of each checkpoint at compile time: sha256 over its

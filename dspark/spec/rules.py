@@ -11,9 +11,11 @@ import math
 from collections.abc import Callable, Iterator
 
 from dspark.fingerprint import sampling_policy
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.spec.derived import num_draft_tokens, resolved_max_verify_len
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
+from dspark.spec.family_rules import check_dsv4_backend, check_dsv4_load_format, check_family_attention
 from dspark.spec.tier_rules import check_tier_coverage, check_tier_lists, check_tiers_need_graphs
 
 Rule = Callable[[SpecFacts], Iterator[SpecIssue]]
@@ -67,6 +69,14 @@ def check_calibration_count(facts: SpecFacts) -> Iterator[SpecIssue]:
 
 def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
     geometry, tp = facts.geometry, facts.spec.parallelism.tp
+    if isinstance(geometry, Dsv4Geometry):
+        # DeepSeek-V4's one latent K=V head is read by every query head: each rank keeps a copy.
+        if geometry.num_heads % tp:
+            valid = [d for d in range(1, geometry.num_heads + 1) if geometry.num_heads % d == 0]
+            yield SpecIssue(("parallelism", "tp"), f"tp {tp} does not divide n_heads ({geometry.num_heads})",
+                            f"every rank needs whole query heads (the latent K=V head is replicated); "
+                            f"use tp in {valid}")
+        return
     if geometry is None or (geometry.num_heads % tp == 0 and geometry.num_kv_heads % tp == 0):
         return
     common = math.gcd(geometry.num_heads, geometry.num_kv_heads)
@@ -80,9 +90,11 @@ def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
 def check_expert_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
     spec = facts.spec
     if spec.parallelism.ep != 1:
+        family = spec.model.family
+        model = f"dspark's {family} model has a dense MLP:" if family == DSV4_FAMILY else \
+            f"{family} is a dense model with"
         yield SpecIssue(("parallelism", "ep"),
-                        f"ep is {spec.parallelism.ep}, but {spec.model.family} is a dense model "
-                        f"with no experts to shard across ranks",
+                        f"ep is {spec.parallelism.ep}, but {model} no experts to shard across ranks",
                         "set parallelism.ep: 1 and scale with tp or dp")
 
 
@@ -112,8 +124,8 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 def check_flashinfer(facts: SpecFacts) -> Iterator[SpecIssue]:
     spec, geometry = facts.spec, facts.geometry
-    if spec.backend.attention_impl != "flashinfer":
-        return
+    if spec.attention_impl != "flashinfer" or isinstance(geometry, Dsv4Geometry):
+        return  # FlashInfer does not run DeepSeek-V4 at all: check_family_attention says so
     if spec.model.dtype not in FLASHINFER_DTYPES:
         yield SpecIssue(("backend", "attention"),
                         f"FlashInfer's attention runs bfloat16 or float16, but model.dtype is "
@@ -152,7 +164,11 @@ def check_compact_cost_model(facts: SpecFacts) -> Iterator[SpecIssue]:
 
 def check_context_len(facts: SpecFacts) -> Iterator[SpecIssue]:
     geometry, serving = facts.geometry, facts.spec.serving
-    if geometry is not None and serving.max_context_len > geometry.max_position_embeddings:
+    if geometry is None or isinstance(geometry, Dsv4Geometry):
+        # A Dsv4Geometry has no max_position_embeddings: without YaRN it changes nothing computed, so
+        # the config reader ignores it.
+        return
+    if serving.max_context_len > geometry.max_position_embeddings:
         limit = geometry.max_position_embeddings // serving.page_size * serving.page_size
         yield SpecIssue(("serving", "max_context_len"),
                         f"max_context_len {serving.max_context_len} exceeds the model's "
@@ -215,6 +231,9 @@ RULES: tuple[Rule, ...] = (
     check_tiers_need_graphs,
     check_tier_lists,
     check_tier_coverage,
+    check_dsv4_backend,
+    check_family_attention,
+    check_dsv4_load_format,
     check_tensor_parallel,
     check_expert_parallel,
     check_dp_attention,

@@ -1,0 +1,51 @@
+"""Rules that depend on the model family: the backends and attention implementations a family runs on,
+and what dspark's DeepSeek-V4 (dsv4) model can load.
+
+Each rule blames the field to change and says what to write instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from dspark.backends import ATTENTION_BY_BACKEND, DSV4_ATTENTION, family_attention
+from dspark.formats.dsv4_config import DSV4_FAMILY
+from dspark.spec.errors import SpecIssue
+from dspark.spec.facts import SpecFacts
+
+
+def check_dsv4_backend(facts: SpecFacts) -> Iterator[SpecIssue]:
+    backend, family = facts.spec.backend, facts.spec.model.family
+    if family != DSV4_FAMILY or family_attention(backend.kind, family):
+        return
+    kinds = [kind for kind in ATTENTION_BY_BACKEND if family_attention(kind, family)]
+    yield SpecIssue(("backend", "kind"),
+                    f"the {DSV4_FAMILY} family does not run on the {backend.kind} backend yet: its CUDA "
+                    "attention (a Triton kernel) has never run on a GPU, so no CUDA backend is built "
+                    "around it",
+                    f"set backend.kind to {' or '.join(kinds)}")
+
+
+def check_family_attention(facts: SpecFacts) -> Iterator[SpecIssue]:
+    backend, family = facts.spec.backend, facts.spec.model.family
+    runs = family_attention(backend.kind, family)
+    if backend.attention is None or not runs or backend.attention in runs:
+        return  # left out, it is the family's default; a backend without any is check_dsv4_backend's
+    what = ("DeepSeek-V4's compressed sparse attention (model.family dsv4)"
+            if backend.attention in DSV4_ATTENTION else "the dense families' paged attention")
+    others = f" or set it to {', '.join(runs[1:])}" if len(runs) > 1 else ""
+    yield SpecIssue(("backend", "attention"),
+                    f"{backend.attention} runs {what}, not model.family {family}",
+                    f"leave backend.attention out for {family}'s {runs[0]} on {backend.kind}{others}")
+
+
+def check_dsv4_load_format(facts: SpecFacts) -> Iterator[SpecIssue]:
+    model = facts.spec.model
+    if model.family != DSV4_FAMILY or model.load_format == "dummy":
+        return
+    yield SpecIssue(("model", "load_format"),
+                    f"load_format is {model.load_format}, but dspark's {DSV4_FAMILY} model implements "
+                    "DeepSeek-V4's attention with a dense MLP and no hyper-connections or quantisation, so "
+                    "no released checkpoint's weights load into it",
+                    "set model.load_format: dummy (seeded random weights of the geometry, for profiling "
+                    "and benchmarking)")
