@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from dspark.backends import ATTENTION_BY_BACKEND, DENSE_ATTENTION, DSV4_ATTENTION, family_attention
 from dspark.cli.compile import main
 from dspark.compiler import build, compile_spec
-from dspark.compiler.context import template_context
+from dspark.compiler.context import ATTENTION_BACKENDS, DSV4_ATTENTION_BACKENDS, template_context
 from dspark.compiler.graph import build_graph
 from dspark.compiler.nodes import DERIVED
 from dspark.fingerprint import fingerprint_of_deployment, fingerprint_of_spec
@@ -83,6 +84,15 @@ def test_the_eager_runner_imports_the_dsv4_attention(dsv4_spec):
                                    (ASCEND, "dspark.runtime.dsv4.ascend_backend", "Dsv4AscendAttention")):
         runner = compile_spec(dsv4_spec(overrides)).files["graph_runner.py"].decode()
         assert f"\nfrom {module} import {cls}\n" in runner
+
+
+def test_every_attention_runs_a_family_and_has_its_code():
+    named = {attention for names in ATTENTION_BY_BACKEND.values() for attention in names}
+    assert named == DENSE_ATTENTION | DSV4_ATTENTION
+    assert set(ATTENTION_BACKENDS) == DENSE_ATTENTION and set(DSV4_ATTENTION_BACKENDS) == DSV4_ATTENTION
+    assert ATTENTION_BY_BACKEND["ascend"][0] == "fused_infer_attention"  # the dense families' default
+    assert family_attention("ascend", "dsv4") == ("sparse_attn_sharedkv",)
+    assert family_attention("cuda", "dsv4") == ()
 
 
 def test_dense_specs_keep_their_templates(write_spec):
