@@ -1,0 +1,220 @@
+"""A stand-in for torch_npu and torch.npu, for the DSV4 Ascend backends' tests on the CPU.
+
+torch_npu is never installed in the CPU test environment, so a fake module takes its place: its operators
+are the CPU models of `dspark.runtime.dsv4.ascend_ops`, and it checks each call against the operators'
+schemas (every length is an int32 tensor, `Tensor?` in the schema; the tiling operators' integers are Python
+ints). `device_only` wraps a step's device arrays so that reading their values on the host fails. A fake NPU
+graph records what a stream capture would (the operators' launches and the caller's own tensor ops) and
+replays it on the same memory, so a captured tier can be checked after `update_captured` against an eager
+run of the new step. Streams and events only log what is asked of them, in order (`FakeNpu.log`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dspark.runtime.dsv4 import Dsv4VerifyMetadata
+from dspark.runtime.dsv4.ascend_ops import reference_lightning_indexer, reference_sparse_attn_sharedkv
+
+SAS, SAS_PLAN = "npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata"
+LI, LI_PLAN = "npu_quant_lightning_indexer", "npu_quant_lightning_indexer_metadata"
+LENGTHS = ("cu_seqlens_q", "seqused_kv", "actual_seq_lengths_query", "actual_seq_lengths_key")
+HOST_INTS = ("batch_size", "max_seqlen_q", "max_seqlen_kv", "max_seqlen_k", "sparse_count", "cmp_ratio",
+             "cmp_topk", "num_heads_q", "num_heads_kv", "num_heads_k", "head_dim", "ori_win_left")
+
+
+class DeviceOnly(torch.Tensor):
+    """A device array: the backend may hand it to operators and copy it on the device, never read it back."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the backend read a device tensor's values on the host")
+
+    tolist = item = numpy = __int__ = __index__ = __float__ = __bool__ = _refuse
+
+
+def device_only(meta: Dsv4VerifyMetadata) -> Dsv4VerifyMetadata:
+    """`meta` with every device array wrapped in DeviceOnly (the host arrays untouched)."""
+    def wrap(arrays: Any) -> Any:
+        return dataclasses.replace(arrays, **{f.name: getattr(arrays, f.name).as_subclass(DeviceOnly)
+                                              for f in dataclasses.fields(arrays)})
+
+    compressed = {r: dataclasses.replace(p, device=wrap(p.device)) for r, p in meta.compressed.items()}
+    return dataclasses.replace(meta, device=wrap(meta.device), compressed=compressed)
+
+
+def plain(x: Any) -> Any:
+    return x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else x
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the stand-in for torch_npu and torch.npu
+
+
+class FakeGraph:
+    """What a stream capture records, replayed in order on the same tensors."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, Callable[[], Any]]] = []
+
+    def record_op(self, name: str, run: Callable[[], Any], result: Any) -> None:
+        outs = result if isinstance(result, tuple) else (result,)
+
+        def replay() -> None:  # a replayed kernel writes the memory its captured launch allocated
+            fresh = run()
+            for out, new in zip(outs, fresh if isinstance(fresh, tuple) else (fresh,), strict=True):
+                out.copy_(new)
+
+        self.entries.append((name, replay))
+
+    def replay(self) -> None:
+        for _, entry in self.entries:
+            entry()
+
+
+class _Capture(TorchDispatchMode):
+    """Records the backend's own tensor ops issued while capturing (views alias and need no replay)."""
+
+    def __init__(self, npu: FakeNpu, graph: FakeGraph) -> None:
+        super().__init__()
+        self.npu, self.graph = npu, graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.npu.inside_op or func.is_view:
+            return out
+        if func._schema.is_mutable:
+            self.graph.entries.append((str(func), lambda: func(*args, **kwargs)))
+        else:
+            assert isinstance(out, torch.Tensor), f"the fake graph cannot capture {func}"
+            self.graph.entries.append((str(func), lambda: out.copy_(func(*args, **kwargs))))
+        return out
+
+
+class FakeNpu:
+    """`torch_npu`'s DSV4 operators and `torch.npu`'s stream / event API, recording what the backend asks."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.log: list[str] = []
+        self.stream_name = "compute"
+        self.graph: FakeGraph | None = None
+        self.inside_op = 0
+        self.plans = 0
+        self.events = 0
+
+    def _call(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        for key in LENGTHS:
+            if key in kw:
+                value = kw[key]
+                assert isinstance(value, torch.Tensor) and value.dtype == torch.int32, (
+                    f"{name}: {key} is Tensor? (int32) in the schema, got {type(value).__name__}")
+        for key in HOST_INTS:
+            if key in kw:
+                assert type(kw[key]) is int, f"{name}: {key} must be an int, got {type(kw[key]).__name__}"
+        self.calls.append((name, kw))
+        self.log.append(f"{name}@{self.stream_name}")
+        args_ = tuple(plain(a) for a in args)
+        kw_ = {k: plain(v) for k, v in kw.items()}
+
+        def run() -> Any:
+            self.inside_op += 1
+            try:
+                return fn(*args_, **kw_)
+            finally:
+                self.inside_op -= 1
+
+        result = run()
+        if self.graph is not None and not self.inside_op:
+            self.graph.record_op(name, run, result)
+        return result
+
+    # the operators, computed by the CPU models
+    def _sas(self, q: torch.Tensor, *, metadata: torch.Tensor, **kw: Any
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert metadata.dtype == torch.int32 and metadata.shape == (1024,)
+        assert int(kw["seqused_kv"].min()) >= 1  # the device side may read it: padding slots too
+        return reference_sparse_attn_sharedkv(q, **kw), torch.empty(0)
+
+    def _plan(self, **kw: Any) -> torch.Tensor:
+        self.plans += 1  # each plan is distinguishable, so a refreshed buffer shows which one it holds
+        return torch.full((1024,), self.plans, dtype=torch.int32)
+
+    def _indexer(self, *, query: torch.Tensor, key: torch.Tensor, weights: torch.Tensor,
+                 query_dequant_scale: torch.Tensor, key_dequant_scale: torch.Tensor, query_quant_mode: int,
+                 key_quant_mode: int, metadata: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        assert query_quant_mode == 0 and key_quant_mode == 0 and metadata.shape == (1024,)
+        return reference_lightning_indexer(query * query_dequant_scale[..., None],
+                                           key * key_dequant_scale[..., None], weights, **kw)
+
+    def npu_sparse_attn_sharedkv(self, q: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._call(SAS, self._sas, (q,), kw)
+
+    def npu_sparse_attn_sharedkv_metadata(self, **kw: Any) -> torch.Tensor:
+        return self._call(SAS_PLAN, self._plan, (), kw)
+
+    def npu_quant_lightning_indexer(self, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._call(LI, self._indexer, (), kw)
+
+    def npu_quant_lightning_indexer_metadata(self, **kw: Any) -> torch.Tensor:
+        return self._call(LI_PLAN, self._plan, (), kw)
+
+    # torch.npu
+    def current_stream(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(name=self.stream_name)
+
+    def Stream(self) -> types.SimpleNamespace:  # noqa: N802  (torch.npu's name)
+        return types.SimpleNamespace(name="update", wait_stream=lambda other: self.log.append(
+            f"update waits {other.name}"))
+
+    @contextmanager
+    def stream(self, s: types.SimpleNamespace) -> Iterator[None]:
+        before, self.stream_name = self.stream_name, s.name
+        try:
+            yield
+        finally:
+            self.stream_name = before
+
+    def ExternalEvent(self) -> types.SimpleNamespace:  # noqa: N802
+        self.events += 1
+        n = self.events
+
+        def wait(stream: Any) -> None:
+            self.log.append(f"event{n} wait@{stream.name}")
+            if self.graph is not None:
+                self.graph.entries.append((f"event{n} wait", lambda: None))
+
+        return types.SimpleNamespace(wait=wait, reset=lambda stream: None,
+                                     record=lambda stream: self.log.append(f"event{n} record@{stream.name}"))
+
+    @contextmanager
+    def graph_capture(self, graph: FakeGraph) -> Iterator[None]:
+        self.graph = graph
+        try:
+            with _Capture(self, graph):
+                yield
+        finally:
+            self.graph = None
+
+
+OPS = (SAS, SAS_PLAN, LI, LI_PLAN)
+
+
+def install_fake_npu(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:
+    """Put a FakeNpu in the place of the torch_npu module and of torch.npu (undone with `monkeypatch`)."""
+    fake = FakeNpu()
+    module = types.ModuleType("torch_npu")
+    for name in OPS:
+        setattr(module, name, getattr(fake, name))
+    monkeypatch.setitem(sys.modules, "torch_npu", module)
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    return fake
