@@ -52,11 +52,14 @@ arrays, its own tiling-plan buffers (one per layer kind) and its own top-k buffe
 every captured layer of the tier shares; `update_captured(tier, meta)` copies the next step's device arrays
 into them and recomputes the tiling plans into them, on an update stream that first waits for the compute
 stream (so a replay of the tier still running is never patched), then records the tier's event, which the
-graph waits on before its first operator (as `AscendFusedAttention` does). None of these operators has a
-workspace query or an `.out` variant in its schema, so there is no per-tier workspace: the per-tier resources
-are the buffers above. Enter `capturing` *before* the graph capture begins (its buffer set-up must not be
-recorded), e.g. `with attn.capturing(T, meta), torch.npu.graph(g): model(...)`. Steps replayed on a tier must
-be planned with its slot count and page-table widths (`plan_dsv4_verify(..., num_slots=B, max_kv_len=L)`).
+graph waits on before its first operator (as `AscendFusedAttention` does). Layer code whose own captured ops
+read step arrays too (`dspark.runtime.dsv4.ascend_layers`) hands its static copies to
+`update_captured(..., extra=)` and calls `await_update()` before its first op, so the one event covers them.
+None of these operators has a workspace query or an `.out` variant in its schema, so there is no per-tier
+workspace: the per-tier resources are the buffers above. Enter `capturing` *before* the graph capture begins
+(its buffer set-up must not be recorded), e.g. `with attn.capturing(T, meta), torch.npu.graph(g): model(...)`.
+Steps replayed on a tier must be planned with its slot count and page-table widths
+(`plan_dsv4_verify(..., num_slots=B, max_kv_len=L)`).
 """
 
 from __future__ import annotations
@@ -309,11 +312,15 @@ class Dsv4AscendAttention:
         finally:
             self._capture = None
 
-    def update_captured(self, tier: int, meta: Dsv4VerifyMetadata) -> None:
+    def update_captured(self, tier: int, meta: Dsv4VerifyMetadata,
+                        extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
         """Point tier `tier`'s captured graph at the step `meta`: its lengths, tables and tiling plans.
 
         The update is ordered after everything already queued on the compute stream (the tier's previous
-        replay included), and the graph's first operator waits for the event recorded at its end.
+        replay included), and the graph's first operator waits for the event recorded at its end. `extra`
+        holds (static buffer, this step's array) pairs that the caller's own captured ops read (the layer
+        code around `attend`): they are copied with the tier's buffers, on the same stream before the event,
+        so one wait (`await_update`) covers them.
         """
         entry = self._tiers.get(tier)
         if entry is None:
@@ -325,6 +332,7 @@ class Dsv4AscendAttention:
         if args.swa_indices is not None:
             pairs.append((args.swa_indices, meta.device.swa_indices.unsqueeze(1)))
         pairs += [(buf, meta.compressed[r].device.cmp_block_table) for r, buf in args.cmp_block_table.items()]
+        pairs += extra
         for dst, src in pairs:  # shapes are host-side facts: checking them reads no device value
             if dst.shape != src.shape:
                 raise Dsv4AscendBackendError(
@@ -349,6 +357,22 @@ class Dsv4AscendAttention:
         # work before the update stream has read them.
         args.meta = meta
 
+    def await_update(self) -> None:
+        """Inside `capturing`: make the graph's next operation wait for the tier's `update_captured` event.
+
+        Once per capture, before the first operation that reads a buffer the update rewrites: `attend` calls
+        it before its first operator, and a caller whose own captured ops read `extra` buffers calls it
+        before the first of those. Outside a capture it does nothing.
+        """
+        if self._capture is None:
+            return
+        tier = self._tiers[self._capture]
+        if not tier.waits:
+            stream = torch.npu.current_stream()
+            tier.event.wait(stream)
+            tier.event.reset(stream)
+            tier.waits = True
+
     # ------------------------------------------------------------------------------------------------------
     # the layer call
 
@@ -368,13 +392,7 @@ class Dsv4AscendAttention:
             raise Dsv4AscendBackendError(f"layer {layer_id} has compress ratio {ratio}; its cache "
                                          f"{cache.ratio}")
         args = self._args_for(meta)
-        if self._capture is not None:
-            tier = self._tiers[self._capture]
-            if not tier.waits:  # the graph's first operator waits for update_captured's patch
-                stream = torch.npu.current_stream()
-                tier.event.wait(stream)
-                tier.event.reset(stream)
-                tier.waits = True
+        self.await_update()
         kwargs = dict(args.sas_base[ratio], ori_kv=_paged(cache.swa_kv, "swa_kv"), sinks=sinks)
         if ratio:
             kwargs["cmp_kv"] = _paged(cache.cmp_kv, "cmp_kv")
