@@ -50,7 +50,7 @@ def test_a_tiny_dsv4_spec_compiles(dsv4_spec, tmp_path):
         if name.endswith(".py"):
             ast.parse(data)
     source = package.files["deployment.py"].decode()
-    assert "from dspark.formats.dsv4_config import Dsv4Geometry\n" in source
+    assert "    Dsv4Geometry,\n" in source and "geometry=Dsv4Geometry(\n" in source
     assert "ModelGeometry" not in source
     assert "            compress_ratios=(0, 4, 16, 4),\n" in source
     deployment = deployment_of(package, tmp_path)
@@ -69,19 +69,19 @@ def test_the_runtime_and_the_spec_fingerprint_a_dsv4_deployment_alike(dsv4_spec,
 
 
 @pytest.mark.parametrize(("overrides", "metadata", "runner"), [
-    ({}, "dsv4/cpu/attn_metadata.py.j2", "eager/graph_runner_dsv4.py.j2"),
-    (ASCEND, "dsv4/ascend/attn_metadata.py.j2", "eager/graph_runner_dsv4.py.j2"),
+    ({}, "dsv4/cpu/attn_metadata.py.j2", "eager/graph_runner.py.j2"),
+    (ASCEND, "dsv4/ascend/attn_metadata.py.j2", "eager/graph_runner.py.j2"),
     (ASCEND_GRAPHS, "dsv4/ascend/attn_metadata.py.j2", "dsv4/ascend/graph_runner.py.j2"),
 ])
 def test_the_family_picks_the_templates(dsv4_spec, overrides, metadata, runner):
     chosen = templates(dsv4_spec(overrides))
     assert chosen["attn_metadata.py"] == metadata and chosen["graph_runner.py"] == runner
-    assert chosen["deployment.py"] == "deployment_dsv4.py.j2"
+    assert chosen["deployment.py"] == "deployment.py.j2"
 
 
 def test_the_eager_runner_imports_the_dsv4_attention(dsv4_spec):
     for overrides, module, cls in (({}, "dspark.runtime.dsv4.attention", "Dsv4PagedAttention"),
-                                   (ASCEND, "dspark.runtime.dsv4.ascend_backend", "Dsv4AscendAttention")):
+                                   (ASCEND, "dspark.runtime.dsv4.ascend_layers", "Dsv4AscendLayers")):
         runner = compile_spec(dsv4_spec(overrides)).files["graph_runner.py"].decode()
         assert f"\nfrom {module} import {cls}\n" in runner
 
@@ -107,7 +107,8 @@ def test_the_templates_get_the_cache_layout(dsv4_spec, write_spec, tmp_path):
     context = template_context(resolved, tmp_path)
     # a prefill chunk runs at most a whole context's rows of one request
     assert context["dsv4_layout"] == dsv4_cache_layout(EXPECTED, 4, 16, prefill_rows=1024)
-    assert context["model_family"] == "dsv4" and context["rope_scaling"] is None
+    assert context["model_family"] == "dsv4" and context["geometry_class"] == "Dsv4Geometry"
+    assert "            compress_ratios=(0, 4, 16, 4)," in context["geometry_fields"].splitlines()
     resolved = load_spec(dsv4_spec({"serving": {"chunked_prefill_tokens": 64}}))
     assert template_context(resolved, tmp_path)["dsv4_layout"].max_rows_per_request >= 64
     dense = template_context(load_spec(write_spec()), tmp_path)

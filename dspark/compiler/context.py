@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from dspark import __version__
+from dspark.compiler.literals import py_literal
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4CacheLayout, Dsv4Geometry, dsv4_cache_layout
 from dspark.modes import VerifyMode
 from dspark.spec import ResolvedSpec
@@ -40,7 +41,7 @@ ATTENTION_BACKENDS = {
 # spec's backend.attention gives them.
 DSV4_ATTENTION_BACKENDS = {
     "torch": AttentionCode("dspark.runtime.dsv4.attention", "Dsv4PagedAttention", "dsv4/cpu"),
-    "sparse_attn_sharedkv": AttentionCode("dspark.runtime.dsv4.ascend_backend", "Dsv4AscendAttention",
+    "sparse_attn_sharedkv": AttentionCode("dspark.runtime.dsv4.ascend_layers", "Dsv4AscendLayers",
                                           "dsv4/ascend"),
 }
 
@@ -117,6 +118,25 @@ _METADATA_READS = {
 }
 
 
+def _dsv4_verify_rows_doc(mode: VerifyMode, graphs: bool) -> str:
+    """A DeepSeek-V4 `build_verify_metadata` docstring: its rows, and which write compressed entries."""
+    if mode.packs_rows:
+        rows = ("compact verify: request r runs only its `verify_lens[r]` planned rows, packed back to "
+                "back, so `cu_seqlens_q = [0, cumsum(verify_lens)]`, KV lengths are `prefix + verify_len` "
+                "and a C4 or C128 entry is written only by a planned row closing its block.")
+    else:
+        rows = (f"{mode} verify: every request runs all N rows, so `cu_seqlens_q = [0, N, 2N, ..., B*N]`, "
+                "KV lengths are `prefix + N` and every row closing a C4 or C128 block writes its entry")
+        rows += "; the plan's verify_lens cap only the acceptance afterwards." if mode.plans else "."
+    rows += (" Padding requests after the real ones (graph tiers) continue the same layout; they write "
+             "only the null pages. An entry written for a draft that is then rejected is rewritten by the "
+             "row that really closes the block before any row reads it.")
+    if graphs:
+        rows += (" Page tables span MAX_CONTEXT_LEN, so a tier's captured graph reads every step's at one "
+                 "shape.")
+    return rows
+
+
 def _verify_rows_doc(mode: VerifyMode, backend: str, attention: str) -> str:
     """The generated `build_verify_metadata` docstring: how this mode lays out a step's rows."""
     ascend = backend == "ascend"
@@ -188,9 +208,11 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
 def _dsv4_graph_doc(graph_key: str, replay: str) -> str:
     """DeepSeek-V4's NPU graphs (docs/dsv4.md): its operators read their lengths from device tensors, so a
     graph is refreshed by copying into its buffers, not by re-issuing captured tasks."""
-    return (f"One NPU graph per {graph_key}.\n\nThe DeepSeek-V4 operators take their lengths as device "
-            "tensors, so a tier's graph reads fixed buffers: before each replay "
-            "`Dsv4AscendAttention.update_captured` copies the step's metadata into them and recomputes the "
+    return (f"One NPU graph per {graph_key}, for DeepSeek-V4's compressed attention.\n\nEvery operator of a "
+            "DSV4 layer (the window and compressor writes, the blocks the step's boundary rows close, the "
+            "lightning indexer, `npu_sparse_attn_sharedkv`) reads its lengths, slots and tables from device "
+            "memory, so a tier's graph reads fixed buffers: before each replay "
+            "`Dsv4AscendLayers.update_captured` copies the step's metadata into them and recomputes the "
             "operators' tiling plans on an update stream, which first waits for the compute stream so a "
             f"replay still running is never patched.\n\n{replay} Padding requests have prefix 0, write only "
             "the null page and close no compressed blocks.")
@@ -216,8 +238,9 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "spec": spec,
         "model_family": spec.model.family,
         "geometry": resolved.geometry,  # a Dsv4Geometry for the dsv4 family
-        # RoPE scaling's fields (what a RopeScaling holds), None for plain RoPE (DeepSeek-V4's only)
-        "rope_scaling": _rope_scaling(resolved),
+        # the geometry as deployment.py writes it: its class, and one `field=literal,` line per field
+        "geometry_class": "Dsv4Geometry" if isinstance(resolved.geometry, Dsv4Geometry) else "ModelGeometry",
+        "geometry_fields": _geometry_fields(resolved),
         "dsv4_layout": dsv4_layout(resolved),
         "gamma": spec.draft.gamma,
         "N": resolved.num_draft_tokens,
@@ -249,7 +272,9 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
                               if resolved.cost_model else "no cost model: every candidate is verified"),
         "widest_request": widest,
         "widest_request_doc": widest_doc,
-        "verify_rows_doc": _verify_rows_doc(mode, backend, attention),
+        "verify_rows_doc": (_dsv4_verify_rows_doc(mode, backend == "ascend" and spec.graph.enabled)
+                            if isinstance(resolved.geometry, Dsv4Geometry)
+                            else _verify_rows_doc(mode, backend, attention)),
         "attention": attention,
         "attention_import": code.module,
         # the module as the shared eager runner imports it, from dspark.runtime.attention
@@ -259,8 +284,21 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
     }
 
 
-def _rope_scaling(resolved: ResolvedSpec) -> dict[str, Any] | None:
+# The dense geometry's fields, in ModelGeometry's order (rope_scaling written as its fields' dict).
+DENSE_GEOMETRY_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                         "num_kv_heads", "head_dim", "max_position_embeddings", "rope_theta", "rms_norm_eps",
+                         "rope_scaling", "tie_word_embeddings", "attention_bias", "mlp_bias")
+GEOMETRY_INDENT = 12  # the fields' column inside `geometry=...(` in deployment.py
+
+
+def _geometry_fields(resolved: ResolvedSpec) -> str:
     geometry = resolved.geometry
-    if isinstance(geometry, Dsv4Geometry) or geometry.rope_scaling is None:
-        return None
-    return geometry.rope_scaling.model_dump(exclude_none=True)
+    pad = " " * GEOMETRY_INDENT
+    if isinstance(geometry, Dsv4Geometry):
+        values = {f.name: getattr(geometry, f.name) for f in fields(geometry)}
+    else:
+        values = {name: getattr(geometry, name) for name in DENSE_GEOMETRY_FIELDS}
+        scaling = geometry.rope_scaling
+        values["rope_scaling"] = scaling.model_dump(exclude_none=True) if scaling else None
+    return "\n".join(f"{pad}{name}={py_literal(value, GEOMETRY_INDENT, lead=len(name) + 1)},"
+                     for name, value in values.items())

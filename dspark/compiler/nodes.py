@@ -147,22 +147,11 @@ def _attention_metadata(resolved: ResolvedSpec) -> Mapping[str, str]:
     return {"attn_metadata.py": f"{attention_templates(resolved)}/attn_metadata.py.j2"}
 
 
-def _deployment(resolved: ResolvedSpec) -> Mapping[str, str]:
-    """DeepSeek-V4's geometry is its own class (`Dsv4Geometry`). Its deployment has its own template
-    rather than a branch in the dense one, whose source every dense package's manifest hashes."""
-    dsv4 = resolved.spec.model.family == DSV4_FAMILY
-    return {"deployment.py": "deployment_dsv4.py.j2" if dsv4 else "deployment.py.j2"}
-
-
 def _graph_runner(resolved: ResolvedSpec) -> Mapping[str, str]:
     """Graph capture is CUDA's or Ascend's own mechanics; without it (and on the CPU, which pads
-    to its tiers eagerly) every backend runs the same eager runner. DeepSeek-V4's imports its attention
-    from the family's own package (`attention_import`), where the dense runner's template names a module
-    of dspark.runtime.attention; a copy, as for deployment.py, keeps the dense template's hash."""
-    if resolved.spec.graph.enabled and resolved.spec.backend.kind != "cpu":
-        return {"graph_runner.py": f"{attention_templates(resolved)}/graph_runner.py.j2"}
-    dsv4 = resolved.spec.model.family == DSV4_FAMILY
-    return {"graph_runner.py": "eager/graph_runner_dsv4.py.j2" if dsv4 else "eager/graph_runner.py.j2"}
+    to its tiers eagerly) every backend runs the same eager runner."""
+    captures = resolved.spec.graph.enabled and resolved.spec.backend.kind != "cpu"
+    return {"graph_runner.py": f"{attention_templates(resolved) if captures else 'eager'}/graph_runner.py.j2"}
 
 
 def _dsv4_layout_inputs(resolved: ResolvedSpec) -> tuple[str, ...]:
@@ -182,7 +171,7 @@ DERIVED: tuple[DerivedNode, ...] = (
     DerivedNode("deployment",
                 (*HEADER_INPUTS, "spec.model", "spec.draft", "spec.serving", "model_geometry",
                  "parallel_plan", "tier_grid"),
-                _files_only, ("deployment.py",), _deployment),
+                _files_only, ("deployment.py",), _shared("deployment.py")),
     DerivedNode("planner_config",
                 (*HEADER_INPUTS, "spec.draft", "spec.cost_model", "spec.calibration", "tier_grid"),
                 _planner, ("planner_config.py",), _shared("planner_config.py")),

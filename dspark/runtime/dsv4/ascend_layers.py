@@ -28,7 +28,7 @@ The reference's RoPE (`models.dsv4._rope`) reads the largest position back to th
 and indexes that table, so neither `DSV4Layer.attn_inputs` / `finish_rows` nor `Indexer.query` /
 `Compressor.close_block` can run on an NPU. This module keeps the reference's angles (the same libm values,
 `Dsv4RopeTables`, built once for `max_context_len` positions) in device tables and restates the pieces that
-rotate with the same primitives (`_linear`, `_rms_norm`, `_rowwise_silu`) in the same order, so on the CPU
+rotate with the same primitives (`row_linear`, `rms_norm`, `rowwise_silu`) in the same order, so on the CPU
 they round as the reference does; `Compressor.project` takes batched device positions and is called as is.
 `pool_blocks` is `Compressor.close_block` for M blocks at once (`Compressor.full`'s batched formula); block 0
 of the overlapping compressor has no predecessor, so its overlap half is masked to value 0 with gate -inf, as
@@ -97,10 +97,10 @@ from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetada
 from dspark.runtime.models.dsv4 import (
     Compressor,
     DSV4Layer,
-    _linear,
-    _rms_norm,
-    _rope_cos_sin,
-    _rowwise_silu,
+    rms_norm,
+    rope_cos_sin,
+    row_linear,
+    rowwise_silu,
 )
 
 if TYPE_CHECKING:
@@ -111,12 +111,12 @@ INDEX_SCALE_DTYPE = torch.float16  # the quantised indexer's dequant scales
 
 
 class Dsv4RopeTables:
-    """The reference's RoPE angles (`models.dsv4._rope_cos_sin`, computed once on the host with libm) as
+    """The reference's RoPE angles (`models.dsv4.rope_cos_sin`, computed once on the host with libm) as
     device tables [length, rope_dim / 2] per theta, gathered by device positions."""
 
     def __init__(self, thetas: Iterable[float], rope_dim: int, length: int, device: torch.device) -> None:
         positions = torch.arange(length)
-        self._tables = {theta: tuple(t.to(device) for t in _rope_cos_sin(theta, rope_dim, positions))
+        self._tables = {theta: tuple(t.to(device) for t in rope_cos_sin(theta, rope_dim, positions))
                         for theta in sorted(set(thetas))}
 
     def at(self, theta: float, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -155,7 +155,7 @@ def pool_blocks(comp: Compressor, kv: Tensor, score: Tensor, prev_kv: Tensor | N
         kv = torch.cat([prev_kv, kv[..., d:]], dim=1)  # [M, 2r, d]
         score = torch.cat([prev_score, score[..., d:]], dim=1)
     pooled = (kv * score.softmax(1)).sum(1)  # [M, d]: per channel, softmax over the block's positions
-    return rotate(_rms_norm(pooled, comp.norm, comp.eps), cos, sin)
+    return rotate(rms_norm(pooled, comp.norm, comp.eps), cos, sin)
 
 
 def _flat(cache: Tensor) -> Tensor:
@@ -350,11 +350,11 @@ class Dsv4AscendLayers:
         pos, swa = step.arrays["positions"], step.arrays["swa_slot_mapping"]  # [T]
         cos, sin = step.rows_rope(layer.theta)  # [T, rope_dim / 2]
         # DSV4Layer.attn_inputs, rotated with the device tables
-        x = _rms_norm(h, layer.attn_norm, eps)
-        qr = _rms_norm(_linear(x, layer.wq_a), layer.q_norm, eps)  # [T, q_lora]
-        q = _linear(qr, layer.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
-        q = rotate(_rms_norm(q, None, eps), cos[:, None], sin[:, None])  # [T, H, D]
-        kv = rotate(_rms_norm(_linear(x, layer.wkv), layer.kv_norm, eps), cos, sin)  # [T, D]
+        x = rms_norm(h, layer.attn_norm, eps)
+        qr = rms_norm(row_linear(x, layer.wq_a), layer.q_norm, eps)  # [T, q_lora]
+        q = row_linear(qr, layer.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = rotate(rms_norm(q, None, eps), cos[:, None], sin[:, None])  # [T, H, D]
+        kv = rotate(rms_norm(row_linear(x, layer.wkv), layer.kv_norm, eps), cos, sin)  # [T, D]
         _write(lc.swa_kv, swa, kv)
         if layer.compressor is not None:
             self._compress(layer.compressor, step, x, pos, lc.state_kv, lc.state_score, lc.cmp_kv)
@@ -364,18 +364,18 @@ class Dsv4AscendLayers:
             self._compress(indexer.compressor, step, x, pos, lc.index_state_kv, lc.index_state_score,
                            lc.index_kv)
             # Indexer.query, rotated with the device tables
-            iq = _linear(qr, indexer.wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+            iq = row_linear(qr, indexer.wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
             extra = dict(index_query=rotate(iq, cos[:, None], sin[:, None]),  # [T, IH, ID]
-                         index_weights=_linear(x, indexer.weights_proj)
+                         index_weights=row_linear(x, indexer.weights_proj)
                          * (cfg.index_head_dim * cfg.index_n_heads) ** -0.5,  # [T, IH]
                          query_dequant_scale=self._query_scale_for(meta.tier),
                          key_dequant_scale=self._key_scale)
         o = self.attention.attend(layer_id, q, lc, meta, sinks=layer.attn_sink, **extra)  # [T, H, D]
         # DSV4Layer.finish_rows: V carried rotated channels, so the output is rotated back by its row's angle
         o = rotate(o, cos[:, None], -sin[:, None])
-        h = h + _linear(o.flatten(1), layer.wo)
-        x = _rms_norm(h, layer.ffn_norm, eps)
-        return h + _linear(_rowwise_silu(_linear(x, layer.w1)) * _linear(x, layer.w3), layer.w2)
+        h = h + row_linear(o.flatten(1), layer.wo)
+        x = rms_norm(h, layer.ffn_norm, eps)
+        return h + row_linear(rowwise_silu(row_linear(x, layer.w1)) * row_linear(x, layer.w3), layer.w2)
 
     def _compress(self, comp: Compressor, step: _Step, x: Tensor, pos: Tensor, state_kv: Tensor | None,
                   state_score: Tensor | None, entries: Tensor | None) -> None:

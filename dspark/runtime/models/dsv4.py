@@ -139,18 +139,18 @@ class DSV4Config:
 # Row-invariant primitives: a row's result must not depend on how many rows are computed with it.
 
 
-def _linear(x: Tensor, weight: Tensor) -> Tensor:
+def row_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], each output one fixed-length sum over `in` (a GEMM
     would pick a different kernel, and different rounding, for one row than for several)."""
     return (x.unsqueeze(-2) * weight).sum(-1)
 
 
-def _rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
     return x if weight is None else x * weight
 
 
-def _rowwise_silu(x: Tensor) -> Tensor:
+def rowwise_silu(x: Tensor) -> Tensor:
     # x [L, n]: one row per call, so vectorised lanes and the scalar tail split every row alike
     return torch.stack([F.silu(row) for row in x]) if x.shape[0] else x
 
@@ -158,7 +158,7 @@ def _rowwise_silu(x: Tensor) -> Tensor:
 _ROPE_TABLES: dict[tuple[float, int], tuple[Tensor, Tensor]] = {}
 
 
-def _rope_cos_sin(theta: float, rope_dim: int, pos: Tensor) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(theta: float, rope_dim: int, pos: Tensor) -> tuple[Tensor, Tensor]:
     """cos, sin [*pos.shape, rope_dim // 2] in fp32. Tabled per position with libm and only ever extended,
     because a vectorised torch.cos may round a lane differently from its scalar tail, and a position's
     angles must not depend on the batch it was first asked for in."""
@@ -177,7 +177,7 @@ def _rope_cos_sin(theta: float, rope_dim: int, pos: Tensor) -> tuple[Tensor, Ten
 def _rope(x: Tensor, pos: Tensor, theta: float, rope_dim: int, inverse: bool = False) -> Tensor:
     """Rotate the trailing rope_dim channels of x [..., D] by position pos (shape x.shape[:-1],
     broadcastable), interleaved pairs (2i, 2i+1)."""
-    cos, sin = _rope_cos_sin(theta, rope_dim, pos)
+    cos, sin = rope_cos_sin(theta, rope_dim, pos)
     if inverse:
         sin = -sin
     nope, rot = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim :]
@@ -274,11 +274,11 @@ class Compressor(nn.Module):
 
     def project(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         """x [L, dim] at positions pos [L] -> values, gates [L, width]."""
-        return _linear(x, self.wkv), _linear(x, self.wgate) + self.ape[pos % self.ratio]
+        return row_linear(x, self.wkv), row_linear(x, self.wgate) + self.ape[pos % self.ratio]
 
     def _finish(self, pooled: Tensor, block: Tensor) -> Tensor:
         # pooled [..., d], block [...] -> entry: normalised, rotated to the block's first position
-        return _rope(_rms_norm(pooled, self.norm, self.eps), block * self.ratio, self.theta, self.rope_dim)
+        return _rope(rms_norm(pooled, self.norm, self.eps), block * self.ratio, self.theta, self.rope_dim)
 
     def init_state(self) -> CompressorState:
         d, r = self.out_dim, self.ratio
@@ -360,9 +360,9 @@ class Indexer(nn.Module):
     def query(self, x: Tensor, qr: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         """-> index queries [L, IH, ID] (RoPE'd), head weights [L, IH]."""
         cfg = self.cfg
-        q = _linear(qr, self.wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+        q = row_linear(qr, self.wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
         q = _rope(q, pos.unsqueeze(-1), self.theta, cfg.rope_dim)
-        weights = _linear(x, self.weights_proj) * (cfg.index_head_dim * cfg.index_n_heads) ** -0.5
+        weights = row_linear(x, self.weights_proj) * (cfg.index_head_dim * cfg.index_n_heads) ** -0.5
         return q, weights
 
     def select(self, q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
@@ -399,25 +399,26 @@ class DSV4Layer(nn.Module):
     def _project(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [L, dim] -> queries [L, H, D], query latent qr [L, q_lora], raw KV [L, D]."""
         cfg = self.cfg
-        qr = _rms_norm(_linear(x, self.wq_a), self.q_norm, cfg.norm_eps)
-        q = _linear(qr, self.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
-        q = _rope(_rms_norm(q, None, cfg.norm_eps), pos.unsqueeze(-1), self.theta, cfg.rope_dim)
-        kv = _rope(_rms_norm(_linear(x, self.wkv), self.kv_norm, cfg.norm_eps), pos, self.theta, cfg.rope_dim)
+        qr = rms_norm(row_linear(x, self.wq_a), self.q_norm, cfg.norm_eps)
+        q = row_linear(qr, self.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = _rope(rms_norm(q, None, cfg.norm_eps), pos.unsqueeze(-1), self.theta, cfg.rope_dim)
+        kv = rms_norm(row_linear(x, self.wkv), self.kv_norm, cfg.norm_eps)
+        kv = _rope(kv, pos, self.theta, cfg.rope_dim)
         return q, qr, kv
 
     def _finish(self, h: Tensor, o: Tensor, pos: Tensor) -> Tensor:
         """h [L, dim], attention output o [L, H, D] -> the layer's output [L, dim]."""
         cfg = self.cfg
         o = _rope(o, pos.unsqueeze(-1), self.theta, cfg.rope_dim, inverse=True)  # V carried rotated channels
-        h = h + _linear(o.flatten(1), self.wo)
-        x = _rms_norm(h, self.ffn_norm, cfg.norm_eps)
-        return h + _linear(_rowwise_silu(_linear(x, self.w1)) * _linear(x, self.w3), self.w2)
+        h = h + row_linear(o.flatten(1), self.wo)
+        x = rms_norm(h, self.ffn_norm, cfg.norm_eps)
+        return h + row_linear(rowwise_silu(row_linear(x, self.w1)) * row_linear(x, self.w3), self.w2)
 
     # -- pieces for other paths (dspark.runtime.dsv4.paged), the same math as step -----------------------
     def attn_inputs(self, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """h [L, dim] at positions pos [L] -> normed input x [L, dim], queries [L, H, D], query latent qr
         [L, q_lora], raw KV [L, D]."""
-        x = _rms_norm(h, self.attn_norm, self.cfg.norm_eps)
+        x = rms_norm(h, self.attn_norm, self.cfg.norm_eps)
         return (x, *self._project(x, pos))
 
     def attend_row(self, q: Tensor, keys: Tensor) -> Tensor:
@@ -434,7 +435,7 @@ class DSV4Layer(nn.Module):
         cfg = self.cfg
         n = h.shape[0]
         pos = torch.arange(n)
-        x = _rms_norm(h, self.attn_norm, cfg.norm_eps)
+        x = rms_norm(h, self.attn_norm, cfg.norm_eps)
         q, qr, kv = self._project(x, pos)
         scale = cfg.head_dim**-0.5
         raw_scores = torch.einsum("thd,sd->ths", q, kv) * scale  # [T, H, T]
@@ -487,7 +488,7 @@ class DSV4Layer(nn.Module):
         cfg, window = self.cfg, self.cfg.window
         n_rows = h.shape[0]
         pos = torch.arange(start, start + n_rows)
-        x = _rms_norm(h, self.attn_norm, cfg.norm_eps)
+        x = rms_norm(h, self.attn_norm, cfg.norm_eps)
         q, qr, kv = self._project(x, pos)
         rows = LayerRows(kv=kv,
                          attn=None if self.compressor is None else self.compressor.project(x, pos),
@@ -544,7 +545,7 @@ class DSV4Model(nn.Module):
         h = self.embed[tokens]
         for layer in self.layers:
             h = layer.forward_full(h)
-        return _linear(_rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+        return row_linear(rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """tokens [L] -> hidden rows [L, dim]."""
@@ -552,7 +553,7 @@ class DSV4Model(nn.Module):
 
     def lm_head(self, h: Tensor) -> Tensor:
         """Last hidden rows [L, dim] -> logits [L, vocab] (final norm, row-invariant head)."""
-        return _linear(_rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+        return row_linear(rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
 
     def init_state(self) -> DSV4State:
         return DSV4State(0, tuple(layer.init_state() for layer in self.layers))
@@ -569,7 +570,7 @@ class DSV4Model(nn.Module):
             h, layer_rows, after = layer.step(h, layer_state, state.length)
             rows.append(layer_rows)
             layers.append(after)
-        logits = _linear(_rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+        logits = row_linear(rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
         return StepResult(state.length, logits, tuple(rows),
                           DSV4State(state.length + tokens.numel(), tuple(layers)))
 
