@@ -76,8 +76,9 @@ class FakeGraph:
         self.entries.append((name, replay))
 
     def replay(self) -> None:
-        for _, entry in self.entries:
-            entry()
+        with torch.no_grad():  # a replay launches the captured kernels; nothing records autograd
+            for _, entry in self.entries:
+                entry()
 
 
 class _Capture(TorchDispatchMode):
@@ -107,7 +108,7 @@ class FakeNpu:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.log: list[str] = []
         self.stream_name = "compute"
-        self.graph: FakeGraph | None = None
+        self.capturing: FakeGraph | None = None  # the graph being captured
         self.inside_op = 0
         self.plans = 0
         self.events = 0
@@ -134,8 +135,8 @@ class FakeNpu:
                 self.inside_op -= 1
 
         result = run()
-        if self.graph is not None and not self.inside_op:
-            self.graph.record_op(name, run, result)
+        if self.capturing is not None and not self.inside_op:
+            self.capturing.record_op(name, run, result)
         return result
 
     # the operators, computed by the CPU models
@@ -190,20 +191,24 @@ class FakeNpu:
 
         def wait(stream: Any) -> None:
             self.log.append(f"event{n} wait@{stream.name}")
-            if self.graph is not None:
-                self.graph.entries.append((f"event{n} wait", lambda: None))
+            if self.capturing is not None:
+                self.capturing.entries.append((f"event{n} wait", lambda: None))
 
         return types.SimpleNamespace(wait=wait, reset=lambda stream: None,
                                      record=lambda stream: self.log.append(f"event{n} record@{stream.name}"))
 
     @contextmanager
     def graph_capture(self, graph: FakeGraph) -> Iterator[None]:
-        self.graph = graph
+        self.capturing = graph
         try:
             with _Capture(self, graph):
                 yield
         finally:
-            self.graph = None
+            self.capturing = None
+
+    # torch.npu's graph API, as a generated runner calls it
+    NPUGraph = FakeGraph
+    graph = graph_capture
 
 
 OPS = (SAS, SAS_PLAN, LI, LI_PLAN)

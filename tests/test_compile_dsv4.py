@@ -20,9 +20,9 @@ from dspark.formats.dsv4_config import dsv4_cache_layout
 from dspark.spec import load_spec
 from dspark.spec.loader import display_path
 
-from .test_spec_dsv4 import DSV4_GEOMETRY, EXPECTED, dsv4_spec_writer, line_of
+from .test_spec_dsv4 import ASCEND_RATIOS, DSV4_GEOMETRY, EXPECTED, dsv4_spec_writer, line_of
 
-ASCEND = {"backend": {"kind": "ascend", "device": "910c"}}
+ASCEND = {"backend": {"kind": "ascend", "device": "910c"}, **ASCEND_RATIOS}
 ASCEND_GRAPHS = {**ASCEND, "graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32]}}
 
 

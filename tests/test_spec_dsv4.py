@@ -54,6 +54,10 @@ DSV4_CONFIG: dict[str, Any] = {
 }
 
 
+# The Ascend operators take DeepSeek-V4's own ratios: the tiny geometry's C128-kind layer at 128.
+ASCEND_RATIOS = {"model": {"geometry": {"hca_ratio": 128, "compress_ratios": [0, 4, 128, 4]}}}
+
+
 def dsv4_spec_writer(write_spec):
     """Writes a valid tiny dsv4 spec with `overrides` (a None value deletes the key); `geometry` replaces
     the whole model.geometry mapping."""
@@ -105,7 +109,7 @@ def test_an_inline_dsv4_geometry_resolves(dsv4_spec):
 
 def test_ascend_defaults_to_the_sparse_shared_kv_attention(dsv4_spec, write_spec):
     ascend = {"backend": {"kind": "ascend", "device": "910c"}}
-    assert load_spec(dsv4_spec(ascend)).spec.attention_impl == "sparse_attn_sharedkv"
+    assert load_spec(dsv4_spec({**ascend, **ASCEND_RATIOS})).spec.attention_impl == "sparse_attn_sharedkv"
     # the dense families keep the fused attention as the default
     assert load_spec(write_spec(ascend)).spec.attention_impl == "fused_infer_attention"
 
@@ -223,7 +227,8 @@ def test_only_dummy_weights_load(dsv4_spec):
 
 
 def test_dsv4_refuses_the_dense_ascend_attention(dsv4_spec):
-    spec = dsv4_spec({"backend": {"kind": "ascend", "device": "910c", "attention": "fused_infer_attention"}})
+    spec = dsv4_spec({"backend": {"kind": "ascend", "device": "910c", "attention": "fused_infer_attention"},
+                      **ASCEND_RATIOS})
     issue = only_issue(spec)
     assert issue.path == ("backend", "attention")
     assert issue.message == ("fused_infer_attention runs the dense families' paged attention, "
@@ -272,3 +277,15 @@ def test_every_problem_is_reported_at_once_located_without_a_traceback(dsv4_spec
                         ("parallelism.tp", "tp: 3")):
         assert f"{where}:{line_of(spec, text)}:" in err and f": {field}: " in err
     assert "Traceback" not in err and not (spec.parent / "out").exists()
+
+
+@pytest.mark.parametrize(("field", "value"), [("hca_ratio", 16), ("csa_ratio", 8)])
+def test_ascend_takes_the_operators_compress_ratios(dsv4_spec, field, value):
+    ratios = [0, 4, 16, 4] if field == "hca_ratio" else [0, 8, 128, 8]
+    spec = dsv4_spec({"backend": {"kind": "ascend", "device": "910c"},
+                      "model": {"geometry": {"hca_ratio": 128, "compress_ratios": ratios, field: value}}})
+    issue = only_issue(spec)
+    assert issue.path == ("model", "geometry", field)
+    assert issue.message.startswith(f"{field} is {value}, but the Ascend DSV4 operators take compress ratio")
+    assert issue.hint.startswith(f"use {field}: ")
+    assert issue.location.line == line_of(spec, f"{field}: {value}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from dspark.backends import ATTENTION_BY_BACKEND, DSV4_ATTENTION, family_attention
-from dspark.formats.dsv4_config import DSV4_FAMILY
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
 
@@ -49,3 +49,21 @@ def check_dsv4_load_format(facts: SpecFacts) -> Iterator[SpecIssue]:
                     "no released checkpoint's weights load into it",
                     "set model.load_format: dummy (seeded random weights of the geometry, for profiling "
                     "and benchmarking)")
+
+
+# The compress ratios Ascend's DSV4 operators take (`npu_sparse_attn_sharedkv`'s cmp_ratio; the lightning
+# indexer runs on ratio 4): DeepSeek-V4's own.
+ASCEND_DSV4_RATIOS = {"csa_ratio": 4, "hca_ratio": 128}
+
+
+def check_dsv4_ascend_ratios(facts: SpecFacts) -> Iterator[SpecIssue]:
+    geometry = facts.geometry
+    if facts.spec.backend.kind != "ascend" or not isinstance(geometry, Dsv4Geometry):
+        return
+    for name, ratio in ASCEND_DSV4_RATIOS.items():
+        if getattr(geometry, name) != ratio:
+            yield SpecIssue(("model", "geometry", name),
+                            f"{name} is {getattr(geometry, name)}, but the Ascend DSV4 operators take "
+                            f"compress ratio {ratio} there (npu_sparse_attn_sharedkv takes 4 or 128)",
+                            f"use {name}: {ratio} on backend.kind ascend, or run this geometry on the cpu "
+                            "backend")

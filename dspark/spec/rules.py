@@ -15,7 +15,12 @@ from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.spec.derived import num_draft_tokens, resolved_max_verify_len
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
-from dspark.spec.family_rules import check_dsv4_backend, check_dsv4_load_format, check_family_attention
+from dspark.spec.family_rules import (
+    check_dsv4_ascend_ratios,
+    check_dsv4_backend,
+    check_dsv4_load_format,
+    check_family_attention,
+)
 from dspark.spec.tier_rules import check_tier_coverage, check_tier_lists, check_tiers_need_graphs
 
 Rule = Callable[[SpecFacts], Iterator[SpecIssue]]
@@ -234,6 +239,7 @@ RULES: tuple[Rule, ...] = (
     check_dsv4_backend,
     check_family_attention,
     check_dsv4_load_format,
+    check_dsv4_ascend_ratios,
     check_tensor_parallel,
     check_expert_parallel,
     check_dp_attention,
