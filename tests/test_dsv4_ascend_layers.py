@@ -29,8 +29,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_cache_layout
 from dspark.runtime.dsv4 import ascend_ops
 from dspark.runtime.dsv4.ascend_backend import Dsv4AscendAttention, Dsv4AscendBackendError
-from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers, Dsv4RopeTables, pool_blocks
+from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers
 from dspark.runtime.dsv4.attention import Dsv4PagedAttention, step_config
+from dspark.runtime.dsv4.device_layers import Dsv4RopeTables, pool_blocks
 from dspark.runtime.dsv4.paged import (
     Dsv4LayerCache,
     Dsv4PagedCaches,
