@@ -55,7 +55,7 @@ echo "== 1. GPU tests"
 timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_attention.py \
   tests/test_runtime_cuda.py tests/test_runtime_kernels.py tests/test_runtime_layout.py tests/test_runtime_metadata.py \
   tests/test_runtime_graph_buffers.py tests/test_runtime_device_placement.py tests/test_train_draft.py \
-  tests/test_dsv4_attention_kernel.py \
+  tests/test_dsv4_attention_kernel.py tests/test_dsv4_cuda_layers_gpu.py \
   -k "not under_interpreter" \
   2>&1 | tee "$RES/tests.log" | tail -n 25
 save

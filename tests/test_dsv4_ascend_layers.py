@@ -17,7 +17,6 @@ device operator takes compress ratios 4 and 128 only, so the stand-in's SAS mode
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,31 +32,38 @@ from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers
 from dspark.runtime.dsv4.attention import Dsv4PagedAttention, step_config
 from dspark.runtime.dsv4.device_layers import Dsv4RopeTables, pool_blocks
 from dspark.runtime.dsv4.paged import (
-    Dsv4LayerCache,
     Dsv4PagedCaches,
     layer_forward,
     max_rows_per_request,
-    prefill,
     prefill_config,
     slot_page_tables,
 )
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata, plan_dsv4_verify
-from dspark.runtime.models.dsv4 import DSV4Config, DSV4Model
+from dspark.runtime.dsv4.verify_metadata import plan_dsv4_verify
 from tests.dsv4_fake_npu import FakeGraph, FakeNpu, device_only, install_fake_npu, plain
-
-N = 4  # rows a request verifies at most
-CFG = DSV4Config(vocab_size=64, dim=32, compress_ratios=(4, 0, 8, 4), csa_ratio=4, hca_ratio=8, n_heads=2,
-                 head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
-                 index_topk=3, inter_dim=48)
-RING = 12  # required_ring_size(CFG, N) = 8 + N - 1, in whole pages
-STEP = Dsv4StepConfig(num_draft_tokens=N, window=CFG.window, compress_ratios=(4, 8), swa_page_size=4,
-                      swa_ring_size=RING, cmp_page_sizes={4: 3, 8: 2}, index_topk=CFG.index_topk,
-                      padding_request_rows=2)
-MAX_REQ, MAX_LEN = 4, 64
-# Prefixes 3 and 5: the next step closes C4 block 0 and C8 block 0 (no predecessor), and C4 block 1.
-PROMPTS = (3, 5, 13, 22)
-ENTRIES = ("cmp_kv", "index_kv")  # pooled: compared within 1e-6; every other cache bitwise
+from tests.dsv4_layers_common import (
+    CFG,
+    ENTRIES,
+    GRAPH_STEPS,
+    LAYER_STEPS,
+    MAX_LEN,
+    MAX_REQ,
+    PROMPTS,
+    RING,
+    SCRIPT,
+    SLOTS,
+    STEP,
+    TIER,
+    N,
+    assert_caches_match,
+    cpu_forward,
+    forward,
+    model,
+    plan,
+    prefilled,
+    step_tokens,
+    tokens,
+)
 
 
 @pytest.fixture
@@ -66,65 +72,11 @@ def npu(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:
     return install_fake_npu(monkeypatch)
 
 
-@functools.cache
-def model() -> DSV4Model:
-    return DSV4Model(CFG, seed=0)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@functools.cache
-def prefilled() -> Dsv4PagedCaches:
-    """The four requests' prompts in the caches (shuffled pages), by the CPU path; never mutated: clone()."""
-    caches = Dsv4PagedCaches.allocate(CFG, STEP, MAX_REQ, MAX_LEN, seed=7)
-    prefill(model(), caches, range(MAX_REQ), [tokens(n, seed=10 + i) for i, n in enumerate(PROMPTS)])
-    return caches
-
-
 def ascend(caches: Dsv4PagedCaches) -> Dsv4AscendLayers:
     attention = Dsv4AscendAttention(CFG.compress_ratios, num_heads=CFG.n_heads, head_dim=CFG.head_dim,
                                     softmax_scale=CFG.head_dim**-0.5, index_num_heads=CFG.index_n_heads,
                                     index_head_dim=CFG.index_head_dim)
     return Dsv4AscendLayers(caches, attention, max_rows_per_request(CFG, RING), MAX_LEN)
-
-
-def plan(caches: Dsv4PagedCaches, lens: list[int], prefix: list[int], **kw: Any) -> Dsv4VerifyMetadata:
-    return plan_dsv4_verify(lens, prefix, kw.pop("config", STEP), caches.page_tables(range(len(lens))), **kw)
-
-
-def step_tokens(meta: Dsv4VerifyMetadata, seed: int) -> torch.Tensor:
-    out = torch.zeros(meta.tier, dtype=torch.long)  # padding rows run token 0
-    out[: meta.total_rows] = torch.tensor(tokens(meta.total_rows, seed))
-    return out
-
-
-def forward(layers: Dsv4AscendLayers, toks: torch.Tensor, meta: Dsv4VerifyMetadata) -> torch.Tensor:
-    m = model()
-    h = m.embed_tokens(toks)
-    for i, layer in enumerate(m.layers):
-        h = layers.forward_layer(i, layer, h, meta)
-    return plain(m.lm_head(h))
-
-
-def cpu_forward(caches: Dsv4PagedCaches, toks: torch.Tensor, meta: Dsv4VerifyMetadata) -> torch.Tensor:
-    m = model()
-    h = m.embed_tokens(toks)
-    for layer, lc in zip(m.layers, caches.layers, strict=True):
-        h = layer_forward(layer, lc, h, meta, None)
-    return m.lm_head(h)
-
-
-def assert_caches_match(want: Dsv4LayerCache, got: Dsv4LayerCache, *, rtol: float = 0.0) -> None:
-    """Every page but the null page: bitwise for rows, within 1e-6 (or `rtol`) for pooled entries."""
-    for name, w in want.tensors().items():
-        g = getattr(got, name)
-        if name in ENTRIES or rtol:
-            tol = max(rtol, 1e-6)
-            torch.testing.assert_close(g[1:], w[1:], rtol=tol, atol=tol, msg=name)
-        else:
-            assert torch.equal(g[1:], w[1:]), name
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,13 +108,6 @@ def test_pooling_many_blocks_is_close_block() -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # (1) one step, layer by layer, against paged.layer_forward
-
-LAYER_STEPS = {  # name -> verify_lens, tier, num_slots (prefixes: PROMPTS)
-    "static": ([N] * 4, None, None),
-    "compact": ([2, 4, 1, 3], 12, 8),
-    "compact_padded": ([1, 3, 4, 2], 16, 10),
-}
-
 
 @pytest.mark.parametrize("name", sorted(LAYER_STEPS))
 def test_each_layer_equals_the_paged_forward_and_writes_the_same_caches(npu: FakeNpu, name: str) -> None:
@@ -210,15 +155,6 @@ def test_steps_are_checked_on_the_host(npu: FakeNpu) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # (2) prefill, then verify steps with scripted acceptances, through the whole model
 
-SCRIPT = [  # per step: tier (None: static, every request N rows) and per request (rows, accepted rows)
-    (None, [(4, 1), (4, 3), (4, 1), (4, 2)]),
-    (12, [(3, 3), (1, 1), (4, 1), (2, 1)]),
-    (16, [(4, 2), (2, 1), (3, 3), (1, 1)]),
-    (None, [(4, 4), (4, 1), (4, 2), (4, 3)]),
-    (12, [(1, 1), (4, 2), (2, 2), (3, 1)]),
-]
-
-
 def test_prefill_and_verify_steps_with_rollback_give_the_paged_logits(npu: FakeNpu) -> None:
     cpu = Dsv4PagedCaches.allocate(CFG, STEP, MAX_REQ, MAX_LEN, seed=3)
     layers = ascend(cpu.clone())
@@ -265,10 +201,6 @@ def test_prefill_and_verify_steps_with_rollback_give_the_paged_logits(npu: FakeN
 
 # ---------------------------------------------------------------------------------------------------------
 # (3) NPU graphs: a captured tier replays other steps of the tier as the eager path runs them
-
-TIER, SLOTS = 16, 12
-GRAPH_STEPS = [([2, 4, 1, 3], [1, 2, 0, 3]), ([4, 1, 3, 2], [4, 1, 2, 1]), ([1, 2, 1, 4], [1, 1, 1, 2])]
-
 
 @contextmanager
 def logging_copies(npu: FakeNpu) -> Iterator[list[tuple[str, int]]]:
