@@ -13,7 +13,7 @@ ATTENTION_BY_BACKEND: dict[str, tuple[str, ...]] = {
 # The implementations that run DeepSeek-V4's compressed sparse attention (on the CPU its torch model,
 # under the CPU's one name); every other one runs the dense families only. CUDA has none yet: the DSV4
 # Triton kernel has never run on a GPU, so no CUDA backend is built around it.
-DSV4_ATTENTION = frozenset({"torch", "sparse_attn_sharedkv"})
+DSV4_ATTENTION = frozenset({"torch", "triton", "sparse_attn_sharedkv"})
 DENSE_ATTENTION = frozenset({"torch", "triton", "flashinfer", "fused_infer_attention"})
 
 

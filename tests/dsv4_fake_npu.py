@@ -75,6 +75,9 @@ class FakeGraph:
 
         self.entries.append((name, replay))
 
+    def pool(self) -> FakeGraph:  # a CUDA graph's memory pool, which later captures share
+        return self
+
     def replay(self) -> None:
         with torch.no_grad():  # a replay launches the captured kernels; nothing records autograd
             for _, entry in self.entries:
@@ -95,9 +98,16 @@ class _Capture(TorchDispatchMode):
             return out
         if func._schema.is_mutable:
             self.graph.entries.append((str(func), lambda: func(*args, **kwargs)))
-        else:
-            assert isinstance(out, torch.Tensor), f"the fake graph cannot capture {func}"
-            self.graph.entries.append((str(func), lambda: out.copy_(func(*args, **kwargs))))
+        else:  # a replay writes the captured outputs' memory (a tensor, or each of a tuple's: sort, topk)
+            outs = out if isinstance(out, tuple) else (out,)
+            assert all(isinstance(o, torch.Tensor) for o in outs), f"the fake graph cannot capture {func}"
+
+            def replay() -> None:
+                fresh = func(*args, **kwargs)
+                for o, f in zip(outs, fresh if isinstance(fresh, tuple) else (fresh,), strict=True):
+                    o.copy_(f)
+
+            self.graph.entries.append((str(func), replay))
         return out
 
 
@@ -209,6 +219,28 @@ class FakeNpu:
     # torch.npu's graph API, as a generated runner calls it
     NPUGraph = FakeGraph
     graph = graph_capture
+
+
+class FakeCuda:
+    """torch.cuda's graph and stream API as a generated CUDA runner calls it: a capture records into a FakeGraph,
+    streams are one stream (the CPU runs everything in order)."""
+
+    inside_op = 0  # no fake operators here: every op issued while capturing is the caller's
+    CUDAGraph = FakeGraph
+
+    def Stream(self) -> types.SimpleNamespace:  # noqa: N802  (torch.cuda's name)
+        return types.SimpleNamespace(wait_stream=lambda other: None)
+
+    current_stream = Stream
+
+    @contextmanager
+    def stream(self, s: types.SimpleNamespace) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def graph(self, graph: FakeGraph, pool: object = None) -> Iterator[None]:
+        with _Capture(self, graph):  # type: ignore[arg-type]
+            yield
 
 
 OPS = (SAS, SAS_PLAN, LI, LI_PLAN)

@@ -24,6 +24,8 @@ from .test_spec_dsv4 import ASCEND_RATIOS, DSV4_GEOMETRY, EXPECTED, dsv4_spec_wr
 
 ASCEND = {"backend": {"kind": "ascend", "device": "910c"}, **ASCEND_RATIOS}
 ASCEND_GRAPHS = {**ASCEND, "graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32]}}
+CUDA_GRAPHS = {"backend": {"kind": "cuda", "device": "h200"},
+               "graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32]}}
 
 
 @pytest.fixture
@@ -69,9 +71,10 @@ def test_the_runtime_and_the_spec_fingerprint_a_dsv4_deployment_alike(dsv4_spec,
 
 
 @pytest.mark.parametrize(("overrides", "metadata", "runner"), [
-    ({}, "dsv4/cpu/attn_metadata.py.j2", "eager/graph_runner.py.j2"),
-    (ASCEND, "dsv4/ascend/attn_metadata.py.j2", "eager/graph_runner.py.j2"),
-    (ASCEND_GRAPHS, "dsv4/ascend/attn_metadata.py.j2", "dsv4/ascend/graph_runner.py.j2"),
+    ({}, "dsv4/attn_metadata.py.j2", "eager/graph_runner.py.j2"),
+    (ASCEND, "dsv4/attn_metadata.py.j2", "eager/graph_runner.py.j2"),
+    (ASCEND_GRAPHS, "dsv4/attn_metadata.py.j2", "dsv4/ascend/graph_runner.py.j2"),
+    (CUDA_GRAPHS, "dsv4/attn_metadata.py.j2", "dsv4/cuda/graph_runner.py.j2"),
 ])
 def test_the_family_picks_the_templates(dsv4_spec, overrides, metadata, runner):
     chosen = templates(dsv4_spec(overrides))
@@ -92,7 +95,7 @@ def test_every_attention_runs_a_family_and_has_its_code():
     assert set(ATTENTION_BACKENDS) == DENSE_ATTENTION and set(DSV4_ATTENTION_BACKENDS) == DSV4_ATTENTION
     assert ATTENTION_BY_BACKEND["ascend"][0] == "fused_infer_attention"  # the dense families' default
     assert family_attention("ascend", "dsv4") == ("sparse_attn_sharedkv",)
-    assert family_attention("cuda", "dsv4") == ()
+    assert family_attention("cuda", "dsv4") == ("triton",)
 
 
 def test_dense_specs_keep_their_templates(write_spec):

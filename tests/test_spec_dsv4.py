@@ -206,12 +206,12 @@ def test_a_dsv4_config_for_a_dense_family_says_which_family(write_spec, tmp_path
     assert issue.hint == "set model.family: dsv4"
 
 
-def test_the_cuda_backend_is_refused(dsv4_spec):
-    spec = dsv4_spec({"backend": {"kind": "cuda", "device": "h200"}})
+def test_cuda_runs_the_triton_attention_and_refuses_flashinfer(dsv4_spec):
+    assert load_spec(dsv4_spec({"backend": {"kind": "cuda", "device": "h200"}})).spec.attention_impl == "triton"
+    spec = dsv4_spec({"backend": {"kind": "cuda", "device": "h200", "attention": "flashinfer"}})
     issue = only_issue(spec)
-    assert issue.path == ("backend", "kind") and "never run on a GPU" in issue.message
-    assert issue.hint == "set backend.kind to cpu or ascend"
-    assert issue.location.line == line_of(spec, "kind: cuda")
+    assert issue.path == ("backend", "attention") and "not model.family dsv4" in issue.message
+    assert issue.hint == "leave backend.attention out for dsv4's triton on cuda"
 
 
 def test_only_dummy_weights_load(dsv4_spec):
@@ -268,13 +268,14 @@ def test_the_context_is_not_bounded_by_max_position_embeddings(dsv4_spec):
 
 
 def test_every_problem_is_reported_at_once_located_without_a_traceback(dsv4_spec, capsys):
-    spec = dsv4_spec({"model": {"load_format": "auto"}, "backend": {"kind": "cuda", "device": "h100"},
+    spec = dsv4_spec({"model": {"load_format": "auto"},
+                      "backend": {"kind": "cuda", "device": "h100", "attention": "flashinfer"},
                       "parallelism": {"tp": 3}})
     assert main(["build", str(spec), "-o", str(spec.parent / "out")]) == 2
     err = capsys.readouterr().err
     where = display_path(spec)
-    for field, text in (("model.load_format", "load_format: auto"), ("backend.kind", "kind: cuda"),
-                        ("parallelism.tp", "tp: 3")):
+    for field, text in (("model.load_format", "load_format: auto"),
+                        ("backend.attention", "attention: flashinfer"), ("parallelism.tp", "tp: 3")):
         assert f"{where}:{line_of(spec, text)}:" in err and f": {field}: " in err
     assert "Traceback" not in err and not (spec.parent / "out").exists()
 

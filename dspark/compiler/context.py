@@ -41,6 +41,7 @@ ATTENTION_BACKENDS = {
 # spec's backend.attention gives them.
 DSV4_ATTENTION_BACKENDS = {
     "torch": AttentionCode("dspark.runtime.dsv4.attention", "Dsv4PagedAttention", "dsv4/cpu"),
+    "triton": AttentionCode("dspark.runtime.dsv4.cuda_layers", "Dsv4CudaLayers", "dsv4/cuda"),
     "sparse_attn_sharedkv": AttentionCode("dspark.runtime.dsv4.ascend_layers", "Dsv4AscendLayers",
                                           "dsv4/ascend"),
 }
@@ -185,7 +186,7 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
     padding = ("Padding requests have prefix 0 and an all-null page table, so their K/V writes land in the "
                "null page that no real request reads.")
     if isinstance(resolved.geometry, Dsv4Geometry):
-        return {"eager_doc": eager, "graph_runner_doc": _dsv4_graph_doc(graph_key, replay)}
+        return {"eager_doc": eager, "graph_runner_doc": _dsv4_graph_doc(graph_key, replay, backend)}
     if backend == "ascend":
         graph = (f"One NPU graph per {graph_key}.\n\nThe fused attention operator takes its sequence "
                  "lengths on the host, so they are baked into a captured graph: every layer's attention is "
@@ -205,17 +206,53 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
     return {"eager_doc": eager, "graph_runner_doc": graph}
 
 
-def _dsv4_graph_doc(graph_key: str, replay: str) -> str:
-    """DeepSeek-V4's NPU graphs (docs/dsv4.md): its operators read their lengths from device tensors, so a
-    graph is refreshed by copying into its buffers, not by re-issuing captured tasks."""
-    return (f"One NPU graph per {graph_key}, for DeepSeek-V4's compressed attention.\n\nEvery operator of a "
-            "DSV4 layer (the window and compressor writes, the blocks the step's boundary rows close, the "
-            "lightning indexer, `npu_sparse_attn_sharedkv`) reads its lengths, slots and tables from device "
-            "memory, so a tier's graph reads fixed buffers: before each replay "
+def _dsv4_graph_doc(graph_key: str, replay: str, backend: str) -> str:
+    """DeepSeek-V4's graphs (docs/dsv4.md): every operator of a layer reads its lengths, slots and tables from
+    device memory, so a graph is refreshed by copying into its buffers, not by re-issuing captured tasks."""
+    if backend == "ascend":
+        kind, attention, refresh = (
+            "NPU", "the lightning indexer, `npu_sparse_attn_sharedkv`",
             "`Dsv4AscendLayers.update_captured` copies the step's metadata into them and recomputes the "
             "operators' tiling plans on an update stream, which first waits for the compute stream so a "
-            f"replay still running is never patched.\n\n{replay} Padding requests have prefix 0, write only "
-            "the null page and close no compressed blocks.")
+            "replay still running is never patched.")
+    else:
+        kind, attention, refresh = (
+            "CUDA", "the lightning indexer, the Triton DSV4 attention",
+            "`Dsv4CudaLayers.update_captured` copies the step's metadata into them on the current stream, "
+            "which orders the copies after the previous replay and before the next.")
+    return (f"One {kind} graph per {graph_key}, for DeepSeek-V4's compressed attention.\n\nEvery operator of "
+            "a DSV4 layer (the window and compressor writes, the blocks the step's boundary rows close, "
+            f"{attention}) reads its lengths, slots and tables from device memory, so a tier's graph reads "
+            f"fixed buffers: before each replay {refresh}\n\n{replay} Padding requests have prefix 0, write "
+            "only the null page and close no compressed blocks.")
+
+
+# What a DeepSeek-V4 package's attention factory builds, by backend.attention.
+_DSV4_FACTORY_DOCS = {
+    "torch": "The DSV4 layers over every request slot's caches, allocated once (the paged reference).",
+    "triton": "The DSV4 layers over every request slot's caches on the GPU, allocated once: the lightning "
+              "indexer in torch, then the Triton DSV4 attention kernel.",
+    "sparse_attn_sharedkv": "The DSV4 layers over every request slot's caches on the NPU, allocated once: "
+                            "the lightning indexer and `npu_sparse_attn_sharedkv` per layer, their tiling "
+                            "plans built once per step.",
+}
+# The names a DeepSeek-V4 attn_metadata.py imports besides its attention class, by module.
+_DSV4_METADATA_IMPORTS = {
+    "dspark.formats.dsv4_config": ("Dsv4CacheLayout",),
+    "dspark.runtime.dsv4.attention": ("extend_config", "plan_step_metadata", "step_config"),
+    "dspark.runtime.dsv4.target": ("Dsv4ForCausalLM",),
+    "dspark.runtime.dsv4.verify_metadata": ("Dsv4VerifyMetadata",),
+    "dspark.runtime.layout": ("ExtendLayout", "VerifyLayout"),
+}
+
+
+def _dsv4_imports(code: AttentionCode) -> str:
+    """The import block of a DeepSeek-V4 attn_metadata.py, sorted as ruff sorts it (modules, then classes
+    before functions), with the attention class in its module's place."""
+    modules = {module: set(names) for module, names in _DSV4_METADATA_IMPORTS.items()}
+    modules.setdefault(code.module, set()).add(code.cls)
+    return "\n".join(f"from {module} import {', '.join(sorted(names, key=lambda n: (n[0].islower(), n)))}"
+                     for module, names in sorted(modules.items()))
 
 
 def _source(kind: str, file: str | None) -> str:
@@ -272,11 +309,14 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
                               if resolved.cost_model else "no cost model: every candidate is verified"),
         "widest_request": widest,
         "widest_request_doc": widest_doc,
-        "verify_rows_doc": (_dsv4_verify_rows_doc(mode, backend == "ascend" and spec.graph.enabled)
+        "verify_rows_doc": (_dsv4_verify_rows_doc(mode, spec.graph.enabled and backend != "cpu")
                             if isinstance(resolved.geometry, Dsv4Geometry)
                             else _verify_rows_doc(mode, backend, attention)),
         "attention": attention,
         "attention_import": code.module,
+        "captures_graphs": spec.graph.enabled and backend != "cpu",
+        "attention_factory_doc": _DSV4_FACTORY_DOCS.get(attention, ""),
+        "dsv4_imports": _dsv4_imports(code),
         # the module as the shared eager runner imports it, from dspark.runtime.attention
         "attention_module": code.module.removeprefix(f"{RUNTIME_ATTENTION}."),
         "attention_class": code.cls,

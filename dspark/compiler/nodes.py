@@ -144,6 +144,10 @@ def _shared(name: str) -> TemplateChoice:
 
 
 def _attention_metadata(resolved: ResolvedSpec) -> Mapping[str, str]:
+    """DeepSeek-V4's metadata builders are one template on every backend: they plan the same arrays,
+    and only the attention that reads them differs."""
+    if resolved.spec.model.family == DSV4_FAMILY:
+        return {"attn_metadata.py": "dsv4/attn_metadata.py.j2"}
     return {"attn_metadata.py": f"{attention_templates(resolved)}/attn_metadata.py.j2"}
 
 

@@ -8,22 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dspark.backends import ATTENTION_BY_BACKEND, DSV4_ATTENTION, family_attention
+from dspark.backends import DSV4_ATTENTION, family_attention
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
-
-
-def check_dsv4_backend(facts: SpecFacts) -> Iterator[SpecIssue]:
-    backend, family = facts.spec.backend, facts.spec.model.family
-    if family != DSV4_FAMILY or family_attention(backend.kind, family):
-        return
-    kinds = [kind for kind in ATTENTION_BY_BACKEND if family_attention(kind, family)]
-    yield SpecIssue(("backend", "kind"),
-                    f"the {DSV4_FAMILY} family does not run on the {backend.kind} backend yet: its CUDA "
-                    "attention (a Triton kernel) has never run on a GPU, so no CUDA backend is built "
-                    "around it",
-                    f"set backend.kind to {' or '.join(kinds)}")
 
 
 def check_family_attention(facts: SpecFacts) -> Iterator[SpecIssue]:

@@ -17,7 +17,6 @@ from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
 from dspark.spec.family_rules import (
     check_dsv4_ascend_ratios,
-    check_dsv4_backend,
     check_dsv4_load_format,
     check_family_attention,
 )
@@ -236,7 +235,6 @@ RULES: tuple[Rule, ...] = (
     check_tiers_need_graphs,
     check_tier_lists,
     check_tier_coverage,
-    check_dsv4_backend,
     check_family_attention,
     check_dsv4_load_format,
     check_dsv4_ascend_ratios,

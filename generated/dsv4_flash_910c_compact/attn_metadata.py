@@ -39,7 +39,8 @@ __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 def AttentionBackend(target: Dsv4ForCausalLM, max_requests: int,  # noqa: N802 (the package's factory name)
                      max_context_len: int) -> Dsv4AscendLayers:
     """The DSV4 layers over every request slot's caches on the NPU, allocated once: the lightning
-    indexer and `npu_sparse_attn_sharedkv` per layer, their tiling plans built once per step."""
+    indexer and `npu_sparse_attn_sharedkv` per layer, their tiling plans built once per step.
+    """
     return Dsv4AscendLayers.allocate(target, CACHE_LAYOUT, VERIFY_CONFIG, max_requests, max_context_len,
                                      device=target.lm_head.weight.device)
 

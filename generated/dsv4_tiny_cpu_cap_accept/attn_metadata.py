@@ -37,8 +37,9 @@ __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
 def AttentionBackend(target: Dsv4ForCausalLM, max_requests: int,  # noqa: N802 (the package's factory name)
                      max_context_len: int) -> Dsv4PagedAttention:
-    """The DSV4 layers over every request slot's caches, allocated once."""
-    return Dsv4PagedAttention.allocate(target, CACHE_LAYOUT, VERIFY_CONFIG, max_requests, max_context_len)
+    """The DSV4 layers over every request slot's caches, allocated once (the paged reference)."""
+    return Dsv4PagedAttention.allocate(target, CACHE_LAYOUT, VERIFY_CONFIG, max_requests, max_context_len,
+                                       device=target.lm_head.weight.device)
 
 
 def build_extend_metadata(layout: ExtendLayout) -> Dsv4VerifyMetadata:

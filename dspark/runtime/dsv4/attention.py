@@ -48,8 +48,12 @@ class Dsv4PagedAttention:
 
     @classmethod
     def allocate(cls, target: Dsv4ForCausalLM, layout: Dsv4CacheLayout, config: Dsv4StepConfig,
-                 max_requests: int, max_context_len: int) -> Dsv4PagedAttention:
-        """Zeroed caches for `max_requests` slots, each slot's pages in order (`slot_page_tables`)."""
+                 max_requests: int, max_context_len: int, *,
+                 device: torch.device = torch.device("cpu")) -> Dsv4PagedAttention:
+        """Zeroed caches for `max_requests` slots, each slot's pages in order (`slot_page_tables`); the
+        paged reference runs on the host only."""
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"the paged DSV4 reference runs on the CPU, not {device}")
         caches = Dsv4PagedCaches.allocate(target.model.cfg, config, max_requests, max_context_len)
         return cls(caches, layout.max_rows_per_request)
 
