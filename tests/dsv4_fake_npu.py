@@ -222,8 +222,8 @@ class FakeNpu:
 
 
 class FakeCuda:
-    """torch.cuda's graph and stream API as a generated CUDA runner calls it: a capture records into a FakeGraph,
-    streams are one stream (the CPU runs everything in order)."""
+    """torch.cuda's graph and stream API as a generated CUDA runner calls it: a capture records into a
+    FakeGraph, and every stream is the one the CPU runs everything on, in order."""
 
     inside_op = 0  # no fake operators here: every op issued while capturing is the caller's
     CUDAGraph = FakeGraph

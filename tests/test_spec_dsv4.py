@@ -207,7 +207,8 @@ def test_a_dsv4_config_for_a_dense_family_says_which_family(write_spec, tmp_path
 
 
 def test_cuda_runs_the_triton_attention_and_refuses_flashinfer(dsv4_spec):
-    assert load_spec(dsv4_spec({"backend": {"kind": "cuda", "device": "h200"}})).spec.attention_impl == "triton"
+    cuda = {"backend": {"kind": "cuda", "device": "h200"}}
+    assert load_spec(dsv4_spec(cuda)).spec.attention_impl == "triton"
     spec = dsv4_spec({"backend": {"kind": "cuda", "device": "h200", "attention": "flashinfer"}})
     issue = only_issue(spec)
     assert issue.path == ("backend", "attention") and "not model.family dsv4" in issue.message

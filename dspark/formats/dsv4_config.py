@@ -220,16 +220,25 @@ class Dsv4Geometry:
     @property
     def compressed_ratios(self) -> tuple[int, ...]:
         """The distinct ratios > 0 of the layers, ascending (the caches a step plans)."""
-        return tuple(sorted({r for r in self.compress_ratios if r}))
+        return compressed_ratios(self.compress_ratios)
 
     @property
     def ring_reach(self) -> int:
-        """Positions up to and including its own that one row reads back from the raw-KV ring: the
-        window, and the blocks a compressor pools (two for the overlapping CSA compressor)."""
-        reach = self.window
-        for ratio in self.compressed_ratios:
-            reach = max(reach, (2 if ratio == self.csa_ratio else 1) * ratio)
-        return reach
+        return ring_reach(self.window, self.compress_ratios, self.csa_ratio)
+
+
+def compressed_ratios(layer_ratios: tuple[int, ...]) -> tuple[int, ...]:
+    """The distinct ratios > 0 of a model's layers, ascending."""
+    return tuple(sorted({r for r in layer_ratios if r}))
+
+
+def ring_reach(window: int, layer_ratios: tuple[int, ...], csa_ratio: int) -> int:
+    """Positions up to and including its own that one row reads back from the raw-KV ring: the window,
+    and the blocks a compressor pools (two for the overlapping CSA compressor)."""
+    reach = window
+    for ratio in compressed_ratios(layer_ratios):
+        reach = max(reach, (2 if ratio == csa_ratio else 1) * ratio)
+    return reach
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ class Dsv4PagedAttention:
     @classmethod
     def allocate(cls, target: Dsv4ForCausalLM, layout: Dsv4CacheLayout, config: Dsv4StepConfig,
                  max_requests: int, max_context_len: int, *,
-                 device: torch.device = torch.device("cpu")) -> Dsv4PagedAttention:
+                 device: torch.device | str = "cpu") -> Dsv4PagedAttention:
         """Zeroed caches for `max_requests` slots, each slot's pages in order (`slot_page_tables`); the
         paged reference runs on the host only."""
         if torch.device(device).type != "cpu":

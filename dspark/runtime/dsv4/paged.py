@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dspark.formats.dsv4_config import compressed_ratios, ring_reach
 from dspark.runtime.dsv4.verify_metadata import (
     INDEXER_RATIO,
     NULL_PAGE,
@@ -73,15 +74,12 @@ class Dsv4PagedError(ValueError):
 
 
 def _ratios(cfg: DSV4Config) -> tuple[int, ...]:
-    return tuple(sorted({r for r in cfg.compress_ratios if r}))
+    return compressed_ratios(cfg.compress_ratios)
 
 
 def _reach(cfg: DSV4Config) -> int:
     """Positions before and including its own that one row reads back from the ring (window or compressor)."""
-    reach = cfg.window
-    for ratio in _ratios(cfg):
-        reach = max(reach, (2 if ratio == cfg.csa_ratio else 1) * ratio)
-    return reach
+    return ring_reach(cfg.window, cfg.compress_ratios, cfg.csa_ratio)
 
 
 def required_ring_size(cfg: DSV4Config, rows: int) -> int:
