@@ -35,15 +35,23 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-def paged_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """`layer(x)` through the row-invariant product (`ops.linear`)."""
-    return ops.linear(x, layer.weight, layer.bias)
+def paged_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """`layer(x)` through the row-invariant product (`ops.linear`). A tensor-parallel shard of the
+    layer (`dspark.runtime.distributed.tensor_parallel`) runs its own forward, which takes its local
+    product the same way and adds its collective."""
+    if isinstance(layer, nn.Linear):
+        return ops.linear(x, layer.weight, layer.bias)
+    return layer(x)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # The heads this module computes: the config's, or this rank's share under tensor parallelism
+        # (`shard_dense_target` lowers them with the projections).
+        self.local_num_heads = cfg.num_heads
+        self.local_num_kv_heads = cfg.num_kv_heads
         d, hd, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=bias)
         self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=bias)
@@ -60,12 +68,11 @@ class LlamaAttention(nn.Module):
         """Causal attention over `[b, t]` rows. With `cache` (a `[k, v]` pair, appended to in
         place) the rows follow the cached ones: one new row per call attends to all of them."""
         b, t, _ = x.shape
-        c = self.cfg
-        q, k = self.qk_heads(self.q_proj(x).view(b, t, c.num_heads, c.head_dim),
-                             self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim))
+        h, h_kv, hd = self.local_num_heads, self.local_num_kv_heads, self.cfg.head_dim
+        q, k = self.qk_heads(self.q_proj(x).view(b, t, h, hd), self.k_proj(x).view(b, t, h_kv, hd))
         q = ops.apply_rope(q, cos, sin).transpose(1, 2)  # [b, H, t, D]
         k = ops.apply_rope(k, cos, sin).transpose(1, 2)  # [b, Hkv, t, D]
-        v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, h_kv, hd).transpose(1, 2)
         causal = True
         if cache is not None:
             if cache:
@@ -74,18 +81,17 @@ class LlamaAttention(nn.Module):
                 k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
                 causal = False
             cache[:] = [k, v]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                             enable_gqa=c.num_heads != c.num_kv_heads)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=h != h_kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
     def forward_paged(self, layer_id: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        c = self.cfg
-        q, k = self.qk_heads(paged_linear(x, self.q_proj).view(t, c.num_heads, c.head_dim),
-                             paged_linear(x, self.k_proj).view(t, c.num_kv_heads, c.head_dim))
+        h, h_kv, hd = self.local_num_heads, self.local_num_kv_heads, self.cfg.head_dim
+        q, k = self.qk_heads(paged_linear(x, self.q_proj).view(t, h, hd),
+                             paged_linear(x, self.k_proj).view(t, h_kv, hd))
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)  # [T, H | Hkv, D]
-        v = paged_linear(x, self.v_proj).view(t, c.num_kv_heads, c.head_dim)
+        v = paged_linear(x, self.v_proj).view(t, h_kv, hd)
         out = attn.attend(layer_id, q, k, v, meta)  # [T, H, D]
         return paged_linear(out.reshape(t, -1), self.o_proj)
 
@@ -153,6 +159,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        # The attention heads of this process's shard, what its KV cache and attention backend are
+        # sized for: the config's, until `shard_dense_target` splits them across tensor-parallel ranks.
+        self.local_num_heads = cfg.num_heads
+        self.local_num_kv_heads = cfg.num_kv_heads
         self.model = LlamaBackbone(cfg, self.layer_class)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -235,5 +245,6 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[T, V]` logits of `[T, d]` residual-stream rows, row-invariant (`ops.linear`)."""
-        return ops.linear(self.model.norm(hidden), self.lm_head.weight)
+        """`[T, V]` logits of `[T, d]` residual-stream rows, row-invariant (`ops.linear`); whole on
+        every rank when the LM head is split by vocabulary."""
+        return paged_linear(self.model.norm(hidden), self.lm_head)

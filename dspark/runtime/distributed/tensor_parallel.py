@@ -1,0 +1,255 @@
+"""Tensor parallelism of the dense target families (Llama, Qwen3), Megatron-style.
+
+Each rank of a tensor-parallel group holds a slice of every large weight and computes its share of
+each product; torch.distributed collectives on the group (gloo on the CPU, NCCL on CUDA, HCCL on
+Ascend) join the shares:
+
+- q/k/v and gate/up are column-parallel (`ColumnParallelLinear`): a rank owns whole attention heads
+  (query heads and the KV heads they read, so grouped-query attention stays rank-local) and a slice
+  of the MLP's columns, and computes them with no communication;
+- o_proj and down_proj are row-parallel (`RowParallelLinear`): a rank multiplies its heads' / columns'
+  input features by its slice of the weight, and the partial products are summed over the group;
+- the embedding and the LM head are split by vocabulary (`VocabParallelEmbedding`,
+  `VocabParallelLMHead`); with tied embeddings both read one sharded tensor.
+
+RMSNorms (Qwen3's per-head q/k norms included: one scale per feature of a head, shared by all heads)
+and RoPE act on whole rows or whole heads and stay as they are. After each row-parallel sum every rank
+holds the same residual stream bit for bit, so a step's hidden states and logits are whole and equal
+on every rank.
+
+Greedy speculative decoding stays identical to target-only decoding on the CPU only if a row's result
+does not depend on the rows beside it (`ops`). The local products go through `ops.linear`, which keeps
+that; the sum of the row-parallel partial products must keep it too, and an all-reduce does not over
+more than two ranks (two terms add the same in either order): gloo's ring adds the ranks' terms in an
+order that follows the element's place in the buffer, so the step's row count changed a row's last
+bits over 4 ranks in `tests/test_tensor_parallel.py`. On the CPU the partial products are
+therefore all-gathered and added in rank order (`_sum_over_ranks`); on an accelerator, where the
+local products are not row-invariant either, the all-reduce runs.
+
+The collectives are not differentiable: the sharded model is for inference (its parameters do not
+require grad).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.runtime.models import ops
+from dspark.runtime.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its tensor-parallel group: `rank` of `size`, collectives on `group`
+    (None only for a group of one, which runs no collective)."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside a group of {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a tensor-parallel group of {self.size} ranks needs a process group")
+
+    @classmethod
+    def single(cls) -> TPGroup:
+        """One process holding the whole model."""
+        return cls(0, 1, None)
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> TPGroup:
+        """This process's rank in an initialised process group, and the group's size."""
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+
+def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T (+ bias)` over any leading dimensions, through the row-invariant `ops.linear`."""
+    rows = x.reshape(-1, x.shape[-1])  # [N, in]
+    return ops.linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def _sum_over_ranks(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """The sum over the group of each rank's `partial`, the same bits on every rank."""
+    if tp.size == 1:
+        return partial
+    if partial.device.type != "cpu":
+        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=tp.group)
+        return partial
+    # In rank order, element by element: the order no longer depends on the tensor's size.
+    parts = [torch.empty_like(partial) for _ in range(tp.size)]
+    dist.all_gather(parts, partial, group=tp.group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    """A parameter of its own storage (a slice would keep the whole tensor alive), not trained."""
+    return nn.Parameter(t.detach().clone(memory_format=torch.contiguous_format), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """`nn.Linear` whose output features `[start, end)` live on this rank: `forward` returns those
+    columns of `x @ W.T + b` and communicates nothing."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = _frozen(weight)  # [out / size, in]
+        self.bias = _frozen(bias) if bias is not None else None  # [out / size]
+        self.tp = tp
+
+    @classmethod
+    def from_dense(cls, layer: nn.Linear, start: int, end: int, tp: TPGroup) -> ColumnParallelLinear:
+        bias = layer.bias[start:end] if layer.bias is not None else None
+        return cls(layer.weight[start:end], bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _local_linear(x, self.weight, self.bias)  # [..., out / size]
+
+
+class RowParallelLinear(nn.Module):
+    """`nn.Linear` whose input features `[start, end)` live on this rank: `forward` takes this rank's
+    slice of the input, and every rank returns the whole `x @ W.T + b` (the partial products summed
+    over the group, `_sum_over_ranks`; the bias, whole on every rank, added once after the sum)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = _frozen(weight)  # [out, in / size]
+        self.bias = _frozen(bias) if bias is not None else None  # [out]
+        self.tp = tp
+
+    @classmethod
+    def from_dense(cls, layer: nn.Linear, start: int, end: int, tp: TPGroup) -> RowParallelLinear:
+        return cls(layer.weight[:, start:end], layer.bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _sum_over_ranks(_local_linear(x, self.weight), self.tp)  # [..., out]
+        return out if self.bias is None else out + self.bias
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """A rank's token ids `[start, start + rows)`: `rows = ceil(vocab / size)` on every rank (the
+    last rank's tail past the vocabulary is zero padding), so the gathered logits are equal slices."""
+
+    vocab_size: int
+    start: int
+    rows: int
+
+    @classmethod
+    def of(cls, vocab_size: int, tp: TPGroup) -> VocabShard:
+        rows = -(-vocab_size // tp.size)
+        return cls(vocab_size, tp.rank * rows, rows)
+
+    def slice(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's `[rows, d]` of a `[vocab, d]` weight, zero-padded past the vocabulary."""
+        own = weight[self.start:self.start + self.rows]
+        missing = self.rows - own.shape[0]
+        return F.pad(own, (0, 0, 0, missing)) if missing else own
+
+
+class VocabParallelEmbedding(nn.Module):
+    """`nn.Embedding` with the rows of this rank's token ids: ids outside them give zero rows, and an
+    all-reduce adds each id's one nonzero row (exactly: the other terms are zeros)."""
+
+    def __init__(self, weight: nn.Parameter, shard: VocabShard, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = weight  # [rows, d]
+        self.shard = shard
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.shard.start
+        inside = (local >= 0) & (local < self.shard.rows)
+        out = F.embedding(torch.where(inside, local, 0), self.weight)  # [..., d]
+        out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
+        if self.tp.size > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.tp.group)
+        return out
+
+
+class VocabParallelLMHead(nn.Module):
+    """The bias-free LM head with the rows (vocabulary entries) of this rank's token ids: `forward`
+    computes this rank's slice of the logits and all-gathers the slices in rank order, so every rank
+    returns the whole `[..., vocab]` logits."""
+
+    def __init__(self, weight: nn.Parameter, shard: VocabShard, tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = weight  # [rows, d]: the embedding's own tensor when the two are tied
+        self.shard = shard
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = _local_linear(x, self.weight)  # [..., rows]
+        if self.tp.size == 1:
+            return local
+        slices = [torch.empty_like(local) for _ in range(self.tp.size)]
+        dist.all_gather(slices, local, group=self.tp.group)
+        logits = torch.cat(slices, dim=-1)  # [..., size · rows]
+        vocab = self.shard.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[..., :vocab].contiguous()
+
+
+def _share(n: int, tp: TPGroup) -> tuple[int, int]:
+    """This rank's `[start, end)` of `n` items split as evenly as possible in rank order."""
+    return tp.rank * n // tp.size, (tp.rank + 1) * n // tp.size
+
+
+@torch.no_grad()
+def shard_dense_target(model: nn.Module, tp: TPGroup) -> None:
+    """Keep only this rank's share of a loaded dense target (Llama, Qwen3), in place.
+
+    First version: every rank loads the whole checkpoint (or the same seeded dummy weights) and then
+    drops what it does not own, so loading needs the whole model's memory on each rank for a while.
+    Whatever reads the unsharded weights (a draft that copies the target's embeddings and LM head)
+    must do so before this call.
+
+    Rank r keeps query heads `[r·H/size, (r+1)·H/size)` and KV heads `[r·Hkv/size, …)` (the KV heads
+    its query heads read), MLP columns `[r·I/size, …)`, and `ceil(V/size)` vocabulary rows of the
+    embedding and the LM head (one tensor for both when tied). `model.local_num_heads` and
+    `model.local_num_kv_heads` then give the heads this rank's KV cache and attention backend hold.
+    A group of one leaves the model as it is.
+    """
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"tensor parallelism covers the dense families (Llama, Qwen3), not "
+                         f"{type(model).__name__}")
+    if tp.size == 1:
+        return
+    cfg = model.cfg
+    if model.local_num_heads != cfg.num_heads:
+        raise ValueError("the model is already sharded")
+    if cfg.num_heads % tp.size or cfg.num_kv_heads % tp.size:
+        raise ValueError(f"tensor parallelism over {tp.size} ranks needs num_heads ({cfg.num_heads}) and "
+                         f"num_kv_heads ({cfg.num_kv_heads}) to be multiples of {tp.size}")
+    heads, kv_heads, hd = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size, cfg.head_dim
+    q0, q1 = tp.rank * heads * hd, (tp.rank + 1) * heads * hd  # this rank's q rows, o_proj columns
+    kv0, kv1 = tp.rank * kv_heads * hd, (tp.rank + 1) * kv_heads * hd
+    i0, i1 = _share(cfg.intermediate_size, tp)
+
+    backbone = model.model
+    tied = model.lm_head.weight is backbone.embed_tokens.weight
+    shard = VocabShard.of(cfg.vocab_size, tp)
+    embed = _frozen(shard.slice(backbone.embed_tokens.weight))  # [rows, d]
+    head = embed if tied else _frozen(shard.slice(model.lm_head.weight))
+    backbone.embed_tokens = VocabParallelEmbedding(embed, shard, tp)
+    model.lm_head = VocabParallelLMHead(head, shard, tp)
+
+    for layer in backbone.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.q_proj = ColumnParallelLinear.from_dense(attn.q_proj, q0, q1, tp)
+        attn.k_proj = ColumnParallelLinear.from_dense(attn.k_proj, kv0, kv1, tp)
+        attn.v_proj = ColumnParallelLinear.from_dense(attn.v_proj, kv0, kv1, tp)
+        attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, q0, q1, tp)
+        attn.local_num_heads, attn.local_num_kv_heads = heads, kv_heads
+        mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, i0, i1, tp)
+        mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, i0, i1, tp)
+        mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, i0, i1, tp)
+    model.local_num_heads, model.local_num_kv_heads = heads, kv_heads
