@@ -156,12 +156,18 @@ def flush_on_sigterm() -> None:
 
 def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     """Generate, print, and record when asked. Raises `CliError` for anything the user can fix."""
+    from dspark.runtime.distributed.launch import LaunchError
     from dspark.runtime.engine.requests import RequestError
-    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.engine.runtime import Runtime, follows
 
     check_run_args(args)
     prompts = read_prompts(args)
     pkg = load_package_or_fail(package_dir)
+    try:
+        if follows(pkg):  # a follower rank of a torchrun launch ran rank 0's steps
+            return 0
+    except LaunchError as err:
+        raise CliError(str(err)) from None
     warn_if_dummy_weights(pkg)
     if args.budget_fraction is not None and not pkg.deployment.verify_mode.plans:
         raise CliError(f"--budget-fraction needs a cap-accept or compact build; {package_dir} verifies "
@@ -170,8 +176,20 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     try:
         runtime = Runtime(pkg, forced_budget_fraction=args.budget_fraction,
                           sampling=sampling_of(pkg, args), seed=args.seed)
+    except (RequestError, LaunchError, ValueError) as err:  # ValueError: a checkpoint that does not load
+        raise CliError(str(err)) from None
+    try:
+        return _run(runtime, pkg, prompts, max_new, args)
+    finally:
+        runtime.close()
+
+
+def _run(runtime: Any, pkg: Any, prompts: list[str], max_new: int, args: argparse.Namespace) -> int:
+    from dspark.runtime.engine.requests import RequestError
+
+    try:
         requests = [pkg.tokenizer.encode(p) for p in prompts]
-    except (RequestError, ValueError) as err:  # ValueError: a prompt the tokenizer cannot encode
+    except ValueError as err:  # a prompt the tokenizer cannot encode
         raise CliError(str(err)) from None
     recorder = runtime.recorder = open_recorder(runtime, args)
     if recorder is not None:

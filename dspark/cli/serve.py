@@ -71,20 +71,30 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
     """Load the package and serve it until interrupted. Raises `CliError` for anything the user can fix."""
+    from dspark.runtime.distributed.launch import LaunchError
     from dspark.runtime.engine.requests import RequestError
-    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.engine.runtime import Runtime, follows
 
+    pkg = load_package_or_fail(package_dir)
+    try:
+        if follows(pkg):  # rank 0 owns the HTTP server; a follower rank ran its steps
+            return 0
+    except LaunchError as err:
+        raise CliError(str(err)) from None
     sock = listen_socket(args.host, args.port)
     try:
-        pkg = load_package_or_fail(package_dir)
         warn_if_dummy_weights(pkg)
         try:
             runtime = Runtime(pkg, seed=args.seed)
-        except (RequestError, ValueError) as err:  # a CUDA build without a GPU, a missing checkpoint
+        # a CUDA build without a GPU, a missing checkpoint, a launch that does not fit the build
+        except (RequestError, LaunchError, ValueError) as err:
             raise CliError(str(err)) from None
         from dspark.runtime.serve.server import serve
 
-        serve(runtime, sock, args.host, args.port, args.model_name, args.log_level)
+        try:
+            serve(runtime, sock, args.host, args.port, args.model_name, args.log_level)
+        finally:
+            runtime.close()
     finally:
         sock.close()
     return 0

@@ -15,6 +15,9 @@ import time
 import torch
 
 from dspark.runtime.attention.metadata import AttentionBackend
+from dspark.runtime.distributed.launch import Launch, join, leave
+from dspark.runtime.distributed.lockstep import LeaderTarget, follow
+from dspark.runtime.distributed.tensor_parallel import TPGroup, shard_dense_target
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
 from dspark.runtime.engine.forward import EngineModels, backend_device
@@ -23,11 +26,11 @@ from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
-from dspark.runtime.models.checkpoint import load_models
+from dspark.runtime.models.checkpoint import load_draft_model, load_target_model
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
-from dspark.runtime.package import GeneratedPackage, PackageParts, VerifyRunner
+from dspark.runtime.package import GeneratedPackage, VerifyRunner
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams
 
@@ -46,18 +49,23 @@ class Runtime:
                                    "static mode has no planner")
             # An experiment override: verify this share of the candidate drafts every step.
             self.plan = self.plan.with_overrides(forced_budget_fraction=forced_budget_fraction)
-        self.device = backend_device(dep.backend)
-        target, draft = load_models(dep, package.directory, self.device)
-        self._check_models(target, draft)
+        self.launch, self.tp = join(dep)
+        if not self.launch.is_leader:
+            raise RequestError(f"rank {self.launch.rank} follows rank 0's steps (follow_package), it runs no "
+                               "engine of its own")
+        self.device = rank_device(dep.backend, self.launch)
         s = dep.serving
         num_pages = s.max_total_tokens // s.page_size + 1  # + the null page
+        target = load_target_model(dep, package.directory, self.device)
+        # The draft first: one without its own embeddings and LM head takes the target's, unsharded.
+        draft = load_draft_model(dep, package.directory, self.device, target)
+        self._check_models(target, draft)
+        target, attn = serving_target(package, target, self.tp, num_pages, self.device)
         self.slots = RequestSlots(s.max_running_requests, s.pages_per_request, num_pages, s.page_size)
-        dtype = target.lm_head.weight.dtype
         dc = draft.cfg
-        draft_kv = PagedKVCache(dc.num_layers, num_pages, s.page_size, dc.num_kv_heads, dc.head_dim, dtype,
-                                self.device)
+        draft_kv = PagedKVCache(dc.num_layers, num_pages, s.page_size, dc.num_kv_heads, dc.head_dim,
+                                target.lm_head.weight.dtype, self.device)
         parts = package.parts
-        attn = self._target_attention(parts, target, num_pages)
         self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
         self.models = EngineModels(target, draft, draft_kv, attn, self.slots, self.device,
                                    torch.Generator(device=self.device).manual_seed(seed))
@@ -72,18 +80,6 @@ class Runtime:
         self.last_step: StepInfo | None = None
         self.target_only = False
         self._rids = itertools.count()
-
-    def _target_attention(self, parts: PackageParts, target: ServingTarget,
-                          num_pages: int) -> AttentionBackend | Dsv4LayerBackend:
-        """The target's attention backend over its caches: a DSV4 backend allocates its own per-slot
-        caches; a dense target's is one paged K/V cache over the pool's pages."""
-        s = self.deployment.serving
-        if isinstance(target, Dsv4ForCausalLM):
-            return parts.attention_backend(target, s.max_running_requests, s.max_context_len)
-        tc = target.cfg
-        kv = PagedKVCache(tc.num_layers, num_pages, s.page_size, tc.num_kv_heads, tc.head_dim,
-                          target.lm_head.weight.dtype, self.device)
-        return parts.attention_backend(kv, s.page_size, tc.num_heads, tc.head_dim ** -0.5)
 
     def _check_models(self, target: ServingTarget, draft: DSparkBlockDraft) -> None:
         geo = self.deployment.model.geometry
@@ -106,6 +102,12 @@ class Runtime:
         if not 1 <= self.plan.gamma <= dc.block_size:
             raise RequestError(f"gamma {self.plan.gamma} is outside 1..block_size {dc.block_size} of the "
                                "draft; recompile")
+
+    def close(self) -> None:
+        """Release the follower ranks and leave the process group (a no-op for one process)."""
+        if isinstance(self.models.target, LeaderTarget):
+            self.models.target.stop()
+        leave(self.tp)
 
     # -- what the models are ---------------------------------------------------------------
     @property
@@ -211,3 +213,47 @@ class Runtime:
             finished += sched.retire()
         touched.extend(r for r in finished if r not in touched)
         return touched
+
+
+def rank_device(backend: str, launch: Launch) -> torch.device:
+    """The device this rank runs on: its local GPU under a multi-process CUDA launch."""
+    device = backend_device(backend)
+    if device.type == "cuda" and launch.world_size > 1:
+        device = torch.device("cuda", launch.local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def serving_target(package: GeneratedPackage, target: ServingTarget, tp: TPGroup, num_pages: int,
+                   device: torch.device) -> tuple[ServingTarget, AttentionBackend | Dsv4LayerBackend]:
+    """This rank's target (its shard under tensor parallelism, led by rank 0) and its attention over its own
+    caches: a DSV4 backend allocates its per-slot caches; a dense target's is one paged K/V cache over the
+    pool's pages, for its own heads."""
+    parts, s = package.parts, package.deployment.serving
+    if isinstance(target, Dsv4ForCausalLM):
+        return target, parts.attention_backend(target, s.max_running_requests, s.max_context_len)
+    if tp.size > 1:
+        shard_dense_target(target, tp)
+    tc = target.cfg
+    kv = PagedKVCache(tc.num_layers, num_pages, s.page_size, target.local_num_kv_heads, tc.head_dim,
+                      target.lm_head.weight.dtype, device)
+    attn = parts.attention_backend(kv, s.page_size, target.local_num_heads, tc.head_dim ** -0.5)
+    return (LeaderTarget(target, tp) if tp.size > 1 and tp.rank == 0 else target), attn
+
+
+def follows(package: GeneratedPackage) -> bool:
+    """On a follower rank of a multi-process launch: run rank 0's step commands on this rank's shard until
+    rank 0 stops, and return True; on rank 0 (or one process) return False at once."""
+    dep = package.deployment
+    launch, tp = join(dep)
+    if launch.is_leader:
+        return False
+    try:
+        device = rank_device(dep.backend, launch)
+        s = dep.serving
+        target = load_target_model(dep, package.directory, device)
+        target, attn = serving_target(package, target, tp, s.max_total_tokens // s.page_size + 1, device)
+        follow(target, attn, tp)
+    finally:
+        leave(tp)
+    return True

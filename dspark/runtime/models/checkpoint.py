@@ -115,19 +115,30 @@ def load_draft(ref: str, dtype: str = "float32", base_dir: Path | None = None,
                               "train-draft writes one)") from None
 
 
+def load_target_model(deployment: DeploymentConfig, base_dir: Path, device: torch.device) -> ServingTarget:
+    """The deployment's target on `device`: its checkpoint, or dummy weights where the spec asks for them
+    (`load_format: dummy`)."""
+    model = deployment.model
+    if model.load_format == "dummy":
+        return dummy_target(model.geometry, DTYPES[model.dtype], device, model.family)
+    return load_target(model.checkpoint, model.dtype, base_dir, model.family).to(device)
+
+
+def load_draft_model(deployment: DeploymentConfig, base_dir: Path, device: torch.device,
+                     target: ServingTarget) -> DSparkBlockDraft:
+    """The deployment's draft on `device` (a checkpoint without its own embeddings and LM head takes the
+    unsharded `target`'s)."""
+    model, draft = deployment.model, deployment.draft
+    if draft.load_format == "dummy":
+        return dummy_draft(model.geometry, draft, DTYPES[model.dtype], device)
+    return load_draft(draft.checkpoint, model.dtype, base_dir, target).to(device)  # type: ignore[arg-type]
+
+
 def load_models(deployment: DeploymentConfig, base_dir: Path,
                 device: torch.device) -> tuple[ServingTarget, DSparkBlockDraft]:
-    """The deployment's target and draft on `device`: their checkpoints, or dummy weights where the
-    spec asks for them (`load_format: dummy`)."""
-    model, draft = deployment.model, deployment.draft
-    dtype = DTYPES[model.dtype]
-    if model.load_format == "dummy":
-        target = dummy_target(model.geometry, dtype, device, model.family)
-    else:
-        target = load_target(model.checkpoint, model.dtype, base_dir, model.family).to(device)
-    if draft.load_format == "dummy":
-        return target, dummy_draft(model.geometry, draft, dtype, device)
-    return target, load_draft(draft.checkpoint, model.dtype, base_dir, target).to(device)
+    """The deployment's target and draft on `device`."""
+    target = load_target_model(deployment, base_dir, device)
+    return target, load_draft_model(deployment, base_dir, device, target)
 
 
 def _save(path: Path, module: torch.nn.Module, config: dict, tied: tuple[str, ...] = ()) -> None:

@@ -40,8 +40,6 @@ class ServingTarget(Protocol):
         """`[T, V]` logits of `[T, d]` residual-stream rows, row-invariant."""
         ...
 
-    def greedy_continue(self, prompts: torch.Tensor, steps: int) -> torch.Tensor: ...
-
 
 class TargetModel(Protocol):
     """A dense target (Llama, Qwen3): served over the paged KV cache, and run densely for training
