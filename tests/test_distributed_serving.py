@@ -1,8 +1,9 @@
 """Tensor parallelism launched with torchrun: the embedded pair's static and compact builds recompiled with
 `parallelism.tp: 2`, started as `torchrun --nproc-per-node 2 -m generated.<name> run …` on the CPU (gloo over
 127.0.0.1). Rank 0 runs the engine and leads; rank 1 follows its step commands on its shard. The greedy
-output equals single-process target-only decoding, token for token; a launch that does not fit the build is
-refused with the command that does."""
+output equals single-process target-only decoding, token for token, with the check mode comparing every
+step's results across the ranks (and failing every rank loudly when they differ); a launch that does not fit
+the build is refused with the command that does."""
 
 from __future__ import annotations
 
@@ -11,12 +12,22 @@ import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import yaml
 
 from dspark.compiler import build
+from dspark.runtime.distributed.lockstep import RankDisagreement, check_agreement
+from dspark.runtime.distributed.tensor_parallel import TPGroup
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ("The quick brown fox", "Once upon a time", "def main():")
@@ -48,8 +59,8 @@ def compile_tp(mode: str, tp: int, root: Path) -> str:
     return name
 
 
-def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{cwd}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
+def run(args: list[str], cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": f"{cwd}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", **env_vars}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -71,8 +82,29 @@ def test_tp2_under_torchrun_decodes_as_one_process(mode: str, tmp_path: Path) ->
     launched = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                     "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                     "-m", f"generated.{name}", "run", *prompt_args(), "--max-new-tokens", str(NEW_TOKENS),
-                    "--json"], tmp_path)
+                    "--json"], tmp_path, DSPARK_TP_CHECK="1")  # every step's results compared across ranks
     assert completions(launched) == reference
+
+
+def _disagree(rank: int, port: int, found: Any) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        same = torch.arange(6.0)
+        check_agreement(TPGroup(rank, 2, dist.group.WORLD), "forward", same)  # agrees: no error
+        try:
+            check_agreement(TPGroup(rank, 2, dist.group.WORLD), "forward", same + rank)
+        except RankDisagreement as err:
+            found[rank] = str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_check_mode_fails_every_rank_loudly_on_a_disagreement() -> None:
+    found = mp.Manager().dict()
+    mp.spawn(_disagree, args=(free_port(), found), nprocs=2, join=True)
+    assert dict(found) == {r: "tensor-parallel ranks disagree on the forward: ranks [0] vs [1] computed "
+                              "different results" for r in (0, 1)}
 
 
 def test_a_launch_that_does_not_fit_the_build_says_how_to_launch_it(tmp_path: Path) -> None:
@@ -82,3 +114,51 @@ def test_a_launch_that_does_not_fit_the_build_says_how_to_launch_it(tmp_path: Pa
     assert (f"{name} is compiled for tp × dp = 2 processes, launched as 1: run `torchrun --nproc-per-node 2 "
             f"-m generated.{name} run|serve …`") in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _get(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.slow
+def test_a_dead_rank_makes_the_server_answer_503_and_exit(tmp_path: Path) -> None:
+    """Rank 1 is killed; the next step fails in its first collective, the request waiting on it gets a 503,
+    and rank 0's server shuts down and exits with an error instead of hanging."""
+    name = compile_tp("static", 2, tmp_path)
+    port, master = free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
+           "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
+    command = [sys.executable, "-m", f"generated.{name}", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    ranks = [subprocess.Popen(command, cwd=tmp_path, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # the leader listens once both ranks have loaded and joined
+            try:
+                if _get(f"{url}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and ranks[0].poll() is None, ranks[0].stderr.read()
+            time.sleep(0.5)
+        body = {"model": name, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+        assert _get(f"{url}/v1/completions", body)[0] == 200  # both ranks serve
+        ranks[1].kill()
+        ranks[1].wait(timeout=30)
+        status, answer = _get(f"{url}/v1/completions", body)
+        assert status == 503 and answer["error"]["code"] == "engine_stopped"
+        _, err = ranks[0].communicate(timeout=120)  # exits, does not hang
+        assert ranks[0].returncode == 2
+        assert "a tensor-parallel rank failed and the server shut down; restart the launch" in err
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

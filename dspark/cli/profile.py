@@ -87,10 +87,13 @@ def profile_package(args: argparse.Namespace) -> int:
     from dspark.measure.cost_fit import fit_draft_seconds
     from dspark.measure.profiler import ProfilePlan, rows_around, run_profile
     from dspark.measure.step_timer import ProfileError, VerifyStepTimer
+    from dspark.runtime.distributed.launch import LaunchError
     from dspark.runtime.engine.requests import RequestError
-    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.engine.runtime import Runtime, follows
 
     try:
+        if follows(pkg):  # a follower rank of a torchrun launch ran rank 0's steps
+            return 0
         runtime = Runtime(pkg)
         timer = VerifyStepTimer(runtime, context_len=args.context_len)
         tiers = runtime.tiers
@@ -100,27 +103,30 @@ def profile_package(args: argparse.Namespace) -> int:
                            grid_density=args.grid_density, repeats=args.repeats, warmup=args.warmup,
                            m_bin=args.m_bin, max_rows=tiers[-1] if tiers else None,
                            extra_rows=rows_around(tiers) if timer.packs_rows else ())
-    except (RequestError, ProfileError, ValueError) as err:
+    except (RequestError, ProfileError, LaunchError, ValueError) as err:
         raise CliError(str(err)) from None
-    dep = pkg.deployment
-    meta = {"deployment": dep.name, "backend": dep.backend, "device": dep.device,
-            "dtype": dep.model.dtype, "verify_mode": dep.verify_mode, "tiers": ",".join(map(str, tiers)),
-            "context_len": str(args.context_len)}
-    result = run_profile(timer, plan, progress=not args.no_progress, meta=meta)
-    tables = fit_tables(result, tiers)
-    if not args.no_draft_time:
-        probes = plan.batch_sizes
-        draft = tuple(median_seconds(lambda b=b: timer.draft_seconds(b), args.warmup, args.repeats)
-                      for b in probes)
-        fitted = fit_draft_seconds(draft)
-        tables = tables.with_draft_time(probes, fitted)
-        print("\ndraft step (added to the verify time by the planner; measured→fitted where it dipped)\n"
-              + "  ".join(f"B={b}:{s * 1e3:.4f}" + ("" if f == s else f"→{f * 1e3:.4f}")
-                          for b, s, f in zip(probes, draft, fitted, strict=True)) + "  (ms)")
-    if tables.tier_note:
-        print(f"\n{tables.tier_note}")
-    fingerprint = fingerprint_of_deployment(dep, tiers).to_json()
-    return write_profile(args.out, tables, result, fingerprint)
+    try:
+        dep = pkg.deployment
+        meta = {"deployment": dep.name, "backend": dep.backend, "device": dep.device,
+                "dtype": dep.model.dtype, "verify_mode": dep.verify_mode, "tiers": ",".join(map(str, tiers)),
+                "context_len": str(args.context_len)}
+        result = run_profile(timer, plan, progress=not args.no_progress, meta=meta)
+        tables = fit_tables(result, tiers)
+        if not args.no_draft_time:
+            probes = plan.batch_sizes
+            draft = tuple(median_seconds(lambda b=b: timer.draft_seconds(b), args.warmup, args.repeats)
+                          for b in probes)
+            fitted = fit_draft_seconds(draft)
+            tables = tables.with_draft_time(probes, fitted)
+            print("\ndraft step (added to the verify time by the planner; measured→fitted where it dipped)\n"
+                  + "  ".join(f"B={b}:{s * 1e3:.4f}" + ("" if f == s else f"→{f * 1e3:.4f}")
+                              for b, s, f in zip(probes, draft, fitted, strict=True)) + "  (ms)")
+        if tables.tier_note:
+            print(f"\n{tables.tier_note}")
+        fingerprint = fingerprint_of_deployment(dep, tiers).to_json()
+        return write_profile(args.out, tables, result, fingerprint)
+    finally:
+        runtime.close()  # release the follower ranks of a torchrun launch
 
 
 @dataclasses.dataclass(frozen=True)

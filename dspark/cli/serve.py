@@ -92,9 +92,11 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
         from dspark.runtime.serve.server import serve
 
         try:
-            serve(runtime, sock, args.host, args.port, args.model_name, args.log_level)
+            failed = serve(runtime, sock, args.host, args.port, args.model_name, args.log_level)
         finally:
             runtime.close()
+        if failed and runtime.tp.size > 1:
+            raise CliError("a tensor-parallel rank failed and the server shut down; restart the launch")
     finally:
         sock.close()
     return 0

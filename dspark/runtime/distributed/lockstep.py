@@ -9,6 +9,10 @@ gathers) meets its partners. What is broadcast is what the call takes: the input
 attention metadata of the step (the engine planned them on rank 0: verify_lens, the budget and the
 layout are decided once, there), or the rows whose logits are wanted.
 
+With `DSPARK_TP_CHECK=1` in every rank's environment (a debug mode), each rank digests what it ran (the
+step's input ids and positions) and what it got (the residual stream and states, or the logits) after every
+command, the digests are all-gathered, and any disagreement fails the step on every rank, naming the ranks.
+
 The DSpark draft runs on rank 0 alone, unsharded: it is a few layers against the target's tens, it reads
 the target states the sharded forward returns whole on every rank, and keeping it off the followers
 keeps its KV cache and its small matmuls free of collectives.
@@ -16,7 +20,10 @@ keeps its KV cache and its small matmuls free of collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +32,35 @@ import torch.distributed as dist
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
 FORWARD, LOGITS, STOP = "forward", "logits", "stop"
+CHECK_ENV = "DSPARK_TP_CHECK"
+
+
+class RankDisagreement(RuntimeError):
+    """Tensor-parallel ranks that ran a step differently (the check mode's finding)."""
+
+
+def checking() -> bool:
+    return os.environ.get(CHECK_ENV) == "1"
+
+
+def _digest(*tensors: torch.Tensor | None) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_agreement(tp: TPGroup, what: str, *tensors: torch.Tensor | None) -> None:
+    """All-gather every rank's digest of `tensors`; raise RankDisagreement on every rank if they differ."""
+    digests: list[str | None] = [None] * tp.size
+    dist.all_gather_object(digests, _digest(*tensors), group=tp.group)
+    if len(set(digests)) > 1:
+        groups: dict[str | None, list[int]] = {}
+        for rank, d in enumerate(digests):
+            groups.setdefault(d, []).append(rank)
+        raise RankDisagreement(f"tensor-parallel ranks disagree on the {what}: ranks "
+                               f"{' vs '.join(str(r) for r in groups.values())} computed different results")
 
 
 def _broadcast(tp: TPGroup, command: tuple[Any, ...] | None, device: torch.device) -> tuple[Any, ...]:
@@ -42,22 +78,52 @@ class LeaderTarget:
     def __init__(self, target: Any, tp: TPGroup) -> None:
         self.target = target
         self.tp = tp
+        self.broken = False  # a collective failed (a rank died): nothing more can be sent
         self.cfg = target.cfg
         self.lm_head = target.lm_head
         self.device = target.lm_head.weight.device
 
     def forward_paged_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any,
                              capture: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        _broadcast(self.tp, (FORWARD, input_ids, positions, meta, tuple(capture)), self.device)
-        return self.target.forward_paged_states(input_ids, positions, attn, meta, capture)
+        with self._guard():
+            _broadcast(self.tp, (FORWARD, input_ids, positions, meta, tuple(capture)), self.device)
+            return _forward(self.target, self.tp, input_ids, positions, attn, meta, capture)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        _broadcast(self.tp, (LOGITS, hidden), self.device)
-        return self.target.compute_logits(hidden)
+        with self._guard():
+            _broadcast(self.tp, (LOGITS, hidden), self.device)
+            return _logits(self.target, self.tp, hidden)
 
     def stop(self) -> None:
-        """Release the followers (they return from `follow`)."""
-        _broadcast(self.tp, (STOP,), self.device)
+        """Release the followers (they return from `follow`); nothing to release once a rank died."""
+        if not self.broken:
+            with self._guard():
+                _broadcast(self.tp, (STOP,), self.device)
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        if self.broken:
+            raise RuntimeError("a tensor-parallel rank failed earlier; the process group cannot run a step")
+        try:
+            yield
+        except BaseException:
+            self.broken = True
+            raise
+
+
+def _forward(target: Any, tp: TPGroup, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any,
+             capture: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden, states = target.forward_paged_states(input_ids, positions, attn, meta, capture)
+    if checking():
+        check_agreement(tp, "forward", input_ids, positions, hidden, states)
+    return hidden, states
+
+
+def _logits(target: Any, tp: TPGroup, hidden: torch.Tensor) -> torch.Tensor:
+    logits = target.compute_logits(hidden)
+    if checking():
+        check_agreement(tp, "logits", hidden, logits)
+    return logits
 
 
 def follow(target: Any, attn: Any, tp: TPGroup) -> int:
@@ -71,9 +137,9 @@ def follow(target: Any, attn: Any, tp: TPGroup) -> int:
             return done
         if kind == FORWARD:
             _, input_ids, positions, meta, capture = command
-            target.forward_paged_states(input_ids, positions, attn, meta, capture)
+            _forward(target, tp, input_ids, positions, attn, meta, capture)
         elif kind == LOGITS:
-            target.compute_logits(command[1])
+            _logits(target, tp, command[1])
         else:
             raise RuntimeError(f"rank {tp.rank}: unknown step command {kind!r} from rank 0")
         done += 1

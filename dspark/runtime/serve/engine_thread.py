@@ -62,6 +62,8 @@ class EngineThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self.error: BaseException | None = None
+        # Called (on the engine thread) once the engine has failed and every waiting stream was told.
+        self.on_failure: Callable[[], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -134,6 +136,8 @@ class EngineThread:
                 self._streams.clear()
             for r, stream in waiting:
                 stream.push(Delivery([], ENGINE_FAILED, r.decode_steps))
+            if self.on_failure is not None:
+                self.on_failure()
             raise  # the thread's traceback goes to the server log
 
     def _deliver(self, r: Request) -> None:
