@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dspark.runtime.distributed.tensor_parallel import TPGroup
+from dspark.runtime.distributed.tensor_parallel import COMM_CLOCK, TPGroup
 
 FORWARD, LOGITS, STOP = "forward", "logits", "stop"
 CHECK_ENV = "DSPARK_TP_CHECK"
@@ -66,7 +66,9 @@ def check_agreement(tp: TPGroup, what: str, *tensors: torch.Tensor | None) -> No
 def _broadcast(tp: TPGroup, command: tuple[Any, ...] | None, device: torch.device) -> tuple[Any, ...]:
     """Rank 0's `command` on every rank of the group (NCCL moves the pickled bytes through `device`)."""
     box = [command]
-    dist.broadcast_object_list(box, src=0, group=tp.group, device=device if device.type == "cuda" else None)
+    through = device if device.type == "cuda" else None
+    with COMM_CLOCK.timed("command"):
+        dist.broadcast_object_list(box, src=0, group=tp.group, device=through)
     command = box[0]
     assert command is not None
     return command

@@ -32,6 +32,9 @@ require grad).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +44,35 @@ from torch import nn
 
 from dspark.runtime.models import ops
 from dspark.runtime.models.llama import LlamaForCausalLM
+
+
+class CommClock:
+    """Wall time this process spends communicating, by kind ("collective": the layers' all-reduces and
+    all-gathers; "command": rank 0's step commands), for benchmarks: off unless `enabled`, and then one
+    perf_counter pair per call. gloo's collectives return when done, so on the CPU this is the communication
+    time, waits for the slower rank included; NCCL's are asynchronous, and a GPU measurement must
+    synchronise around them."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def timed(self, kind: str = "collective") -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - start
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+
+COMM_CLOCK = CommClock()
 
 
 @dataclass(frozen=True)
@@ -80,11 +112,13 @@ def _sum_over_ranks(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     if tp.size == 1:
         return partial
     if partial.device.type != "cpu":
-        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=tp.group)
+        with COMM_CLOCK.timed():
+            dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=tp.group)
         return partial
     # In rank order, element by element: the order no longer depends on the tensor's size.
     parts = [torch.empty_like(partial) for _ in range(tp.size)]
-    dist.all_gather(parts, partial, group=tp.group)
+    with COMM_CLOCK.timed():
+        dist.all_gather(parts, partial, group=tp.group)
     total = parts[0]
     for part in parts[1:]:
         total = total + part
@@ -172,7 +206,8 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(torch.where(inside, local, 0), self.weight)  # [..., d]
         out = out.masked_fill(~inside.unsqueeze(-1), 0.0)
         if self.tp.size > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.tp.group)
+            with COMM_CLOCK.timed():
+                dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.tp.group)
         return out
 
 
@@ -192,7 +227,8 @@ class VocabParallelLMHead(nn.Module):
         if self.tp.size == 1:
             return local
         slices = [torch.empty_like(local) for _ in range(self.tp.size)]
-        dist.all_gather(slices, local, group=self.tp.group)
+        with COMM_CLOCK.timed():
+            dist.all_gather(slices, local, group=self.tp.group)
         logits = torch.cat(slices, dim=-1)  # [..., size · rows]
         vocab = self.shard.vocab_size
         return logits if logits.shape[-1] == vocab else logits[..., :vocab].contiguous()
