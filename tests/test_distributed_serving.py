@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -139,15 +140,7 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit(tmp_path: Path) -> Non
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:  # the leader listens once both ranks have loaded and joined
-            try:
-                if _get(f"{url}/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline and ranks[0].poll() is None, ranks[0].stderr.read()
-            time.sleep(0.5)
+        _wait_healthy(url, ranks[0])
         body = {"model": name, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
         assert _get(f"{url}/v1/completions", body)[0] == 200  # both ranks serve
         ranks[1].kill()
@@ -162,3 +155,45 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit(tmp_path: Path) -> Non
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _wait_healthy(url: str, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while True:  # the leader listens once every rank has loaded and joined
+        try:
+            if _get(f"{url}/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()  # type: ignore[union-attr]
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_dspark_serve_starts_the_ranks_a_build_needs(tmp_path: Path) -> None:
+    """`dspark serve` on a TP=2 build launches two ranks itself; rank 0 serves what one process decodes, and
+    an interrupt stops every rank."""
+    name = compile_tp("static", 2, tmp_path)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dspark.cli.main", "serve", str(tmp_path / "generated" / name),
+               "--port", str(port)]
+    server = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, server)
+        body = {"model": name, "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0}
+        status, answer = _get(f"{url}/v1/completions", body)
+        one = run([sys.executable, "-m", "generated.tiny_cpu_static", "run", "--prompt", PROMPTS[0],
+                   "--max-new-tokens", str(NEW_TOKENS), "--target-only", "--json"], REPO)
+        assert one.returncode == 0, one.stderr[-3000:]
+        want = json.loads(one.stdout)["completions"][0]["text"]
+        assert status == 200 and answer["choices"][0]["text"] == want
+        os.killpg(server.pid, signal.SIGINT)  # a terminal's Ctrl+C reaches the whole process group
+        _, err = server.communicate(timeout=60)
+        assert "starting them with torchrun (rank 0 serves on 127.0.0.1" in err
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +25,29 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "(Prometheus). Requests are batched continuously and decoded speculatively.")
     p.add_argument("package", type=Path, help="generated package directory, e.g. generated/tiny_cpu_static")
     add_serve_args(p)
-    p.set_defaults(handler=lambda args: serve_package(args.package, args))
+    p.set_defaults(handler=serve_or_spawn)
     return p
+
+
+def serve_or_spawn(args: argparse.Namespace) -> int:
+    """`dspark serve`: serve the package, or, when it is compiled for more than one process and this is not
+    already a rank of a launch, start its ranks with torchrun (rank 0 serves, the others follow)."""
+    pkg = load_package_or_fail(args.package)
+    world = pkg.deployment.parallel.world_size
+    if world == 1 or "WORLD_SIZE" in os.environ:
+        return serve_package(args.package, args)
+    with socket.socket() as probe:  # a free port for the ranks' rendezvous, on this machine
+        probe.bind(("127.0.0.1", 0))
+        master_port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+               "--master-addr", "127.0.0.1", "--master-port", str(master_port),
+               "-m", "dspark.cli.main", "serve", str(args.package), "--host", args.host,
+               "--port", str(args.port), "--seed", str(args.seed), "--log-level", args.log_level]
+    if args.model_name is not None:
+        command += ["--model-name", args.model_name]
+    print(f"dspark serve: {pkg.deployment.name} is compiled for {world} processes; starting them with "
+          f"torchrun (rank 0 serves on {args.host}:{args.port})", file=sys.stderr, flush=True)
+    return subprocess.run(command, check=False).returncode
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
