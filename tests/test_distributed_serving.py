@@ -8,6 +8,7 @@ the build is refused with the command that does."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import urllib.error
 import urllib.request
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,6 +29,8 @@ import torch.multiprocessing as mp
 import yaml
 
 from dspark.compiler import build
+from dspark.runtime.config import ParallelPlan
+from dspark.runtime.distributed.launch import Launch, LaunchError, check_launch
 from dspark.runtime.distributed.lockstep import RankDisagreement, check_agreement
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
@@ -197,3 +201,19 @@ def test_dspark_serve_starts_the_ranks_a_build_needs(tmp_path: Path) -> None:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+@pytest.mark.parametrize(("parallel", "family", "tiers", "backend", "message"), [
+    ({"dp": 2, "dp_attention": True, "tp": 2}, "llama", (), "cpu",
+     "data parallelism and DP attention are not built"),
+    ({"tp": 2}, "dsv4", (), "cpu", "tensor parallelism covers the dense families, not dsv4 yet"),
+    ({"tp": 2}, "llama", (8, 16), "cuda", "capturing graphs under tensor parallelism is not built yet"),
+    ({"tp": 1}, "llama", (), "cpu", "compiled for one process (tp 1, dp 1), launched as 2"),
+])
+def test_launches_that_are_not_built_or_do_not_fit_are_refused(parallel, family, tiers, backend, message):
+    deployment = SimpleNamespace(name="demo", backend=backend, token_tiers=tiers,
+                                 model=SimpleNamespace(family=family),
+                                 parallel=ParallelPlan(**{"tp": 1, "dp": 1, "dp_attention": False, "ep": 1,
+                                                          **parallel}))
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        check_launch(Launch(0, 2, 0), deployment)  # type: ignore[arg-type]

@@ -8,8 +8,8 @@ differs is refused with the command that fits. The process group runs over torch
 CPU, NCCL on CUDA, HCCL on Ascend.
 
 Built so far: tensor parallelism of the dense families, rank 0 leading (`dspark.runtime.distributed.
-lockstep`). Data parallelism and DP attention (dp > 1), and tensor parallelism of dsv4, are refused here
-with what to compile instead.
+lockstep`), without graph capture. Data parallelism and DP attention (dp > 1), tensor parallelism of
+dsv4, and graphs under tensor parallelism are refused here with what to compile instead.
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def check_launch(launch: Launch, deployment: DeploymentConfig) -> None:
     if parallel.tp > 1 and deployment.model.family == DSV4_FAMILY:
         raise LaunchError(f"{name} is compiled with tp {parallel.tp}; tensor parallelism covers the dense "
                           f"families, not {DSV4_FAMILY} yet: recompile with parallelism.tp: 1 to run it")
+    if parallel.tp > 1 and deployment.backend != "cpu" and deployment.token_tiers:
+        raise LaunchError(f"{name} is compiled with tp {parallel.tp} and graph capture; capturing graphs "
+                          "under tensor parallelism is not built yet: recompile with graph.enabled: false")
     want = parallel.world_size
     if launch.world_size == want:
         return
