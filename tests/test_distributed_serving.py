@@ -8,8 +8,8 @@ the build is refused with the command that does."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import socket
 import subprocess
