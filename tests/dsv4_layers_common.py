@@ -23,6 +23,7 @@ import dataclasses  # noqa: E402
 import functools  # noqa: E402
 from typing import Any  # noqa: E402
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_cache_layout  # noqa: E402
@@ -262,3 +263,17 @@ INTERP_CHECKS = {
 
 if __name__ == "__main__":
     sys.exit(run_checks(INTERP_CHECKS))
+
+
+def check_host_refusals(layers: Any, error: type[Exception]) -> None:
+    """The checks a device backend makes on the host before a layer runs: the step's cache layout, the
+    positions against max_context_len, the layer's compress ratio."""
+    m = model()
+    other = dataclasses.replace(STEP, cmp_page_sizes={4: 2, 8: 2})
+    meta = plan(prefilled(), [1], [3], config=other)
+    with pytest.raises(error, match="another cache layout"):
+        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), meta)
+    with pytest.raises(error, match="max_context_len"):
+        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), plan(prefilled(), [1], [MAX_LEN]))
+    with pytest.raises(error, match="compress ratio"):
+        layers.forward_layer(1, m.layers[0], torch.zeros(1, CFG.dim), plan(prefilled(), [1], [3]))

@@ -56,6 +56,7 @@ from tests.dsv4_layers_common import (
     TIER,
     N,
     assert_caches_match,
+    check_host_refusals,
     cpu_forward,
     forward,
     model,
@@ -140,16 +141,7 @@ def test_each_layer_equals_the_paged_forward_and_writes_the_same_caches(npu: Fak
 
 
 def test_steps_are_checked_on_the_host(npu: FakeNpu) -> None:
-    layers = ascend(prefilled().clone())
-    m = model()
-    other = dataclasses.replace(STEP, cmp_page_sizes={4: 2, 8: 2})
-    meta = plan(prefilled(), [1], [3], config=other)
-    with pytest.raises(Dsv4AscendBackendError, match="another cache layout"):
-        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), meta)
-    with pytest.raises(Dsv4AscendBackendError, match="max_context_len"):
-        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), plan(prefilled(), [1], [MAX_LEN]))
-    with pytest.raises(Dsv4AscendBackendError, match="compress ratio"):
-        layers.forward_layer(1, m.layers[0], torch.zeros(1, CFG.dim), plan(prefilled(), [1], [3]))
+    check_host_refusals(ascend(prefilled().clone()), Dsv4AscendBackendError)
 
 
 # ---------------------------------------------------------------------------------------------------------

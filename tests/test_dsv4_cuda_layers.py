@@ -45,6 +45,7 @@ from tests.dsv4_layers_common import (
     TIER,
     N,
     check_bf16,
+    check_host_refusals,
     check_layers,
     check_multi_step,
     cpu_forward,
@@ -261,16 +262,7 @@ def test_graph_misuse_is_refused() -> None:
 
 
 def test_steps_are_checked_on_the_host() -> None:
-    layers = cuda_layers(prefilled().clone(), "torch")
-    m = model()
-    other = dataclasses.replace(STEP, cmp_page_sizes={4: 2, 8: 2})
-    meta = plan(prefilled(), [1], [3], config=other)
-    with pytest.raises(Dsv4DeviceLayersError, match="another cache layout"):
-        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), meta)
-    with pytest.raises(Dsv4DeviceLayersError, match="max_context_len"):
-        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), plan(prefilled(), [1], [MAX_LEN]))
-    with pytest.raises(Dsv4DeviceLayersError, match="compress ratio"):
-        layers.forward_layer(1, m.layers[0], torch.zeros(1, CFG.dim), plan(prefilled(), [1], [3]))
+    check_host_refusals(cuda_layers(prefilled().clone(), "torch"), Dsv4DeviceLayersError)
     with pytest.raises(Dsv4DeviceLayersError, match="impl"):
         Dsv4CudaLayers(prefilled().clone(), N, MAX_LEN, impl="cuda")  # type: ignore[arg-type]
 
