@@ -8,12 +8,14 @@ differs is refused with the command that fits. The process group runs over torch
 CPU, NCCL on CUDA, HCCL on Ascend.
 
 Built so far: tensor parallelism of the dense families, rank 0 leading (`dspark.runtime.distributed.
-lockstep`), without graph capture. Data parallelism and DP attention (dp > 1), tensor parallelism of
-dsv4, and graphs under tensor parallelism are refused here with what to compile instead.
+lockstep`), without graph capture. Data parallelism and DP attention (dp > 1) and graphs under tensor
+parallelism are refused here with what to compile instead; a dsv4 build's tp (its recipe's, recorded)
+runs as one process until dsv4 has tensor parallelism.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from datetime import timedelta
 from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.runtime.config import DeploymentConfig
 from dspark.runtime.distributed.tensor_parallel import TPGroup
+
+log = logging.getLogger(__name__)
 
 PROCESS_GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "ascend": "hccl"}
 # How long a rank waits in a collective before it gives up: long enough for a prefill chunk of a large model
@@ -73,8 +77,13 @@ def check_launch(launch: Launch, deployment: DeploymentConfig) -> None:
         raise LaunchError(f"{name} is compiled with dp {parallel.dp}; data parallelism and DP attention are "
                           "not built yet: recompile with parallelism.dp: 1 (tensor parallelism runs)")
     if parallel.tp > 1 and deployment.model.family == DSV4_FAMILY:
+        # Its tp is the recipe's, recorded: the build runs as one process until dsv4 has tensor parallelism.
+        if launch.world_size == 1:
+            log.warning("%s records tp %d; tensor parallelism does not cover %s yet, so it runs as one "
+                        "process", name, parallel.tp, DSV4_FAMILY)
+            return
         raise LaunchError(f"{name} is compiled with tp {parallel.tp}; tensor parallelism covers the dense "
-                          f"families, not {DSV4_FAMILY} yet: recompile with parallelism.tp: 1 to run it")
+                          f"families, not {DSV4_FAMILY} yet: run it as one process (without torchrun)")
     if parallel.tp > 1 and deployment.backend != "cpu" and deployment.token_tiers:
         raise LaunchError(f"{name} is compiled with tp {parallel.tp} and graph capture; capturing graphs "
                           "under tensor parallelism is not built yet: recompile with graph.enabled: false")
