@@ -39,9 +39,12 @@ def _meta(prefix: list[int], extend: list[int], page_table: torch.Tensor, page: 
                               QueryBlocks.plan(qo.tolist(), kv, pos, page_table, page))
 
 
-def test_paged_attention_row_is_the_same_alone_or_in_a_verify_block() -> None:
+# GQA; MHA and a single head, whose one-row blocks are padded so the products keep two columns
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 8), (4, 4, 16), (1, 1, 16)])
+def test_paged_attention_row_is_the_same_alone_or_in_a_verify_block(heads: int, kv_heads: int,
+                                                                     dim: int) -> None:
     torch.manual_seed(1)
-    page, heads, kv_heads, dim = 4, 4, 2, 8
+    page = 4
     cache = PagedKVCache(1, 16, page, kv_heads, dim, torch.float32)
     attn = TorchPagedAttention(cache, page, heads, dim ** -0.5)
     table = torch.tensor([[3, 5, 7, 9], [2, 4, 6, 8]], dtype=torch.int32)

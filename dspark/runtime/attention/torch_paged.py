@@ -20,7 +20,10 @@ depend on which other rows share its step; here it does not:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.nn.functional as F
 
 from dspark.runtime.attention.metadata import KV_CHUNK, QueryBlock, TorchPagedMetadata
 from dspark.runtime.kv_cache import PagedKVCache
@@ -30,6 +33,9 @@ from dspark.runtime.kv_cache import PagedKVCache
 # count must stay above the line at one row. The keys' and values' products do (head_dim x 64 keys);
 # the probabilities' sum is a product with rows of ones, so it takes 8 of them (8 x 64 = 512).
 ONES_ROWS = 8
+# The products' columns are a block's (query head of a KV group, query row) pairs: at least two, for BLAS
+# runs a single column as a matrix-vector product, which sums in another order than the matrix kernel.
+MIN_COLUMNS = 2
 
 
 class TorchPagedAttention:
@@ -66,9 +72,18 @@ class TorchPagedAttention:
     def _attend_block(self, layer_id: int, q_padded: torch.Tensor, block: QueryBlock) -> torch.Tensor:
         """`[b * width, H, D]`: the block's padded query rows attended over their requests' keys."""
         num_reqs, width = block.gather.shape
-        head_dim = q_padded.shape[-1]
         num_kv = self.cache.k.shape[-2]
         group = self.num_heads // num_kv
+        if group * width < MIN_COLUMNS:
+            # One query head per KV head (MHA) and one row: the products would have a single column, which
+            # BLAS runs as a matrix-vector product that sums in another order. Add hidden zero rows.
+            pad = -(-MIN_COLUMNS // group) - width
+            zero_row = q_padded.shape[0] - 1
+            wider = dataclasses.replace(block, gather=F.pad(block.gather, (0, pad), value=zero_row),
+                                        hidden=F.pad(block.hidden, (0, pad), value=True))
+            out = self._attend_block(layer_id, q_padded, wider)
+            return out.view(num_reqs, width + pad, *out.shape[1:])[:, :width].reshape(-1, *out.shape[1:])
+        head_dim = q_padded.shape[-1]
         rows = group * width  # one column of the products per (query head of the group, query row)
         bound = block.kv_bound
         chunks = bound // KV_CHUNK

@@ -17,28 +17,12 @@ sums added in bfloat16 would lose the context's tail on long prompts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 
+from dspark.runtime.models.ops import lanewise
+
 CHUNK = 64
-# torch's elementwise CPU loop runs two vector registers per iteration (2 x 16 float32 lanes with
-# AVX-512) and the remainder through a scalar loop that rounds differently.
-LANES = 32
-
-
-def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`fn(x)` for an elementwise transcendental (exp, sigmoid, tanh, silu) run on a last dim padded
-    to a multiple of `LANES`, so no element falls in the scalar remainder; otherwise which elements
-    do depends on the tensor's size, i.e. on the batch. (A product large enough for torch to split
-    across threads can still put a remainder at a thread boundary.)"""
-    extra = -x.shape[-1] % LANES
-    if not extra:
-        return fn(x)
-    return fn(F.pad(x, (0, extra)))[..., :x.shape[-1]]
-
-
 def block_step_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_lens: torch.Tensor,
                          blk_k: torch.Tensor, blk_v: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of block queries `q[B, Q, H, D]` over the context `ctx_k/ctx_v[B, C, Hkv, D]` (request

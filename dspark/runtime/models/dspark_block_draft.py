@@ -36,8 +36,9 @@ from torch import nn
 
 from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.runtime.models import ops
-from dspark.runtime.models.dspark_block_attention import block_step_attention, lanewise
+from dspark.runtime.models.dspark_block_attention import block_step_attention
 from dspark.runtime.models.llama import RMSNorm  # the targets' (ops.rms_norm), Qwen3's order of casts
+from dspark.runtime.models.ops import lanewise
 
 # Picks one token per row from `[B, V]` step logits (argmax, or a sampler under each request's policy).
 TokenPicker = Callable[[torch.Tensor], torch.Tensor]

@@ -108,7 +108,9 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_paged(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(paged_linear(x, self.gate_proj)) * paged_linear(x, self.up_proj)
+        # lanewise: a width off the CPU's vector lanes (a tensor-parallel shard's, say) would otherwise
+        # round a row's SiLU differently with the rows beside it
+        h = ops.lanewise(F.silu, paged_linear(x, self.gate_proj)) * paged_linear(x, self.up_proj)
         return paged_linear(h, self.down_proj)
 
 

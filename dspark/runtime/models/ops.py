@@ -13,6 +13,7 @@ it runs on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     rows = x.shape[0]
     return F.linear(pad_rows(x), weight, bias)[:rows]
+
+
+# torch's elementwise CPU loop runs two vector registers per iteration (2 x 16 float32 lanes with
+# AVX-512) and the remainder through a scalar loop that rounds differently.
+LANES = 32
+
+
+def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for an elementwise transcendental (exp, sigmoid, tanh, silu) run on a last dim padded
+    to a multiple of `LANES`, so no element falls in the scalar remainder; otherwise which elements
+    do depends on the tensor's size, i.e. on the batch. (A product large enough for torch to split
+    across threads can still put a remainder at a thread boundary.)"""
+    extra = -x.shape[-1] % LANES
+    if not extra:
+        return fn(x)
+    return fn(F.pad(x, (0, extra)))[..., :x.shape[-1]]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
