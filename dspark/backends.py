@@ -11,8 +11,7 @@ ATTENTION_BY_BACKEND: dict[str, tuple[str, ...]] = {
     "ascend": ("fused_infer_attention", "sparse_attn_sharedkv"),
 }
 # The implementations that run DeepSeek-V4's compressed sparse attention (on the CPU its torch model,
-# under the CPU's one name); every other one runs the dense families only. CUDA has none yet: the DSV4
-# Triton kernel has never run on a GPU, so no CUDA backend is built around it.
+# on CUDA its Triton kernel, each under its backend's name); every other one runs the dense families only.
 DSV4_ATTENTION = frozenset({"torch", "triton", "sparse_attn_sharedkv"})
 DENSE_ATTENTION = frozenset({"torch", "triton", "flashinfer", "fused_infer_attention"})
 
