@@ -42,8 +42,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.runtime.config import ModelGeometry
 from dspark.runtime.models import ops
-from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
 class CommClock:
@@ -239,6 +240,56 @@ def _share(n: int, tp: TPGroup) -> tuple[int, int]:
     return tp.rank * n // tp.size, (tp.rank + 1) * n // tp.size
 
 
+def dense_target(model: nn.Module) -> LlamaForCausalLM:
+    """`model` as a dense target whose weights are still whole, or a ValueError saying why not."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"tensor parallelism covers the dense families (Llama, Qwen3), not "
+                         f"{type(model).__name__}")
+    if model.local_num_heads != model.cfg.num_heads:
+        raise ValueError("the model is already sharded")
+    return model
+
+
+def check_heads_split(cfg: ModelGeometry, tp: TPGroup, what: str = "tensor parallelism") -> None:
+    """Refuse a group whose size does not divide the query and the KV heads (a rank owns whole heads)."""
+    if cfg.num_heads % tp.size or cfg.num_kv_heads % tp.size:
+        raise ValueError(f"{what} over {tp.size} ranks needs num_heads ({cfg.num_heads}) and "
+                         f"num_kv_heads ({cfg.num_kv_heads}) to be multiples of {tp.size}")
+
+
+def shard_attention(attn: LlamaAttention, tp: TPGroup) -> None:
+    """Keep rank r's query heads `[r·H/size, (r+1)·H/size)` and the KV heads `[r·Hkv/size, …)` they read:
+    q/k/v column-parallel, o_proj row-parallel over `tp` (heads checked by `check_heads_split`)."""
+    cfg = attn.cfg
+    heads, kv_heads, hd = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size, cfg.head_dim
+    q0, q1 = tp.rank * heads * hd, (tp.rank + 1) * heads * hd  # this rank's q rows, o_proj columns
+    kv0, kv1 = tp.rank * kv_heads * hd, (tp.rank + 1) * kv_heads * hd
+    attn.q_proj = ColumnParallelLinear.from_dense(attn.q_proj, q0, q1, tp)
+    attn.k_proj = ColumnParallelLinear.from_dense(attn.k_proj, kv0, kv1, tp)
+    attn.v_proj = ColumnParallelLinear.from_dense(attn.v_proj, kv0, kv1, tp)
+    attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, q0, q1, tp)
+    attn.local_num_heads, attn.local_num_kv_heads = heads, kv_heads
+
+
+def shard_mlp(mlp: LlamaMLP, intermediate_size: int, tp: TPGroup) -> None:
+    """Keep rank r's MLP columns `[r·I/size, …)`: gate/up column-parallel, down_proj row-parallel."""
+    i0, i1 = _share(intermediate_size, tp)
+    mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, i0, i1, tp)
+    mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, i0, i1, tp)
+    mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, i0, i1, tp)
+
+
+def shard_vocab(model: LlamaForCausalLM, tp: TPGroup) -> tuple[VocabParallelEmbedding, VocabParallelLMHead]:
+    """The embedding and the LM head of `ceil(V/size)` vocabulary rows of this rank (one tensor for both
+    when tied), for the caller to install."""
+    backbone = model.model
+    tied = model.lm_head.weight is backbone.embed_tokens.weight
+    shard = VocabShard.of(model.cfg.vocab_size, tp)
+    embed = _frozen(shard.slice(backbone.embed_tokens.weight))  # [rows, d]
+    head = embed if tied else _frozen(shard.slice(model.lm_head.weight))
+    return VocabParallelEmbedding(embed, shard, tp), VocabParallelLMHead(head, shard, tp)
+
+
 @torch.no_grad()
 def shard_dense_target(model: nn.Module, tp: TPGroup) -> None:
     """Keep only this rank's share of a loaded dense target (Llama, Qwen3), in place.
@@ -254,38 +305,13 @@ def shard_dense_target(model: nn.Module, tp: TPGroup) -> None:
     `model.local_num_kv_heads` then give the heads this rank's KV cache and attention backend hold.
     A group of one leaves the model as it is.
     """
-    if not isinstance(model, LlamaForCausalLM):
-        raise ValueError(f"tensor parallelism covers the dense families (Llama, Qwen3), not "
-                         f"{type(model).__name__}")
+    model = dense_target(model)
     if tp.size == 1:
         return
     cfg = model.cfg
-    if model.local_num_heads != cfg.num_heads:
-        raise ValueError("the model is already sharded")
-    if cfg.num_heads % tp.size or cfg.num_kv_heads % tp.size:
-        raise ValueError(f"tensor parallelism over {tp.size} ranks needs num_heads ({cfg.num_heads}) and "
-                         f"num_kv_heads ({cfg.num_kv_heads}) to be multiples of {tp.size}")
-    heads, kv_heads, hd = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size, cfg.head_dim
-    q0, q1 = tp.rank * heads * hd, (tp.rank + 1) * heads * hd  # this rank's q rows, o_proj columns
-    kv0, kv1 = tp.rank * kv_heads * hd, (tp.rank + 1) * kv_heads * hd
-    i0, i1 = _share(cfg.intermediate_size, tp)
-
-    backbone = model.model
-    tied = model.lm_head.weight is backbone.embed_tokens.weight
-    shard = VocabShard.of(cfg.vocab_size, tp)
-    embed = _frozen(shard.slice(backbone.embed_tokens.weight))  # [rows, d]
-    head = embed if tied else _frozen(shard.slice(model.lm_head.weight))
-    backbone.embed_tokens = VocabParallelEmbedding(embed, shard, tp)
-    model.lm_head = VocabParallelLMHead(head, shard, tp)
-
-    for layer in backbone.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.q_proj = ColumnParallelLinear.from_dense(attn.q_proj, q0, q1, tp)
-        attn.k_proj = ColumnParallelLinear.from_dense(attn.k_proj, kv0, kv1, tp)
-        attn.v_proj = ColumnParallelLinear.from_dense(attn.v_proj, kv0, kv1, tp)
-        attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, q0, q1, tp)
-        attn.local_num_heads, attn.local_num_kv_heads = heads, kv_heads
-        mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, i0, i1, tp)
-        mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, i0, i1, tp)
-        mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, i0, i1, tp)
-    model.local_num_heads, model.local_num_kv_heads = heads, kv_heads
+    check_heads_split(cfg, tp)
+    model.model.embed_tokens, model.lm_head = shard_vocab(model, tp)
+    for layer in model.model.layers:
+        shard_attention(layer.self_attn, tp)
+        shard_mlp(layer.mlp, cfg.intermediate_size, tp)
+    model.local_num_heads, model.local_num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
