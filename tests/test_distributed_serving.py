@@ -116,7 +116,7 @@ def test_a_launch_that_does_not_fit_the_build_says_how_to_launch_it(tmp_path: Pa
     name = compile_tp("static", 2, tmp_path)
     result = run([sys.executable, "-m", f"generated.{name}", "run", "--prompt", "hi"], tmp_path)
     assert result.returncode == 2
-    assert (f"{name} is compiled for tp × dp = 2 processes, launched as 1: run `torchrun --nproc-per-node 2 "
+    assert (f"{name} is compiled for 2 processes (tp 2), launched as 1: run `torchrun --nproc-per-node 2 "
             f"-m generated.{name} run|serve …`") in result.stderr
     assert "Traceback" not in result.stderr
 

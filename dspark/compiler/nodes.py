@@ -93,7 +93,8 @@ def _parallel_plan(resolved: ResolvedSpec) -> Any:
     # DeepSeek-V4's one latent K=V head is read by every query head, so each rank keeps a copy.
     kv_heads = 1 if isinstance(geometry, Dsv4Geometry) else geometry.num_kv_heads // parallelism.tp
     return {**parallelism.model_dump(mode="json"),
-            "world_size": parallelism.tp * parallelism.dp,
+            # as ParallelPlan.world_size: with DP attention the dp groups live inside the tp ranks
+            "world_size": parallelism.tp if parallelism.dp_attention else parallelism.tp * parallelism.dp,
             "heads_per_rank": geometry.num_heads // parallelism.tp,
             "kv_heads_per_rank": kv_heads}
 

@@ -150,7 +150,9 @@ class ParallelPlan:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp
+        """Processes the deployment runs as: tp x dp replicas, or, with DP attention, tp (SGLang's meaning:
+        attention runs data-parallel over dp groups of tp / dp ranks inside the tp ranks)."""
+        return self.tp if self.dp_attention else self.tp * self.dp
 
 
 @dataclass(frozen=True)

@@ -337,12 +337,14 @@ class ParallelismSpec(Section):
     """How the deployment is split across devices."""
 
     tp: int = Field(default=1, ge=1, description="Tensor-parallel ranks.")
-    dp: int = Field(default=1, ge=1, description="Data-parallel replicas.")
+    dp: int = Field(default=1, ge=1, description="Data-parallel replicas (tp x dp processes), or with "
+                                                 "dp_attention the attention's data-parallel groups.")
     ep: int = Field(default=1, ge=1, description="Expert-parallel ranks (1 for dense models).")
     dp_attention: bool = Field(
         default=False,
-        description="Data-parallel attention across the dp replicas (needs dp > 1 and tp a multiple "
-                    "of dp: attention runs at TP = tp / dp, as in SGLang).")
+        description="Data-parallel attention, as in SGLang: the deployment runs as tp processes, attention "
+                    "runs data-parallel over dp groups of tp / dp ranks (needs dp > 1 and tp a multiple of "
+                    "dp), the other layers tensor-parallel over all tp.")
 
 
 class BackendSpec(Section):

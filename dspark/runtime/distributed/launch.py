@@ -3,9 +3,9 @@ what the spec compiled.
 
 `torchrun --nproc-per-node K -m generated.<name> run|serve …` starts K processes and sets `RANK`,
 `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` in each; a plain `python -m generated.<name>`
-is one process of rank 0. The deployment's `parallelism` says how many it needs (`tp × dp`); a launch that
-differs is refused with the command that fits. The process group runs over torch.distributed: gloo on the
-CPU, NCCL on CUDA, HCCL on Ascend.
+is one process of rank 0. The deployment's `parallelism` says how many it needs (`ParallelPlan.world_size`:
+tp x dp, or tp with DP attention); a launch that differs is refused with the command that fits. The
+process group runs over torch.distributed: gloo on the CPU, NCCL on CUDA, HCCL on Ascend.
 
 Built so far: tensor parallelism of the dense families, rank 0 leading (`dspark.runtime.distributed.
 lockstep`), without graph capture. Data parallelism and DP attention (dp > 1) and graphs under tensor
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from dspark.formats.dsv4_config import DSV4_FAMILY
-from dspark.runtime.config import DeploymentConfig
+from dspark.runtime.config import DeploymentConfig, ParallelPlan
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
 log = logging.getLogger(__name__)
@@ -94,8 +94,14 @@ def check_launch(launch: Launch, deployment: DeploymentConfig) -> None:
         raise LaunchError(f"{name} is compiled for one process (tp 1, dp 1), launched as "
                           f"{launch.world_size}: run `python -m generated.{name} …` without torchrun, or "
                           "recompile with the parallelism you launch")
-    raise LaunchError(f"{name} is compiled for tp × dp = {want} processes, launched as {launch.world_size}: "
-                      f"run `torchrun --nproc-per-node {want} -m generated.{name} run|serve …`")
+    raise LaunchError(f"{name} is compiled for {want} processes ({_describe(parallel)}), launched as "
+                      f"{launch.world_size}: run `torchrun --nproc-per-node {want} -m generated.{name} "
+                      "run|serve …`")
+
+
+def _describe(parallel: ParallelPlan) -> str:
+    dp = f", dp {parallel.dp}" if parallel.dp > 1 else ""
+    return f"tp {parallel.tp}{dp}{' with DP attention' if parallel.dp_attention else ''}"
 
 
 def join(deployment: DeploymentConfig, env: Mapping[str, str] = os.environ) -> tuple[Launch, TPGroup]:
