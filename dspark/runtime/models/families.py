@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import torch
 
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
-from dspark.formats.hf_config import FAMILIES
 from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
 from dspark.runtime.config import MODEL_FAMILIES, ModelGeometry
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM
@@ -87,14 +86,6 @@ TARGET_MODELS: dict[str, Callable[[Any], ServingTarget]] = {
     DSV4_FAMILY: Dsv4ForCausalLM,
 }
 assert set(TARGET_MODELS) == set(MODEL_FAMILIES), "every family the compiler accepts has a model here"
-
-
-def dense_target(target: ServingTarget, what: str) -> TargetModel:
-    """`target` as a dense family's model, for `what` needs its dense forward; a clear error otherwise."""
-    if isinstance(target, Dsv4ForCausalLM):
-        raise ValueError(f"{what} needs a dense target (one of {', '.join(FAMILIES)}); the {DSV4_FAMILY} "
-                         "family is served only")
-    return target  # type: ignore[return-value]
 
 
 def target_model_class(family: str) -> Callable[[Any], ServingTarget]:
