@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,16 +33,12 @@ from dspark.runtime.distributed.launch import Launch, LaunchError, check_launch
 from dspark.runtime.distributed.lockstep import RankDisagreement, check_agreement
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
+from .gloo_ranks import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ("The quick brown fox", "Once upon a time", "def main():")
 NEW_TOKENS = 24
 TIMEOUT = 300  # a hung collective fails the test instead of the suite
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def compile_tp(mode: str, tp: int, root: Path) -> str:

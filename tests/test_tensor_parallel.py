@@ -17,8 +17,6 @@ equals its verify row bitwise, as unsharded), on 4 ranks too, where an all-reduc
 
 from __future__ import annotations
 
-import socket
-import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
@@ -46,6 +43,7 @@ from dspark.runtime.layout import StepShape, plan_extend, plan_verify
 from dspark.runtime.models.dummy import dummy_target
 from dspark.runtime.models.llama import LlamaForCausalLM
 
+from .gloo_ranks import spawn_ranks
 from .runtime_helpers import REPO, import_package_module
 
 PACKAGE = REPO / "generated" / "qwen3_tiny_cpu_compact"  # its CPU metadata builders (family-independent)
@@ -176,12 +174,6 @@ def run_layers(tp: TPGroup) -> dict[str, torch.Tensor]:
 
 # -- processes -------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, size: int, port: int, cases: tuple[str, ...], out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
@@ -207,17 +199,7 @@ def _rank_main(rank: int, size: int, port: int, cases: tuple[str, ...], out_dir:
 
 
 def spawn(size: int, cases: tuple[str, ...], out_dir: Path) -> list[dict[str, Any]]:
-    """Run `_rank_main` on `size` processes; a rank that raises, or a run past the timeout, fails here."""
-    context = mp.spawn(_rank_main, args=(size, _free_port(), cases, str(out_dir)), nprocs=size,
-                       join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=1):  # raises ProcessRaisedException / ProcessExitedException
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            pytest.fail(f"{size} tensor-parallel ranks did not finish in {SPAWN_TIMEOUT_S} s")
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(size)]
+    return spawn_ranks(_rank_main, size, (cases,), out_dir, SPAWN_TIMEOUT_S, "tensor-parallel ranks")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,34 @@
+"""Spawning gloo ranks over 127.0.0.1 for the multi-process tests, bounded so a hang fails the test."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(main: Callable[..., None], size: int, args: tuple[Any, ...], out_dir: Path, timeout_s: float,
+                what: str) -> list[dict[str, Any]]:
+    """Run `main(rank, size, port, *args, out_dir)` on `size` processes and load each rank's
+    `out_dir/rank<r>.pt`; a rank that raises, or a run past `timeout_s`, fails the test."""
+    context = mp.spawn(main, args=(size, free_port(), *args, str(out_dir)), nprocs=size, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):  # raises ProcessRaisedException / ProcessExitedException
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(f"{size} {what} did not finish in {timeout_s} s")
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(size)]
