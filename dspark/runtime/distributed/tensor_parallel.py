@@ -135,16 +135,20 @@ class ColumnParallelLinear(nn.Module):
     """`nn.Linear` whose output features `[start, end)` live on this rank: `forward` returns those
     columns of `x @ W.T + b` and communicates nothing."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup,
+                 span: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.weight = _frozen(weight)  # [out / size, in]
         self.bias = _frozen(bias) if bias is not None else None  # [out / size]
         self.tp = tp
+        # The dense layer's output features `[start, end)` held here, kept so that a loader can fill a
+        # shard built from shapes alone (`sharded_load`) with the same rows of the checkpoint's tensor.
+        self.span = span
 
     @classmethod
     def from_dense(cls, layer: nn.Linear, start: int, end: int, tp: TPGroup) -> ColumnParallelLinear:
         bias = layer.bias[start:end] if layer.bias is not None else None
-        return cls(layer.weight[start:end], bias, tp)
+        return cls(layer.weight[start:end], bias, tp, (start, end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _local_linear(x, self.weight, self.bias)  # [..., out / size]
@@ -155,15 +159,17 @@ class RowParallelLinear(nn.Module):
     slice of the input, and every rank returns the whole `x @ W.T + b` (the partial products summed
     over the group, `_sum_over_ranks`; the bias, whole on every rank, added once after the sum)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup,
+                 span: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.weight = _frozen(weight)  # [out, in / size]
         self.bias = _frozen(bias) if bias is not None else None  # [out]
         self.tp = tp
+        self.span = span  # the dense layer's input features `[start, end)` held here (`sharded_load`)
 
     @classmethod
     def from_dense(cls, layer: nn.Linear, start: int, end: int, tp: TPGroup) -> RowParallelLinear:
-        return cls(layer.weight[:, start:end], layer.bias, tp)
+        return cls(layer.weight[:, start:end], layer.bias, tp, (start, end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _sum_over_ranks(_local_linear(x, self.weight), self.tp)  # [..., out]
@@ -296,6 +302,8 @@ def shard_dense_target(model: nn.Module, tp: TPGroup) -> None:
 
     First version: every rank loads the whole checkpoint (or the same seeded dummy weights) and then
     drops what it does not own, so loading needs the whole model's memory on each rank for a while.
+    The model may also be on the `meta` device (shapes only): `sharded_load.load_sharded_target` shards
+    such a model and then reads each rank's slices straight from the checkpoint.
     Whatever reads the unsharded weights (a draft that copies the target's embeddings and LM head)
     must do so before this call.
 
