@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dspark.runtime.config import ModelGeometry
-from dspark.runtime.distributed.sharded_load import load_sharded_target
+from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
 from dspark.runtime.distributed.tensor_parallel import TPGroup, shard_dense_target
-from dspark.runtime.models.checkpoint import CheckpointError, load_target, save_target
+from dspark.runtime.models.checkpoint import CheckpointError, load_target, save_target, target_embeddings
 from dspark.runtime.models.families import build_target
 
 from .gloo_ranks import spawn_ranks
@@ -157,3 +157,13 @@ def test_two_ranks_load_their_shards_bitwise(checkpoints: Path, tmp_path: Path) 
 
 def test_group_of_one_loads_the_whole_model(checkpoints: Path) -> None:
     check(compare(checkpoints, TPGroup.single()))
+
+
+@pytest.mark.parametrize(("directory", "family", "dtype"), CASES)
+def test_a_draft_shares_the_checkpoints_whole_embeddings(checkpoints: Path, directory: str, family: str,
+                                                          dtype: str) -> None:
+    """What rank 0 reads for a draft without its own embeddings and LM head under tensor parallelism equals,
+    bit for bit, what a whole loaded target shares (`target_embeddings`)."""
+    want = target_embeddings(load_target(str(checkpoints / directory), dtype, None, family))
+    got = read_embeddings(str(checkpoints / directory), dtype, None, family)
+    assert all(torch.equal(bits(g), bits(w)) and g.dtype == w.dtype for g, w in zip(got, want, strict=True))

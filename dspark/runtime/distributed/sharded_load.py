@@ -157,3 +157,23 @@ def load_sharded_target(ref: str, dtype: str, base_dir: Path | None, family: str
     if left:  # a non-persistent buffer: nothing in a checkpoint gives its values
         raise RuntimeError(f"{family} model state not loaded from a checkpoint: {left[:5]}")
     return model.eval()
+
+
+@torch.no_grad()
+def read_embeddings(ref: str, dtype: str, base_dir: Path | None,
+                    family: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target checkpoint's whole input embeddings and LM head (one tensor when tied), in `dtype` on the
+    CPU, cast as `load_target` casts them: what a DSpark draft without its own copies shares with its
+    target, read on the one rank that runs the draft."""
+    path = resolve_checkpoint(ref, "target", base_dir)
+    _, cfg = target_config(path, family)
+    names = ["model.embed_tokens.weight", "model.embed_tokens.weight" if cfg.tie_word_embeddings
+             else "lm_head.weight"]
+    with ExitStack() as stack:
+        handles = _open_tensors(path, stack)
+        missing = [n for n in names if n not in handles]
+        if missing:
+            raise CheckpointError(f"{path}: missing tensors {missing[:5]}")
+        # into the float32 the model is built in, then the serving dtype, as load_target rounds them
+        embed, head = (handles[n].get_tensor(n).float().to(DTYPES[dtype]) for n in names)
+    return embed, head

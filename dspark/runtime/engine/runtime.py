@@ -14,9 +14,11 @@ import time
 
 import torch
 
+from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.distributed.launch import Launch, join, leave
 from dspark.runtime.distributed.lockstep import LeaderTarget, follow
+from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
 from dspark.runtime.distributed.tensor_parallel import TPGroup, shard_dense_target
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
@@ -26,7 +28,7 @@ from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
-from dspark.runtime.models.checkpoint import load_draft_model, load_target_model
+from dspark.runtime.models.checkpoint import load_draft_model, load_target_model, target_embeddings
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
@@ -56,9 +58,8 @@ class Runtime:
         self.device = rank_device(dep.backend, self.launch)
         s = dep.serving
         num_pages = s.max_total_tokens // s.page_size + 1  # + the null page
-        target = load_target_model(dep, package.directory, self.device)
-        # The draft first: one without its own embeddings and LM head takes the target's, unsharded.
-        draft = load_draft_model(dep, package.directory, self.device, target)
+        target = rank_target_model(package, self.tp, self.device)
+        draft = load_draft_model(dep, package.directory, self.device, self._draft_shares(target))
         self._check_models(target, draft)
         target, attn = serving_target(package, target, self.tp, num_pages, self.device)
         self.slots = RequestSlots(s.max_running_requests, s.pages_per_request, num_pages, s.page_size)
@@ -80,6 +81,16 @@ class Runtime:
         self.last_step: StepInfo | None = None
         self.target_only = False
         self._rids = itertools.count()
+
+    def _draft_shares(self, target: ServingTarget) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The target's whole embeddings and LM head, which a draft without its own copies shares: the
+        loaded ones, or under tensor parallelism the checkpoint's, read by this rank alone."""
+        model = self.deployment.model
+        if model.family == DSV4_FAMILY or self.deployment.draft.load_format == "dummy":
+            return None
+        if self.tp.size == 1:
+            return target_embeddings(target)
+        return read_embeddings(model.checkpoint, model.dtype, self.package.directory, model.family)
 
     def _check_models(self, target: ServingTarget, draft: DSparkBlockDraft) -> None:
         geo = self.deployment.model.geometry
@@ -224,16 +235,28 @@ def rank_device(backend: str, launch: Launch) -> torch.device:
     return device
 
 
+def rank_target_model(package: GeneratedPackage, tp: TPGroup, device: torch.device) -> ServingTarget:
+    """This rank's target: the whole model for one process; under tensor parallelism its share, read
+    straight from the checkpoint's files (dummy weights are built whole, then sliced)."""
+    dep = package.deployment
+    if tp.size == 1:
+        return load_target_model(dep, package.directory, device)
+    if dep.model.load_format == "dummy":
+        target = load_target_model(dep, package.directory, device)
+        shard_dense_target(target, tp)
+        return target
+    return load_sharded_target(dep.model.checkpoint, dep.model.dtype, package.directory, dep.model.family, tp,
+                               device)
+
+
 def serving_target(package: GeneratedPackage, target: ServingTarget, tp: TPGroup, num_pages: int,
                    device: torch.device) -> tuple[ServingTarget, AttentionBackend | Dsv4LayerBackend]:
-    """This rank's target (its shard under tensor parallelism, led by rank 0) and its attention over its own
-    caches: a DSV4 backend allocates its per-slot caches; a dense target's is one paged K/V cache over the
-    pool's pages, for its own heads."""
+    """This rank's target (`rank_target_model`; led by rank 0 under tensor parallelism) and its attention
+    over its own caches: a DSV4 backend allocates its per-slot caches; a dense target's is one paged K/V
+    cache over the pool's pages, for its own heads."""
     parts, s = package.parts, package.deployment.serving
     if isinstance(target, Dsv4ForCausalLM):
         return target, parts.attention_backend(target, s.max_running_requests, s.max_context_len)
-    if tp.size > 1:
-        shard_dense_target(target, tp)
     tc = target.cfg
     kv = PagedKVCache(tc.num_layers, num_pages, s.page_size, target.local_num_kv_heads, tc.head_dim,
                       target.lm_head.weight.dtype, device)
@@ -251,7 +274,7 @@ def follows(package: GeneratedPackage) -> bool:
     try:
         device = rank_device(dep.backend, launch)
         s = dep.serving
-        target = load_target_model(dep, package.directory, device)
+        target = rank_target_model(package, tp, device)
         target, attn = serving_target(package, target, tp, s.max_total_tokens // s.page_size + 1, device)
         follow(target, attn, tp)
     finally:

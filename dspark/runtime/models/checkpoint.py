@@ -100,14 +100,16 @@ def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
     return model.to(DTYPES[dtype]).eval()
 
 
+def target_embeddings(target: ServingTarget) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole (unsharded) dense target's input embeddings and LM head weight."""
+    return target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()  # type: ignore[attr-defined]
+
+
 def load_draft(ref: str, dtype: str = "float32", base_dir: Path | None = None,
-               target: TargetModel | None = None) -> DSparkBlockDraft:
+               shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> DSparkBlockDraft:
     """The DSpark draft checkpoint `ref` (released layout); a checkpoint without its own copies of
-    the embeddings and LM head takes the `target`'s, as DeepSpec's frozen copies are."""
+    the embeddings and LM head takes `shared` (the target's, as DeepSpec's frozen copies are)."""
     path = resolve_checkpoint(ref, "draft", base_dir)
-    shared = None
-    if target is not None:
-        shared = (target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach())  # type: ignore[attr-defined]
     try:
         return load_block_draft(path, DTYPES[dtype], shared)
     except (BlockDraftConfigError, BlockDraftCheckpointError) as exc:
@@ -125,20 +127,13 @@ def load_target_model(deployment: DeploymentConfig, base_dir: Path, device: torc
 
 
 def load_draft_model(deployment: DeploymentConfig, base_dir: Path, device: torch.device,
-                     target: ServingTarget) -> DSparkBlockDraft:
-    """The deployment's draft on `device` (a checkpoint without its own embeddings and LM head takes the
-    unsharded `target`'s)."""
+                     shared: tuple[torch.Tensor, torch.Tensor] | None) -> DSparkBlockDraft:
+    """The deployment's draft on `device` (a checkpoint without its own embeddings and LM head takes
+    `shared`, the target's whole ones)."""
     model, draft = deployment.model, deployment.draft
     if draft.load_format == "dummy":
         return dummy_draft(model.geometry, draft, DTYPES[model.dtype], device)
-    return load_draft(draft.checkpoint, model.dtype, base_dir, target).to(device)  # type: ignore[arg-type]
-
-
-def load_models(deployment: DeploymentConfig, base_dir: Path,
-                device: torch.device) -> tuple[ServingTarget, DSparkBlockDraft]:
-    """The deployment's target and draft on `device`."""
-    target = load_target_model(deployment, base_dir, device)
-    return target, load_draft_model(deployment, base_dir, device, target)
+    return load_draft(draft.checkpoint, model.dtype, base_dir, shared).to(device)
 
 
 def _save(path: Path, module: torch.nn.Module, config: dict, tied: tuple[str, ...] = ()) -> None:
