@@ -176,6 +176,11 @@ class ServingConfig:
     def pages_per_request(self) -> int:
         return self.max_context_len // self.page_size
 
+    @property
+    def num_pages(self) -> int:
+        """The KV pool's pages, the null page included."""
+        return self.max_total_tokens // self.page_size + 1
+
 
 @dataclass(frozen=True)
 class DeploymentConfig:

@@ -128,15 +128,14 @@ def _logits(target: Any, tp: TPGroup, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def follow(target: Any, attn: Any, tp: TPGroup) -> int:
-    """Run rank 0's step commands on this rank's shard until it stops; returns the commands run."""
+def follow(target: Any, attn: Any, tp: TPGroup) -> None:
+    """Run rank 0's step commands on this rank's shard until it stops."""
     device = target.lm_head.weight.device
-    done = 0
     while True:
         command = _broadcast(tp, None, device)
         kind = command[0]
         if kind == STOP:
-            return done
+            return
         if kind == FORWARD:
             _, input_ids, positions, meta, capture = command
             _forward(target, tp, input_ids, positions, attn, meta, capture)
@@ -144,4 +143,3 @@ def follow(target: Any, attn: Any, tp: TPGroup) -> int:
             _logits(target, tp, command[1])
         else:
             raise RuntimeError(f"rank {tp.rank}: unknown step command {kind!r} from rank 0")
-        done += 1

@@ -53,15 +53,15 @@ class Runtime:
             self.plan = self.plan.with_overrides(forced_budget_fraction=forced_budget_fraction)
         self.launch, self.tp = join(dep)
         if not self.launch.is_leader:
-            raise RequestError(f"rank {self.launch.rank} follows rank 0's steps (follow_package), it runs no "
+            raise RequestError(f"rank {self.launch.rank} follows rank 0's steps (`follows`), it runs no "
                                "engine of its own")
         self.device = rank_device(dep.backend, self.launch)
         s = dep.serving
-        num_pages = s.max_total_tokens // s.page_size + 1  # + the null page
+        num_pages = s.num_pages
         target = rank_target_model(package, self.tp, self.device)
         draft = load_draft_model(dep, package.directory, self.device, self._draft_shares(target))
         self._check_models(target, draft)
-        target, attn = serving_target(package, target, self.tp, num_pages, self.device)
+        target, attn = serving_target(package, target, self.tp, self.device)
         self.slots = RequestSlots(s.max_running_requests, s.pages_per_request, num_pages, s.page_size)
         dc = draft.cfg
         draft_kv = PagedKVCache(dc.num_layers, num_pages, s.page_size, dc.num_kv_heads, dc.head_dim,
@@ -249,8 +249,8 @@ def rank_target_model(package: GeneratedPackage, tp: TPGroup, device: torch.devi
                                device)
 
 
-def serving_target(package: GeneratedPackage, target: ServingTarget, tp: TPGroup, num_pages: int,
-                   device: torch.device) -> tuple[ServingTarget, AttentionBackend | Dsv4LayerBackend]:
+def serving_target(package: GeneratedPackage, target: ServingTarget, tp: TPGroup, device: torch.device
+                   ) -> tuple[ServingTarget, AttentionBackend | Dsv4LayerBackend]:
     """This rank's target (`rank_target_model`; led by rank 0 under tensor parallelism) and its attention
     over its own caches: a DSV4 backend allocates its per-slot caches; a dense target's is one paged K/V
     cache over the pool's pages, for its own heads."""
@@ -258,7 +258,7 @@ def serving_target(package: GeneratedPackage, target: ServingTarget, tp: TPGroup
     if isinstance(target, Dsv4ForCausalLM):
         return target, parts.attention_backend(target, s.max_running_requests, s.max_context_len)
     tc = target.cfg
-    kv = PagedKVCache(tc.num_layers, num_pages, s.page_size, target.local_num_kv_heads, tc.head_dim,
+    kv = PagedKVCache(tc.num_layers, s.num_pages, s.page_size, target.local_num_kv_heads, tc.head_dim,
                       target.lm_head.weight.dtype, device)
     attn = parts.attention_backend(kv, s.page_size, target.local_num_heads, tc.head_dim ** -0.5)
     return (LeaderTarget(target, tp) if tp.size > 1 and tp.rank == 0 else target), attn
@@ -273,9 +273,7 @@ def follows(package: GeneratedPackage) -> bool:
         return False
     try:
         device = rank_device(dep.backend, launch)
-        s = dep.serving
-        target = rank_target_model(package, tp, device)
-        target, attn = serving_target(package, target, tp, s.max_total_tokens // s.page_size + 1, device)
+        target, attn = serving_target(package, rank_target_model(package, tp, device), tp, device)
         follow(target, attn, tp)
     finally:
         leave(tp)

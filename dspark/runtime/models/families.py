@@ -27,7 +27,7 @@ class ServingTarget(Protocol):
     """What the engine asks of every target model (an `nn.Module`) it serves."""
 
     cfg: ModelGeometry | Dsv4Geometry
-    lm_head: torch.nn.Linear  # its weight's dtype and device are the model's
+    lm_head: torch.nn.Module  # its `.weight` (a vocab shard under TP) gives the dtype and device
 
     def forward_paged_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any,
                              capture: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
