@@ -2,7 +2,9 @@
 safetensors checkpoint) gives every parameter and buffer bit for bit as `load_target` followed by
 `shard_dense_target` does, with the same ties, dtypes, devices, `requires_grad` and local heads; a
 checkpoint split in two files by an index json loads the same; a checkpoint missing a tensor is refused
-with its name.
+with its name. Under DP attention (2 ranks of tp 2, dp 2: attention whole on each DP rank; 4 ranks of
+tp 4, dp 2: attention split over 2 ranks per DP rank) it equals `load_target` followed by
+`shard_dp_attention_target` the same way, wrappers and all.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dspark.runtime.config import ModelGeometry
+from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
 from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
 from dspark.runtime.distributed.tensor_parallel import TPGroup, shard_dense_target
 from dspark.runtime.models.checkpoint import CheckpointError, load_target, save_target, target_embeddings
@@ -107,12 +110,15 @@ def differences(expected: nn.Module, got: nn.Module) -> list[str]:
     return found
 
 
-def compare(root: Path, tp: TPGroup) -> dict[str, Any]:
+def compare(root: Path, tp: TPGroup | DPAttentionGroups) -> dict[str, Any]:
     results: dict[str, Any] = {}
     cpu = torch.device("cpu")
     for ckpt, family, dtype in CASES:
         expected = load_target(ckpt, dtype, root, family).to(cpu)
-        shard_dense_target(expected, tp)
+        if isinstance(tp, DPAttentionGroups):
+            shard_dp_attention_target(expected, tp)
+        else:
+            shard_dense_target(expected, tp)
         got = load_sharded_target(ckpt, dtype, root, None, tp, cpu)
         results[f"{ckpt}.{dtype}"] = differences(expected, got)  # type: ignore[arg-type]
     try:
@@ -133,6 +139,23 @@ def _rank_main(rank: int, size: int, port: int, root: str, out_dir: str) -> None
         dist.destroy_process_group()
 
 
+def _dp_rank_main(rank: int, size: int, port: int, root: str, dp: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=30))
+    try:
+        groups = DPAttentionGroups.build(size, dp)
+        results = compare(Path(root), groups)
+        # (attention ranks, DP ranks, wrapped modules): that the case is the DP-attention layout
+        wrapped = sum(type(m).__name__.startswith("DPGathered")
+                      for m in load_sharded_target("qwen3", "float32", Path(root), None, groups,
+                                                   torch.device("cpu")).modules())
+        results["layout"] = (groups.attention.size, groups.dp.size, wrapped)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("sharded_load")
@@ -142,7 +165,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def check(results: dict[str, Any]) -> None:
     for case, found in results.items():
-        if case != "refusal":
+        if case not in ("refusal", "layout"):
             assert found == [], case
     refusal = results["refusal"]
     assert refusal is not None and DROPPED in refusal and "missing tensors" in refusal
@@ -155,8 +178,26 @@ def test_two_ranks_load_their_shards_bitwise(checkpoints: Path, tmp_path: Path) 
     assert len(ranks[0]) == len(CASES) + 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("size", "dp"), [(2, 2), (4, 2)])
+def test_dp_attention_ranks_load_their_shards_bitwise(checkpoints: Path, tmp_path: Path, size: int,
+                                                      dp: int) -> None:
+    ranks = spawn_ranks(_dp_rank_main, size, (str(checkpoints), dp), tmp_path, SPAWN_TIMEOUT_S,
+                        "DP-attention sharded loads")
+    for results in ranks:
+        check(results)
+        # qwen3's 2 layers: an MLP wrapper each, and the embedding's and the LM head's
+        assert results["layout"] == (size // dp, dp, 4)
+    assert len(ranks[0]) == len(CASES) + 2
+
+
 def test_group_of_one_loads_the_whole_model(checkpoints: Path) -> None:
     check(compare(checkpoints, TPGroup.single()))
+
+
+def test_one_dp_rank_of_one_process_loads_the_whole_model(checkpoints: Path) -> None:
+    one = TPGroup.single()
+    check(compare(checkpoints, DPAttentionGroups(one, one, one, 0)))
 
 
 @pytest.mark.parametrize(("directory", "family", "dtype"), CASES)

@@ -6,10 +6,15 @@ storage), shards that with the same `shard_dense_target` (which records on each 
 features it holds), and then fills every parameter with only this rank's rows or columns, read with
 `safe_open(...).get_slice(name)[...]`: a rank never holds more than its share plus one tensor's slice.
 
-The result is the one `load_target` followed by `shard_dense_target` gives on the same rank, bit for bit:
-each slice goes through the same conversions (the checkpoint's dtype to the dtype the model is built in,
-which `load_state_dict` does, then to the serving dtype, which `load_target` does) before it moves to
-the device, and the vocabulary padding is the same zeros.
+Under DP attention (`dp_attention`) the meta model is sharded with `shard_dp_attention_target` instead:
+attention split over the rank's DP rank, the MLP, the embedding and the LM head over the world, the
+world-parallel modules wrapped in `DPGatheredMLP` / `DPGatheredVocab`. The slices are read the same way,
+under the checkpoint's names (the wrappers add an `inner` segment that the checkpoint's names lack).
+
+The result is the one `load_target` followed by `shard_dense_target` (or `shard_dp_attention_target`)
+gives on the same rank, bit for bit: each slice goes through the same conversions (the checkpoint's
+dtype to the dtype the model is built in, which `load_state_dict` does, then to the serving dtype, which
+`load_target` does) before it moves to the device, and the vocabulary padding is the same zeros.
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from dspark.runtime.distributed.dp_attention import (
+    DPAttentionGroups,
+    DPGatheredMLP,
+    DPGatheredVocab,
+    shard_dp_attention_target,
+)
 from dspark.runtime.distributed.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -65,7 +76,21 @@ def _open_tensors(path: Path, stack: ExitStack) -> dict[str, Any]:
     return handles
 
 
-def _read(handle: Any, name: str, module: nn.Module, attr: str, tp: TPGroup) -> torch.Tensor:
+def _checkpoint_prefix(model: nn.Module, prefix: str) -> str:
+    """The checkpoint's name of `model`'s submodule at `prefix`. DP attention wraps the world-parallel
+    modules in `DPGatheredVocab` / `DPGatheredMLP`, which hold the module the checkpoint names as
+    `inner`: the checkpoint has no such segment (`model.layers.0.mlp.inner.gate_proj` is its
+    `model.layers.0.mlp.gate_proj`), so each wrapper's `inner` is dropped."""
+    kept: list[str] = []
+    module = model
+    for part in prefix.split(".") if prefix else ():
+        if not (part == "inner" and isinstance(module, (DPGatheredVocab, DPGatheredMLP))):
+            kept.append(part)
+        module = module.get_submodule(part)
+    return ".".join(kept)
+
+
+def _read(handle: Any, name: str, module: nn.Module, attr: str) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name`, for parameter `attr` of the sharded `module`."""
     if isinstance(module, ColumnParallelLinear) and module.span is not None:
         start, end = module.span  # output features: rows of the weight and of the bias
@@ -100,15 +125,17 @@ def _check(path: Path, handles: dict[str, Any], shapes: dict[str, torch.Size], t
 
 
 @torch.no_grad()
-def load_sharded_target(ref: str, dtype: str, base_dir: Path | None, family: str | None, tp: TPGroup,
-                        device: torch.device) -> LlamaForCausalLM:
-    """Rank `tp.rank`'s share of the dense target checkpoint `ref` (family `family`, None: the one its
+def load_sharded_target(ref: str, dtype: str, base_dir: Path | None, family: str | None,
+                        tp: TPGroup | DPAttentionGroups, device: torch.device) -> LlamaForCausalLM:
+    """This rank's share of the dense target checkpoint `ref` (family `family`, None: the one its
     config.json names) in `dtype` on `device`, reading only that share from the checkpoint's files.
 
     Equal, tensor for tensor, to `load_target(ref, dtype, base_dir, family).to(device)` followed by
-    `shard_dense_target(model, tp)`. A tensor missing from the checkpoint, one the model does not have,
-    or one of another shape is a `CheckpointError` naming it; a family that is not dense (or heads
-    that `tp` does not divide) a ValueError, as `shard_dense_target` gives.
+    `shard_dense_target(model, tp)`, or under DP attention (`tp` a `DPAttentionGroups`: attention split
+    over this rank's DP rank, the rest over the world, world-parallel modules wrapped to gather rows)
+    by `shard_dp_attention_target(model, tp)`. A tensor missing from the checkpoint, one the model does
+    not have, or one of another shape is a `CheckpointError` naming it; a family that is not dense (or
+    heads that do not split over the ranks) a ValueError, as the sharding functions give.
     """
     path = resolve_checkpoint(ref, "target", base_dir)
     family, cfg = target_config(path, family)
@@ -116,13 +143,17 @@ def load_sharded_target(ref: str, dtype: str, base_dir: Path | None, family: str
         model = dense_target(build_target(family, cfg))
     dense_shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
     tied = model.tied_weights
-    shard_dense_target(model, tp)
+    if isinstance(tp, DPAttentionGroups):
+        shard_dp_attention_target(model, tp)
+    else:
+        shard_dense_target(model, tp)
 
     # Every place each meta tensor is installed (a tied weight is one tensor under two names), so that
     # each is read once, under a name the checkpoint holds, and installed everywhere it was.
     metas: dict[int, torch.Tensor] = {}
     places: dict[int, list[tuple[nn.Module, str, str, bool]]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = _checkpoint_prefix(model, module_name)
         owned = [(n, t, True) for n, t in module._parameters.items() if t is not None]
         owned += [(n, t, False) for n, t in module._buffers.items()
                   if t is not None and n not in module._non_persistent_buffers_set]
@@ -138,7 +169,7 @@ def load_sharded_target(ref: str, dtype: str, base_dir: Path | None, family: str
         for key, where in places.items():
             meta = metas[key]
             module, attr, name, is_param = next((w for w in where if w[2] not in tied), where[0])
-            part = _read(handles[name], name, module, attr, tp)
+            part = _read(handles[name], name, module, attr)
             # The casts `load_target` makes (into the built model's dtype, then to the serving dtype),
             # on the CPU as there, so that the values round the same way.
             part = part.to(meta.dtype).to(target_dtype)
