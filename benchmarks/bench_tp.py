@@ -61,12 +61,12 @@ def worker(package: Path, new_tokens: int, rounds: int) -> None:
     try:
         prompts = [pkg.tokenizer.encode(p) for p in PROMPTS]
         rt.generate(prompts, 8)  # warm-up
-        report: dict[str, object] = {"tp": rt.tp.size}
+        report: dict[str, object] = {"tp": rt.ranks.world.size}
         for kind, target_only in (("target_only", True), ("speculative", False)):
             rates, collective, command = [], [], []
             for _ in range(rounds):
                 COMM_CLOCK.reset()
-                COMM_CLOCK.enabled = rt.tp.size > 1
+                COMM_CLOCK.enabled = rt.ranks.world.size > 1
                 _, stats = rt.generate(prompts, new_tokens, target_only=target_only)
                 COMM_CLOCK.enabled = False
                 rates.append(stats.generated_tokens / (stats.prefill_seconds + stats.decode_seconds))

@@ -25,65 +25,21 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import yaml
 
-from dspark.compiler import build
 from dspark.runtime.config import ParallelPlan
 from dspark.runtime.distributed.launch import Launch, LaunchError, check_launch
 from dspark.runtime.distributed.lockstep import RankDisagreement, check_agreement
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
 from .gloo_ranks import free_port
-
-REPO = Path(__file__).resolve().parents[1]
-PROMPTS = ("The quick brown fox", "Once upon a time", "def main():")
-NEW_TOKENS = 24
-TIMEOUT = 300  # a hung collective fails the test instead of the suite
-
-
-def compile_tp(mode: str, tp: int, root: Path) -> str:
-    """specs/tiny_cpu_<mode>.yaml with parallelism.tp `tp`, compiled to root/generated/<name>."""
-    spec_path = REPO / "specs" / f"tiny_cpu_{mode}.yaml"
-    spec = yaml.safe_load(spec_path.read_text())
-    for section in ("cost_model", "calibration"):  # their table files, where the spec names them
-        if isinstance(spec.get(section), dict) and "file" in spec[section]:
-            spec[section]["file"] = str(spec_path.parent / spec[section]["file"])
-    name = spec["name"] = f"tiny_cpu_{mode}_tp{tp}"
-    spec["parallelism"] = {"tp": tp}
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    (root / "generated").mkdir(exist_ok=True)
-    (root / "generated" / "__init__.py").touch()
-    # the tables were profiled on the one-process build, whose fingerprint they carry
-    build(path, root / "generated" / name, allow_stale_tables=True)
-    return name
-
-
-def run(args: list[str], cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{cwd}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", **env_vars}
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-
-
-def completions(result: subprocess.CompletedProcess[str]) -> list[list[int]]:
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [c["token_ids"] for c in json.loads(result.stdout)["completions"]]
-
-
-def prompt_args() -> list[str]:
-    return [arg for p in PROMPTS for arg in ("--prompt", p)]
+from .parallel_builds import NEW_TOKENS, PROMPTS, REPO, TIMEOUT, compile_parallel, reference, run, torchrun
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["static", "compact"])
 def test_tp2_under_torchrun_decodes_as_one_process(mode: str, tmp_path: Path) -> None:
-    reference = completions(run([sys.executable, "-m", f"generated.tiny_cpu_{mode}", "run", *prompt_args(),
-                                 "--max-new-tokens", str(NEW_TOKENS), "--target-only", "--json"], REPO))
-    name = compile_tp(mode, 2, tmp_path)
-    launched = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                    "-m", f"generated.{name}", "run", *prompt_args(), "--max-new-tokens", str(NEW_TOKENS),
-                    "--json"], tmp_path, DSPARK_TP_CHECK="1")  # every step's results compared across ranks
-    assert completions(launched) == reference
+    name = compile_parallel(f"tiny_cpu_{mode}", tmp_path, tp=2)
+    assert torchrun(name, 2, tmp_path, free_port()) == reference(f"tiny_cpu_{mode}")
 
 
 def _disagree(rank: int, port: int, found: Any) -> None:
@@ -108,7 +64,7 @@ def test_the_check_mode_fails_every_rank_loudly_on_a_disagreement() -> None:
 
 
 def test_a_launch_that_does_not_fit_the_build_says_how_to_launch_it(tmp_path: Path) -> None:
-    name = compile_tp("static", 2, tmp_path)
+    name = compile_parallel("tiny_cpu_static", tmp_path, tp=2)
     result = run([sys.executable, "-m", f"generated.{name}", "run", "--prompt", "hi"], tmp_path)
     assert result.returncode == 2
     assert (f"{name} is compiled for 2 processes (tp 2), launched as 1: run `torchrun --nproc-per-node 2 "
@@ -127,10 +83,14 @@ def _get(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, A
 
 
 @pytest.mark.slow
-def test_a_dead_rank_makes_the_server_answer_503_and_exit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallelism", [{"tp": 2}, {"tp": 2, "dp": 2, "dp_attention": True}],
+                         ids=["tp2", "dp2-dp-attention"])
+def test_a_dead_rank_makes_the_server_answer_503_and_exit(parallelism: dict[str, Any],
+                                                          tmp_path: Path) -> None:
     """Rank 1 is killed; the next step fails in its first collective, the request waiting on it gets a 503,
-    and rank 0's server shuts down and exits with an error instead of hanging."""
-    name = compile_tp("static", 2, tmp_path)
+    and rank 0's server shuts down and exits with an error instead of hanging. Under DP attention the
+    request runs on DP rank 0, and rank 1 (idle) is killed."""
+    name = compile_parallel("tiny_cpu_static", tmp_path, **parallelism)
     port, master = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
            "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
@@ -148,7 +108,7 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit(tmp_path: Path) -> Non
         assert status == 503 and answer["error"]["code"] == "engine_stopped"
         _, err = ranks[0].communicate(timeout=120)  # exits, does not hang
         assert ranks[0].returncode == 2
-        assert "a tensor-parallel rank failed and the server shut down; restart the launch" in err
+        assert "a rank of the launch failed and the server shut down; restart the launch" in err
     finally:
         for p in ranks:
             if p.poll() is None:
@@ -172,7 +132,7 @@ def _wait_healthy(url: str, process: subprocess.Popen[str]) -> None:
 def test_dspark_serve_starts_the_ranks_a_build_needs(tmp_path: Path) -> None:
     """`dspark serve` on a TP=2 build launches two ranks itself; rank 0 serves what one process decodes, and
     an interrupt stops every rank."""
-    name = compile_tp("static", 2, tmp_path)
+    name = compile_parallel("tiny_cpu_static", tmp_path, tp=2)
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "dspark.cli.main", "serve", str(tmp_path / "generated" / name),
@@ -199,8 +159,12 @@ def test_dspark_serve_starts_the_ranks_a_build_needs(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("parallel", "family", "tiers", "backend", "message"), [
-    ({"dp": 2, "dp_attention": True, "tp": 2}, "llama", (), "cpu",
-     "data parallelism and DP attention are not built"),
+    ({"dp": 2, "tp": 2}, "llama", (), "cpu",
+     "compiled with dp 2 without DP attention: data-parallel replicas"),
+    ({"dp": 2, "dp_attention": True, "tp": 2}, "dsv4", (), "cpu",
+     "it covers the dense families, not dsv4 yet"),
+    ({"dp": 2, "dp_attention": True, "tp": 4}, "llama", (), "cpu",
+     "compiled for 4 processes (tp 4, dp 2 with DP attention), launched as 2"),
     ({"tp": 2}, "dsv4", (), "cpu", "not dsv4 yet: run it as one process (without torchrun)"),
     ({"tp": 2}, "llama", (8, 16), "cuda", "capturing graphs under tensor parallelism is not built yet"),
     ({"tp": 1}, "llama", (), "cpu", "compiled for one process (tp 1, dp 1), launched as 2"),

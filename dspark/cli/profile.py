@@ -91,6 +91,9 @@ def profile_package(args: argparse.Namespace) -> int:
     from dspark.runtime.engine.requests import RequestError
     from dspark.runtime.engine.runtime import Runtime, follows
 
+    if pkg.deployment.parallel.dp > 1:
+        raise CliError(f"profiling under DP attention is not built: profile a build of {args.package}'s spec "
+                       "with parallelism.dp: 1")
     try:
         if follows(pkg):  # a follower rank of a torchrun launch ran rank 0's steps
             return 0

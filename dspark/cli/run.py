@@ -163,19 +163,24 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     check_run_args(args)
     prompts = read_prompts(args)
     pkg = load_package_or_fail(package_dir)
+    if args.budget_fraction is not None and not pkg.deployment.verify_mode.plans:
+        raise CliError(f"--budget-fraction needs a cap-accept or compact build; {package_dir} verifies "
+                       "every draft (static mode has no planner)")
+    if (args.record or pkg.deployment.serving.record_steps) and pkg.deployment.parallel.dp > 1:
+        raise CliError(f"recording under DP attention is not built (each DP rank plans its own steps): "
+                       f"record with a build of {package_dir}'s spec with parallelism.dp: 1")
+    # every engine of the launch (one per DP rank under DP attention) runs with these
+    options = {"forced_budget_fraction": args.budget_fraction, "sampling": sampling_of(pkg, args),
+               "seed": args.seed}
     try:
-        if follows(pkg):  # a follower rank of a torchrun launch ran rank 0's steps
+        if follows(pkg, **options):  # another rank of a torchrun launch ran rank 0's steps
             return 0
     except LaunchError as err:
         raise CliError(str(err)) from None
     warn_if_dummy_weights(pkg)
-    if args.budget_fraction is not None and not pkg.deployment.verify_mode.plans:
-        raise CliError(f"--budget-fraction needs a cap-accept or compact build; {package_dir} verifies "
-                       "every draft (static mode has no planner)")
     max_new = args.max_new_tokens or pkg.deployment.serving.max_new_tokens
     try:
-        runtime = Runtime(pkg, forced_budget_fraction=args.budget_fraction,
-                          sampling=sampling_of(pkg, args), seed=args.seed)
+        runtime = Runtime(pkg, **options)
     except (RequestError, LaunchError, ValueError) as err:  # ValueError: a checkpoint that does not load
         raise CliError(str(err)) from None
     try:

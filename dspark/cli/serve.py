@@ -101,7 +101,7 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
 
     pkg = load_package_or_fail(package_dir)
     try:
-        if follows(pkg):  # rank 0 owns the HTTP server; a follower rank ran its steps
+        if follows(pkg, seed=args.seed):  # rank 0 owns the HTTP server; another rank ran its steps
             return 0
     except LaunchError as err:
         raise CliError(str(err)) from None
@@ -119,8 +119,8 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
             failed = serve(runtime, sock, args.host, args.port, args.model_name, args.log_level)
         finally:
             runtime.close()
-        if failed and runtime.tp.size > 1:
-            raise CliError("a tensor-parallel rank failed and the server shut down; restart the launch")
+        if failed and runtime.ranks.world.size > 1:
+            raise CliError("a rank of the launch failed and the server shut down; restart the launch")
     finally:
         sock.close()
     return 0

@@ -158,6 +158,19 @@ def _verify_rows_doc(mode: VerifyMode, backend: str, attention: str) -> str:
     return f"{rows}\n\n{_METADATA_READS[attention]}"
 
 
+def _dp_attention(spec: Any) -> bool:
+    """Whether the build runs attention data-parallel over more than one DP rank."""
+    return bool(spec.parallelism.dp_attention and spec.parallelism.dp > 1)
+
+
+def _step_padding(resolved: ResolvedSpec) -> str | None:
+    """Why an eager verify step gets padding requests, or None when it never does."""
+    if _dp_attention(resolved.spec):
+        return ("to reach the DP-global tier every DP rank runs" if resolved.tiers
+                else "to reach the rows every DP rank runs")
+    return "to reach the step's tier" if resolved.tiers else None
+
+
 def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
     spec = resolved.spec
     mode, backend = spec.verify.mode, spec.backend.kind
@@ -171,6 +184,10 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
         eager = f"Eager verify forward: {rows}."
     else:
         eager = f"Eager verify forward (graph capture is off): {rows}."
+    if _dp_attention(spec):
+        eager += ("\n\nUnder DP attention every DP rank runs the same rows: a step is padded up to the "
+                  "DP-global tier (without tiers, the most rows of any DP rank), and a DP rank without "
+                  "requests runs padding requests alone.")
     if mode.packs_rows:
         graph_key = "token tier"
         replay = ("A step of T planned rows replays the smallest tier G >= T. The graph holds "
@@ -291,6 +308,8 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "pages_per_request": spec.serving.max_context_len // spec.serving.page_size,
         "max_running_requests": spec.serving.max_running_requests,
         "tiers": tuple(resolved.tiers),
+        "pads_steps": _step_padding(resolved) is not None,
+        "padded_to": _step_padding(resolved),
         "tiers_comment": ("rows a verify step is padded to" if mode.packs_rows
                           else "rows a verify step is padded to: captured batch sizes x N"),
         "min_verify_len": spec.verify.min_verify_len,

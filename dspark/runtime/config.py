@@ -154,6 +154,11 @@ class ParallelPlan:
         attention runs data-parallel over dp groups of tp / dp ranks inside the tp ranks)."""
         return self.tp if self.dp_attention else self.tp * self.dp
 
+    @property
+    def attention_tp(self) -> int:
+        """Ranks one request's attention heads are split over: tp, or tp / dp under DP attention."""
+        return self.tp // self.dp if self.dp_attention else self.tp
+
 
 @dataclass(frozen=True)
 class ServingConfig:
@@ -206,8 +211,9 @@ class DeploymentConfig:
                  f"attention {self.attention!r} does not run on the {self.backend} backend")
         _require(isinstance(self.verify_mode, VerifyMode), f"verify_mode must be a VerifyMode, got "
                  f"{self.verify_mode!r}")
-        _require(self.model.geometry.num_heads % self.parallel.tp == 0,
-                 "tp must divide num_heads")
+        _require(self.model.geometry.num_heads % self.parallel.attention_tp == 0,
+                 "the attention's tensor parallelism (tp, or tp / dp with DP attention) must divide "
+                 "num_heads")
         tiers = list(self.token_tiers)
         _require(tiers == sorted(set(tiers)) and all(t > 0 for t in tiers),
                  f"token_tiers must be strictly increasing positive row counts, got {self.token_tiers}")

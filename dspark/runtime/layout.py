@@ -1,7 +1,8 @@
 """The layout of one forward pass, planned once per step and read by everything that runs it.
 
 An extend step (prefill chunk, target-only decode) appends `extend_lens[r]` rows after request r's
-cached prefix. A verify step runs, for request r, its root and first drafts: `run_lens[r]` rows
+cached prefix; under DP attention a padding request after them brings the step to the rows every DP rank
+runs. A verify step runs, for request r, its root and first drafts: `run_lens[r]` rows
 (compact: the planned `verify_len`; static and cap-accept: all N), packed back to back, so
 `qo_indptr = [0, cumsum(run_lens)]`. With graph tiers a verify step is padded up to the smallest
 tier that holds it: the padding rows belong to padding requests (prefix 0, an all-null page table,
@@ -90,12 +91,17 @@ class ExtendLayout:
     out_cache_loc: torch.Tensor  # int64 [T]: KV slot each row writes
     host_qo_indptr: tuple[int, ...]
     host_kv_lens: tuple[int, ...]
-    host_slots: tuple[int, ...]  # each request's slot in the runtime's pool (what per-slot caches index)
+    host_slots: tuple[int, ...]  # each real request's slot in the runtime's pool (what per-slot caches index)
     max_rows: int  # widest request, for max_seqlen_q
+    num_padding_rows: int = 0  # rows of the padding request after the real ones (prefix 0, null page)
 
     @property
     def num_rows(self) -> int:
         return self.host_qo_indptr[-1]
+
+    @property
+    def num_real_rows(self) -> int:
+        return self.num_rows - self.num_padding_rows
 
 
 def _slots(slots: Sequence[int] | None, num_reqs: int) -> tuple[int, ...]:
@@ -107,16 +113,25 @@ def _slots(slots: Sequence[int] | None, num_reqs: int) -> tuple[int, ...]:
 
 
 def plan_extend(prefix_lens: Sequence[int], extend_lens: Sequence[int], page_table: torch.Tensor,
-                page_size: int, device: torch.device, slots: Sequence[int] | None = None) -> ExtendLayout:
+                page_size: int, device: torch.device, slots: Sequence[int] | None = None,
+                padding_rows: int = 0) -> ExtendLayout:
     """The layout of an extend step; `page_table` is the requests' host page table `[B, P]`, `slots`
-    their slots in the runtime's pool (default 0 .. B-1, for a caller without a pool)."""
-    if len(prefix_lens) != len(extend_lens) or len(extend_lens) != page_table.shape[0] or not extend_lens:
+    their slots in the runtime's pool (default 0 .. B-1, for a caller without a pool). `padding_rows`
+    adds a padding request of that many rows after them: prefix 0 and an all-null page table, so its
+    K/V writes land in the null page no real request reads (a DP rank with fewer rows than another's,
+    or none: every DP rank runs the same rows)."""
+    if len(prefix_lens) != len(extend_lens) or len(extend_lens) != page_table.shape[0] or not (
+            extend_lens or padding_rows):
         raise LayoutError(f"an extend step needs one prefix length, extend length and page-table row "
                           f"per request, got {len(prefix_lens)}, {len(extend_lens)} and "
                           f"{page_table.shape[0]}")
-    if min(extend_lens) < 1:
+    if extend_lens and min(extend_lens) < 1 or padding_rows < 0:
         raise LayoutError(f"every request of an extend step appends at least one row, got "
-                          f"{list(extend_lens)}")
+                          f"{list(extend_lens)} and {padding_rows} padding rows")
+    host_slots = _slots(slots, len(extend_lens))
+    if padding_rows:
+        prefix_lens, extend_lens = (*prefix_lens, 0), (*extend_lens, padding_rows)
+        page_table = torch.cat((page_table, page_table.new_zeros(1, page_table.shape[1])))
     qo = tuple(itertools.accumulate(extend_lens, initial=0))
     kv = tuple(p + e for p, e in zip(prefix_lens, extend_lens, strict=True))
     # The rows are laid out on the host (a prefill chunk's arithmetic is tiny next to its forward).
@@ -136,8 +151,9 @@ def plan_extend(prefix_lens: Sequence[int], extend_lens: Sequence[int], page_tab
         out_cache_loc=out_cache_loc.to(device),
         host_qo_indptr=qo,
         host_kv_lens=kv,
-        host_slots=_slots(slots, len(extend_lens)),
+        host_slots=host_slots,
         max_rows=max(extend_lens),
+        num_padding_rows=padding_rows,
     )
 
 

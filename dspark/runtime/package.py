@@ -51,8 +51,9 @@ class VerifyRunner(Protocol):
     shape: StepShape
 
     def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor, slots: list[int]) -> VerifyLayout:
-        """The step's layout; `slots` are the requests' slots in the runtime's pool."""
+             page_table: torch.Tensor, slots: list[int], tier: int | None = None) -> VerifyLayout:
+        """The step's layout; `slots` are the requests' slots in the runtime's pool. `tier` forces the
+        tier (under DP attention, the DP-global one); by default the smallest that holds the rows."""
         ...
 
     def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor: ...

@@ -81,10 +81,20 @@ def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
                             f"every rank needs whole query heads (the latent K=V head is replicated); "
                             f"use tp in {valid}")
         return
-    if geometry is None or (geometry.num_heads % tp == 0 and geometry.num_kv_heads % tp == 0):
+    parallelism = facts.spec.parallelism
+    # Under DP attention a request's heads are split over its DP rank's tp / dp ranks only.
+    dp_attention = parallelism.dp_attention and parallelism.dp > 1 and tp % parallelism.dp == 0
+    heads_tp = tp // parallelism.dp if dp_attention else tp
+    if geometry is None or (geometry.num_heads % heads_tp == 0 and geometry.num_kv_heads % heads_tp == 0):
         return
     common = math.gcd(geometry.num_heads, geometry.num_kv_heads)
     valid = [d for d in range(1, common + 1) if common % d == 0]
+    if dp_attention:
+        yield SpecIssue(("parallelism", "tp"),
+                        f"the attention TP size tp / dp = {heads_tp} does not divide num_heads "
+                        f"({geometry.num_heads}) and num_kv_heads ({geometry.num_kv_heads})",
+                        f"every attention rank needs whole heads; use tp / dp in {valid}")
+        return
     yield SpecIssue(("parallelism", "tp"),
                     f"tp {tp} does not divide num_heads ({geometry.num_heads}) and num_kv_heads "
                     f"({geometry.num_kv_heads})",

@@ -13,7 +13,8 @@ from dspark.runtime.runners.eager import EagerVerifyRunner
 from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
 from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE, TOKEN_TIERS
 
-# Padding requests carry at most MAX_SEQLEN_Q rows each, so they never widen the query blocks.
+# Padding requests, to reach the step's tier, carry at most MAX_SEQLEN_Q rows each:
+# they never widen the query blocks.
 SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=TOKEN_TIERS,
                   padding_request_rows=MAX_SEQLEN_Q)
 

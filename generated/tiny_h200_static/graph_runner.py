@@ -58,8 +58,9 @@ class VerifyRunner:
             pool = self._capture(tier, pool)
 
     def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor, slots: list[int]) -> VerifyLayout:
-        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, SHAPE, self.device, slots=slots)
+             page_table: torch.Tensor, slots: list[int], tier: int | None = None) -> VerifyLayout:
+        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, SHAPE, self.device, tier=tier,
+                           slots=slots)
 
     def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
         return self.run_states(layout, input_ids)[0]

@@ -7,10 +7,11 @@ is one process of rank 0. The deployment's `parallelism` says how many it needs 
 tp x dp, or tp with DP attention); a launch that differs is refused with the command that fits. The
 process group runs over torch.distributed: gloo on the CPU, NCCL on CUDA, HCCL on Ascend.
 
-Built so far: tensor parallelism of the dense families, rank 0 leading (`dspark.runtime.distributed.
-lockstep`), without graph capture. Data parallelism and DP attention (dp > 1) and graphs under tensor
-parallelism are refused here with what to compile instead; a dsv4 build's tp (its recipe's, recorded)
-runs as one process until dsv4 has tensor parallelism.
+Built: tensor parallelism of the dense families, rank 0 leading (`dspark.runtime.distributed.lockstep`),
+and DP attention over them (`dspark.runtime.distributed.dp_engine`), without graph capture. Refused here with
+what to compile instead: data parallelism without DP attention (independent replicas, which one process
+group does not need), DP attention of dsv4, and graphs under tensor parallelism; a dsv4 build's tp (its
+recipe's, recorded) runs as one process until dsv4 has tensor parallelism.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from datetime import timedelta
 
 from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.runtime.config import DeploymentConfig, ParallelPlan
+from dspark.runtime.distributed.dp_attention import DPAttentionGroups
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
 log = logging.getLogger(__name__)
@@ -73,9 +75,13 @@ class Launch:
 def check_launch(launch: Launch, deployment: DeploymentConfig) -> None:
     """Raise LaunchError unless `launch` runs what `deployment` was compiled for, saying how to launch it."""
     parallel, name = deployment.parallel, deployment.name
-    if parallel.dp > 1:
-        raise LaunchError(f"{name} is compiled with dp {parallel.dp}; data parallelism and DP attention are "
-                          "not built yet: recompile with parallelism.dp: 1 (tensor parallelism runs)")
+    if parallel.dp > 1 and not parallel.dp_attention:
+        raise LaunchError(f"{name} is compiled with dp {parallel.dp} without DP attention: data-parallel "
+                          "replicas share nothing, so run one build with parallelism.dp: 1 per replica "
+                          "behind a load balancer, or set parallelism.dp_attention: true")
+    if parallel.dp > 1 and deployment.model.family == DSV4_FAMILY:
+        raise LaunchError(f"{name} is compiled with DP attention; it covers the dense families, not "
+                          f"{DSV4_FAMILY} yet: recompile with parallelism.dp: 1")
     if parallel.tp > 1 and deployment.model.family == DSV4_FAMILY:
         # Its tp is the recipe's, recorded: the build runs as one process until dsv4 has tensor parallelism.
         if launch.world_size == 1:
@@ -104,26 +110,93 @@ def _describe(parallel: ParallelPlan) -> str:
     return f"tp {parallel.tp}{dp}{' with DP attention' if parallel.dp_attention else ''}"
 
 
-def join(deployment: DeploymentConfig, env: Mapping[str, str] = os.environ) -> tuple[Launch, TPGroup]:
-    """This process's launch, checked against the deployment, and its tensor-parallel group (the whole world,
-    as dp is 1); the process group is initialised here when there is more than one process."""
+@dataclass(frozen=True)
+class Ranks:
+    """This process's places in the deployment's process group.
+
+    `world` is every process: the tensor parallelism of the MLP, the embedding and the LM head (and of
+    everything without DP attention). `lockstep` is the processes that run the same rows as this one, led
+    by its rank 0, which runs an engine (scheduler, draft, planner) while the others follow its step
+    commands: the world, or under DP attention this DP rank's `tp / dp` attention ranks. `dp` holds the
+    DP attention groups (None without DP attention, or with one DP rank).
+    """
+
+    launch: Launch
+    world: TPGroup
+    dp: DPAttentionGroups | None = None
+
+    @classmethod
+    def single(cls) -> Ranks:
+        return cls(Launch(0, 1, 0), TPGroup.single())
+
+    @property
+    def lockstep(self) -> TPGroup:
+        return self.world if self.dp is None else self.dp.attention
+
+    @property
+    def runs_engine(self) -> bool:
+        return self.lockstep.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.dp is None else self.dp.dp_rank
+
+    @property
+    def engines(self) -> TPGroup:
+        """The DP ranks' engines (the lockstep leaders; one rank without DP attention), for an engine rank:
+        its `dp` group, whose rank is the DP rank."""
+        if self.dp is None:
+            return TPGroup.single()
+        if not self.runs_engine:
+            raise ValueError(f"rank {self.launch.rank} follows its DP rank's engine; it is in no engine "
+                             "group")
+        return self.dp.dp
+
+    @property
+    def shards(self) -> TPGroup | DPAttentionGroups:
+        """What the target is split over: the world, or the DP attention groups."""
+        return self.world if self.dp is None else self.dp
+
+
+_joined: Ranks | None = None  # this process's places once it joined (a process joins once, until it leaves)
+
+
+def join(deployment: DeploymentConfig, env: Mapping[str, str] = os.environ) -> Ranks:
+    """This process's places, its launch checked against the deployment; the process group (and under DP
+    attention its subgroups, which every rank creates in the same order) is initialised here when there is
+    more than one process. A second call (the CLI asks `follows`, then builds its `Runtime`) returns the
+    places of the first: creating the subgroups again would wait for ranks that do not."""
+    global _joined
     launch = Launch.from_env(env)
     check_launch(launch, deployment)
     if launch.world_size == 1:
-        return launch, TPGroup.single()
+        return Ranks.single()
+    if _joined is not None and _joined.launch == launch:
+        return _joined
     import torch.distributed as dist
 
     if not dist.is_initialized():
         # env:// reads MASTER_ADDR and MASTER_PORT, which torchrun sets
         dist.init_process_group(PROCESS_GROUP_BACKENDS[deployment.backend], rank=launch.rank,
                                 world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT)
-    return launch, TPGroup(launch.rank, launch.world_size, dist.group.WORLD)
+    world = TPGroup(launch.rank, launch.world_size, dist.group.WORLD)
+    parallel = deployment.parallel
+    groups = DPAttentionGroups.build(parallel.tp, parallel.dp) if parallel.dp > 1 else None
+    _joined = Ranks(launch, world, groups)
+    return _joined
 
 
-def leave(tp: TPGroup) -> None:
-    """Tear the process group down (a no-op for one process)."""
-    if tp.size > 1:
+def leave(ranks: Ranks, together: bool = True) -> None:
+    """Tear the process group down (a no-op for one process). `together`: first wait until every rank is
+    leaving, so that none tears its connections down while gloo still delivers the last command another
+    sent (a process that exits with such work pending aborts); False once a rank failed, as nothing more
+    can be waited for then."""
+    global _joined
+    _joined = None
+    if ranks.world.size > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if together:
+                dist.barrier()
             dist.destroy_process_group()

@@ -51,15 +51,17 @@ def _digest(*tensors: torch.Tensor | None) -> str:
     return h.hexdigest()
 
 
-def check_agreement(tp: TPGroup, what: str, *tensors: torch.Tensor | None) -> None:
-    """All-gather every rank's digest of `tensors`; raise RankDisagreement on every rank if they differ."""
+def check_agreement(tp: TPGroup, what: str, *tensors: torch.Tensor | None,
+                    ranks: str = "tensor-parallel ranks") -> None:
+    """All-gather every rank's digest of `tensors`; raise RankDisagreement on every rank if they differ,
+    naming the group's `ranks` that differ."""
     digests: list[str | None] = [None] * tp.size
     dist.all_gather_object(digests, _digest(*tensors), group=tp.group)
     if len(set(digests)) > 1:
         groups: dict[str | None, list[int]] = {}
         for rank, d in enumerate(digests):
             groups.setdefault(d, []).append(rank)
-        raise RankDisagreement(f"tensor-parallel ranks disagree on the {what}: ranks "
+        raise RankDisagreement(f"{ranks} disagree on the {what}: ranks "
                                f"{' vs '.join(str(r) for r in groups.values())} computed different results")
 
 
@@ -68,7 +70,8 @@ def _broadcast(tp: TPGroup, command: tuple[Any, ...] | None, device: torch.devic
     box = [command]
     through = device if device.type == "cuda" else None
     with COMM_CLOCK.timed("command"):
-        dist.broadcast_object_list(box, src=0, group=tp.group, device=through)
+        # group_src: rank 0 of the group (under DP attention a DP rank's engine, not the world's rank 0)
+        dist.broadcast_object_list(box, group=tp.group, device=through, group_src=0)
     command = box[0]
     assert command is not None
     return command

@@ -1,5 +1,9 @@
 """Forward passes that append rows after a request's cache: prefill chunks, and target-only decoding
-(the lossless reference)."""
+(the lossless reference).
+
+Under DP attention (`dp`) every DP rank runs each of them with the same rows and logit rows, the most of
+any DP rank's (`DPStepSync.agree_extend`): fewer are padded, and a DP rank with nothing to run pads an
+empty step, so that the forward's collectives meet their partners."""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from dspark.runtime.attention.metadata import AttentionMetadata
+from dspark.runtime.distributed.dp_engine import DPStepSync
 from dspark.runtime.engine.forward import EngineModels, batch_sampling
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.scheduler import PrefillChunk, commit_tokens
@@ -21,38 +27,62 @@ ExtendMetadataBuilder = Callable[[ExtendLayout], AttentionMetadata]
 
 class ExtendSteps:
     def __init__(self, models: EngineModels, build_metadata: ExtendMetadataBuilder,
-                 eos_ids: frozenset[int]) -> None:
+                 eos_ids: frozenset[int], dp: DPStepSync | None = None) -> None:
         self.models = models
         self.build_metadata = build_metadata
         self.eos_ids = eos_ids
+        self.dp = dp
+
+    def _agree(self, rows: int, logit_rows: int) -> tuple[int, int]:
+        """The rows and logit rows this step runs: its own, or under DP attention the most of any DP
+        rank's."""
+        if self.dp is None:
+            return rows, logit_rows
+        return self.dp.agree_extend(rows, logit_rows)
 
     def _forward(self, requests: list[Request], prefix: list[int], extend: list[int], ids: list[int],
-                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
+                 rows: int, capture: tuple[int, ...] = ()
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
+        """Run the requests' rows, padded to `rows`."""
         m = self.models
+        padding = rows - sum(extend)
         layout = plan_extend(prefix, extend, m.host_page_table(requests), m.page_size, m.device,
-                             [r.handle.slot for r in requests])
-        hidden, states = m.target.forward_paged_states(m.tensor(ids), layout.positions, m.attn,
-                                                       self.build_metadata(layout), capture)
+                             [r.handle.slot for r in requests], padding_rows=padding)
+        if self.dp is not None:
+            self.dp.check("extend rows", layout.num_rows)
+        hidden, states = m.target.forward_paged_states(F.pad(m.tensor(ids), (0, padding)), layout.positions,
+                                                       m.attn, self.build_metadata(layout), capture)
         return hidden, states, layout
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int], logit_rows: int) -> torch.Tensor:
+        """Logits of `hidden[rows]`, projected over `logit_rows` rows (the others repeat row 0)."""
+        logits = self.models.target.compute_logits(hidden[rows + [0] * (logit_rows - len(rows))])
+        return logits[:len(rows)]
 
     def prefill(self, chunks: list[PrefillChunk], with_draft: bool) -> list[Request]:
         """Prefill the chunks; returns the requests whose prompt is now complete, each with its
         first token committed. With `with_draft` the prompt also becomes draft context."""
         batch = [c.request for c in chunks]
+        complete = [i for i, c in enumerate(chunks) if c.request.prefilled + c.take == len(c.request.prompt)]
+        real = sum(c.take for c in chunks)
+        rows, logit_rows = self._agree(real, len(complete))
+        if not rows:
+            return []
         ids = [t for c in chunks for t in c.request.prompt[c.request.prefilled:c.request.prefilled + c.take]]
         hidden, states, layout = self._forward(batch, [r.prefilled for r in batch], [c.take for c in chunks],
-                                               ids, self.models.capture if with_draft else ())
-        if with_draft:
+                                               ids, rows, self.models.capture if with_draft else ())
+        if with_draft and real:
             assert states is not None
-            self.models.append_draft_context(states, layout.positions, layout.row_req, layout.page_table)
+            self.models.append_draft_context(states[:real], layout.positions[:real], layout.row_req[:real],
+                                             layout.page_table)
         for c in chunks:
             c.request.prefilled += c.take
-        complete = [i for i, r in enumerate(batch) if r.prefilled == len(r.prompt)]
-        if not complete:
+        if not logit_rows:
             return []
+        logits = self._logits(hidden, [layout.host_qo_indptr[i + 1] - 1 for i in complete], logit_rows)
         ready = [batch[i] for i in complete]
-        last = [layout.host_qo_indptr[i + 1] - 1 for i in complete]
-        logits = self.models.target.compute_logits(hidden[last])
+        if not ready:
+            return []
         first = pick_rows(logits, batch_sampling(ready), self.models.generators(ready)).tolist()
         for r, token in zip(ready, first, strict=True):
             r.seq_len = len(r.prompt)
@@ -60,13 +90,19 @@ class ExtendSteps:
             commit_tokens(r, [token], self.eos_ids)
         return ready
 
-    def decode(self, running: list[Request], stats: RunStats) -> StepInfo:
-        """One target-only decode step: each request's root is run and the next token picked."""
+    def decode(self, running: list[Request], stats: RunStats) -> StepInfo | None:
+        """One target-only decode step: each request's root is run and the next token picked. None when
+        no request ran (a DP rank without requests, padding the step of the others)."""
         start = time.perf_counter()
         num_reqs = len(running)
+        rows, _ = self._agree(num_reqs, num_reqs)
+        if not rows:
+            return None
         hidden, _, _ = self._forward(running, [r.seq_len for r in running], [1] * num_reqs,
-                                     [r.root for r in running])
-        logits = self.models.target.compute_logits(hidden)
+                                     [r.root for r in running], rows)
+        logits = self._logits(hidden, list(range(num_reqs)), rows)
+        if not running:
+            return None
         nxt = pick_rows(logits, batch_sampling(running), self.models.generators(running)).tolist()
         for r, token in zip(running, nxt, strict=True):
             r.seq_len += 1

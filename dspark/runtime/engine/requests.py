@@ -40,6 +40,7 @@ class Request:
     done: bool = False
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_new_tokens) or "abort"
     decode_steps: int = 0  # decode steps this request took part in
+    seed: int | None = None  # what `generator` was seeded with (another DP rank's engine rebuilds it)
 
 
 def reserved_tokens(r: Request, num_draft_tokens: int) -> int:

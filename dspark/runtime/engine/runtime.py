@@ -4,6 +4,10 @@
 the running batch (speculative, or target-only for the lossless reference), retire what finished.
 `generate()` drives it to completion for a batch of prompts; the server drives it request by
 request from its engine thread.
+
+Under DP attention every DP rank runs a `Runtime` over its own requests: rank 0's dispatches the server's
+requests and steps every DP rank's engine with its own (`DPDispatch`), the others run rank 0's commands
+(`follows` → `serve_engine`); `step_local` is one DP rank's share of a step.
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from typing import Any
 
 import torch
 
 from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.runtime.attention.metadata import AttentionBackend
-from dspark.runtime.distributed.launch import Launch, join, leave
+from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
+from dspark.runtime.distributed.dp_engine import DPDispatch, DPStepSync, RequestSpec, serve_engine
+from dspark.runtime.distributed.launch import Launch, Ranks, join, leave
 from dspark.runtime.distributed.lockstep import LeaderTarget, follow
 from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
 from dspark.runtime.distributed.tensor_parallel import TPGroup, shard_dense_target
@@ -40,7 +47,8 @@ from dspark.runtime.sampling import SamplingParams
 class Runtime:
     def __init__(self, package: GeneratedPackage, forced_budget_fraction: float | None = None,
                  recorder: StepRecorder | None = None, sampling: SamplingParams | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, ranks: Ranks | None = None) -> None:
+        """`ranks`: this process's places when `follows` joined the process group already."""
         dep = package.deployment
         self.package = package
         self.deployment = dep
@@ -51,36 +59,39 @@ class Runtime:
                                    "static mode has no planner")
             # An experiment override: verify this share of the candidate drafts every step.
             self.plan = self.plan.with_overrides(forced_budget_fraction=forced_budget_fraction)
-        self.launch, self.tp = join(dep)
-        if not self.launch.is_leader:
-            raise RequestError(f"rank {self.launch.rank} follows rank 0's steps (`follows`), it runs no "
+        self.ranks = ranks = ranks or join(dep)
+        if not ranks.runs_engine:
+            raise RequestError(f"rank {ranks.launch.rank} follows its engine's steps (`follows`), it runs no "
                                "engine of its own")
-        self.device = rank_device(dep.backend, self.launch)
+        self.device = rank_device(dep.backend, ranks.launch)
         s = dep.serving
         num_pages = s.num_pages
-        target = rank_target_model(package, self.tp, self.device)
+        target = rank_target_model(package, ranks, self.device)
         draft = load_draft_model(dep, package.directory, self.device, self._draft_shares(target))
         self._check_models(target, draft)
-        target, attn = serving_target(package, target, self.tp, self.device)
+        target, attn = serving_target(package, target, ranks.lockstep, self.device)
         self.slots = RequestSlots(s.max_running_requests, s.pages_per_request, num_pages, s.page_size)
         dc = draft.cfg
         draft_kv = PagedKVCache(dc.num_layers, num_pages, s.page_size, dc.num_kv_heads, dc.head_dim,
                                 target.lm_head.weight.dtype, self.device)
         parts = package.parts
         self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
+        # each DP rank samples its own requests from its own stream
         self.models = EngineModels(target, draft, draft_kv, attn, self.slots, self.device,
-                                   torch.Generator(device=self.device).manual_seed(seed))
+                                   torch.Generator(device=self.device).manual_seed(seed + ranks.dp_rank))
         self.verify_runner: VerifyRunner = parts.verify_runner(target, attn, draft.cfg.layers_before_capture)
         eos = package.tokenizer.eos_ids
         self.scheduler = Scheduler(self.slots, self.plan.num_draft_tokens, s.chunked_prefill_tokens,
                                    attn.max_extend_rows if isinstance(target, Dsv4ForCausalLM) else None)
-        self.extend = ExtendSteps(self.models, parts.build_extend_metadata, eos)
-        self.speculative = SpeculativeStep(self.models, self.plan, self.verify_runner, eos, self.sampling)
+        dp = DPStepSync(ranks.engines, self.device) if ranks.dp is not None else None
+        self.extend = ExtendSteps(self.models, parts.build_extend_metadata, eos, dp)
+        self.speculative = SpeculativeStep(self.models, self.plan, self.verify_runner, eos, self.sampling, dp)
         self.speculative.recorder = recorder
         self.stats = RunStats(gamma=self.plan.gamma)
         self.last_step: StepInfo | None = None
         self.target_only = False
         self._rids = itertools.count()
+        self.dispatch = DPDispatch(self) if dp is not None and ranks.engines.rank == 0 else None
 
     def _draft_shares(self, target: ServingTarget) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The target's whole embeddings and LM head, which a draft without its own copies shares: the
@@ -88,7 +99,7 @@ class Runtime:
         model = self.deployment.model
         if model.family == DSV4_FAMILY or self.deployment.draft.load_format == "dummy":
             return None
-        if self.tp.size == 1:
+        if self.ranks.world.size == 1:
             return target_embeddings(target)
         return read_embeddings(model.checkpoint, model.dtype, self.package.directory, model.family)
 
@@ -114,11 +125,17 @@ class Runtime:
             raise RequestError(f"gamma {self.plan.gamma} is outside 1..block_size {dc.block_size} of the "
                                "draft; recompile")
 
-    def close(self) -> None:
-        """Release the follower ranks and leave the process group (a no-op for one process)."""
-        if isinstance(self.models.target, LeaderTarget):
-            self.models.target.stop()
-        leave(self.tp)
+    def close(self, failed: bool = False) -> None:
+        """Release the other DP ranks' engines and this engine's follower ranks, and leave the process
+        group (a no-op for one process); `failed`: a collective of this process failed (a rank died)."""
+        target, dispatch = self.models.target, self.dispatch
+        if dispatch is not None:
+            dispatch.stop()
+        if isinstance(target, LeaderTarget):
+            target.stop()
+        failed = failed or (dispatch is not None and dispatch.broken) or (
+            isinstance(target, LeaderTarget) and target.broken)
+        leave(self.ranks, together=not failed)
 
     # -- what the models are ---------------------------------------------------------------
     @property
@@ -160,6 +177,8 @@ class Runtime:
         reqs = [self.new_request(p, max_new_tokens) for p in prompts]
         self.stats = RunStats(gamma=self.plan.gamma, requests=len(reqs))
         self.target_only = target_only
+        if self.dispatch is not None:
+            self.dispatch.reset_stats = True
         try:
             for r in reqs:
                 self.enqueue(r)
@@ -167,6 +186,8 @@ class Runtime:
                 self.step()
         finally:
             self.target_only = False
+        if self.dispatch is not None:
+            self.stats = self.dispatch.collect_stats()
         self.stats.generated_tokens = sum(len(r.output) for r in reqs)
         return [r.output for r in reqs], self.stats
 
@@ -177,32 +198,44 @@ class Runtime:
         thread may call it."""
         generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         r = Request(next(self._rids), list(prompt), max_new_tokens, sampling or self.sampling, ignore_eos,
-                    generator)
+                    generator, seed=seed)
         pool = (self.slots.num_pages - 1) * self.page_size
         validate_request(r, self.plan.num_draft_tokens, self.deployment.serving.max_context_len, pool)
         return r
 
+    def adopt(self, spec: RequestSpec) -> Request:
+        """Another DP rank's engine's copy of a request rank 0 validated (DP attention)."""
+        generator = None if spec.seed is None else torch.Generator(device=self.device).manual_seed(spec.seed)
+        return Request(spec.rid, list(spec.prompt), spec.max_new_tokens, spec.sampling, spec.ignore_eos,
+                       generator, seed=spec.seed)
+
     def enqueue(self, request: Request) -> None:
-        self.scheduler.enqueue(request)
+        (self.dispatch or self.scheduler).enqueue(request)
 
     def abort(self, request: Request) -> None:
         """Drop a queued or running request and free its slot and pages at once."""
-        self.scheduler.abort(request)
+        (self.dispatch or self.scheduler).abort(request)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return (self.dispatch or self.scheduler).has_work
 
     def pool_stats(self) -> dict[str, int]:
-        return self.scheduler.pool_stats()
+        return (self.dispatch or self.scheduler).pool_stats()
 
     def step(self) -> list[Request]:
-        """One scheduler iteration: admit and prefill what fits, one decode step for the running
-        batch, retire what finished. Returns the requests that got tokens or finished."""
-        sched, stats = self.scheduler, self.stats
+        """One scheduler iteration (of every DP rank's engine under DP attention). Returns the requests
+        that got tokens or finished."""
+        return self.step_local() if self.dispatch is None else self.dispatch.step()
+
+    def step_local(self) -> list[Request]:
+        """One iteration of this engine: admit and prefill what fits, one decode step for the running
+        batch, retire what finished. Under DP attention it runs every forward of the step, with
+        padding only where it has no rows of its own. Returns the requests that got tokens or finished."""
+        sched, stats, dp = self.scheduler, self.stats, self.extend.dp is not None
         touched: list[Request] = []
         sched.admit()
-        if sched.prefilling:
+        if sched.prefilling or dp:
             t0 = time.perf_counter()
             ready = self.extend.prefill(sched.prefill_chunks(), with_draft=not self.target_only)
             stats.prefill_seconds += time.perf_counter() - t0
@@ -210,7 +243,7 @@ class Runtime:
                 sched.start_decoding(r)
             touched.extend(ready)
         finished = sched.retire()
-        if sched.running:
+        if sched.running or dp:
             t0 = time.perf_counter()
             decoding = list(sched.running)
             if self.target_only:
@@ -235,18 +268,22 @@ def rank_device(backend: str, launch: Launch) -> torch.device:
     return device
 
 
-def rank_target_model(package: GeneratedPackage, tp: TPGroup, device: torch.device) -> ServingTarget:
-    """This rank's target: the whole model for one process; under tensor parallelism its share, read
-    straight from the checkpoint's files (dummy weights are built whole, then sliced)."""
+def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.device) -> ServingTarget:
+    """This rank's target: the whole model for one process; under tensor parallelism (and DP attention) its
+    share, read straight from the checkpoint's files (dummy weights are built whole, then sliced)."""
     dep = package.deployment
-    if tp.size == 1:
+    if ranks.world.size == 1:
         return load_target_model(dep, package.directory, device)
+    shards = ranks.shards
     if dep.model.load_format == "dummy":
         target = load_target_model(dep, package.directory, device)
-        shard_dense_target(target, tp)
+        if isinstance(shards, DPAttentionGroups):
+            shard_dp_attention_target(target, shards)
+        else:
+            shard_dense_target(target, shards)
         return target
-    return load_sharded_target(dep.model.checkpoint, dep.model.dtype, package.directory, dep.model.family, tp,
-                               device)
+    return load_sharded_target(dep.model.checkpoint, dep.model.dtype, package.directory, dep.model.family,
+                               shards, device)
 
 
 def serving_target(package: GeneratedPackage, target: ServingTarget, tp: TPGroup, device: torch.device
@@ -264,17 +301,33 @@ def serving_target(package: GeneratedPackage, target: ServingTarget, tp: TPGroup
     return (LeaderTarget(target, tp) if tp.size > 1 and tp.rank == 0 else target), attn
 
 
-def follows(package: GeneratedPackage) -> bool:
-    """On a follower rank of a multi-process launch: run rank 0's step commands on this rank's shard until
-    rank 0 stops, and return True; on rank 0 (or one process) return False at once."""
+def follows(package: GeneratedPackage, **options: Any) -> bool:
+    """Run this rank's part of a multi-process launch other than rank 0's, and return True once rank 0
+    stopped it; on rank 0 (or one process) return False at once.
+
+    Under DP attention the engine rank of another DP rank runs its engine (a `Runtime` with the `options`
+    rank 0's has) on rank 0's commands; any other rank follows its engine's step commands on its shard.
+    """
     dep = package.deployment
-    launch, tp = join(dep)
-    if launch.is_leader:
+    ranks = join(dep)
+    if ranks.launch.is_leader:
         return False
+    if ranks.runs_engine:
+        runtime = Runtime(package, ranks=ranks, **options)
+        failed = True
+        try:
+            serve_engine(runtime)
+            failed = False
+        finally:
+            runtime.close(failed)
+        return True
+    together = False
     try:
-        device = rank_device(dep.backend, launch)
-        target, attn = serving_target(package, rank_target_model(package, tp, device), tp, device)
-        follow(target, attn, tp)
+        device = rank_device(dep.backend, ranks.launch)
+        target = rank_target_model(package, ranks, device)
+        target, attn = serving_target(package, target, ranks.lockstep, device)
+        follow(target, attn, ranks.lockstep)
+        together = True  # released by its engine: every rank is leaving
     finally:
-        leave(tp)
+        leave(ranks, together)
     return True

@@ -5,6 +5,11 @@ decides each request's `verify_lens`, the verify runner (`graph_runner.py`) lays
 and runs its target forward, the metadata builder (`attn_metadata.py`) feeds the attention. This
 module is the same for every deployment and mode: a static or cap-accept layout is the full
 `B x N` block, so packing and unpacking its rows are no-ops (docs/architecture.md, "A decode step").
+
+Under DP attention (`dp`) the DP ranks agree on the step between planning and laying it out
+(`dspark.runtime.distributed.dp_engine`): every DP rank runs the global tier, fills it when aligning to
+graph tiers, falls back to the uniform step when one could not plan, and a DP rank without requests runs
+an idle layout of padding requests.
 """
 
 from __future__ import annotations
@@ -13,16 +18,20 @@ import time
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
+from dspark.runtime.distributed.dp_engine import DPStepSync, GlobalVerify, VerifyReport, global_verify
 from dspark.runtime.engine.forward import EngineModels, batch_sampling
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.scheduler import commit_tokens
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.engine.step_record import step_record
 from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
+from dspark.runtime.kv_cache import SlotHandle
+from dspark.runtime.layout import tier_for
 from dspark.runtime.package import VerifyRunner
 from dspark.runtime.planner.survival import LaggedSurvival
-from dspark.runtime.planner.verify_plan import VerifyPlan
+from dspark.runtime.planner.verify_plan import StepPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams, pick_rows, rejection_accept, warp_rows
 
 
@@ -49,8 +58,9 @@ class StepRecorder(Protocol):
 
 class SpeculativeStep:
     def __init__(self, models: EngineModels, plan: VerifyPlan, runner: VerifyRunner,
-                 eos_ids: frozenset[int], policy: SamplingParams) -> None:
+                 eos_ids: frozenset[int], policy: SamplingParams, dp: DPStepSync | None = None) -> None:
         self.models = models
+        self.dp = dp
         self.plan = plan
         self.runner = runner
         self.eos_ids = eos_ids
@@ -59,7 +69,12 @@ class SpeculativeStep:
         self.history = LaggedSurvival(plan.lag_steps, plan.gamma) if plan.lag_steps else None
         self.recorder: StepRecorder | None = None
 
-    def __call__(self, running: list[Request], stats: RunStats) -> StepInfo:
+    def __call__(self, running: list[Request], stats: RunStats) -> StepInfo | None:
+        """One step of `running`; None when no request ran (a DP rank without requests, padding the step
+        of the others)."""
+        if not running:
+            self._idle()
+            return None
         start = time.perf_counter()
         m, n, num_reqs = self.models, self.plan.num_draft_tokens, len(running)
         prefix_host = [r.seq_len for r in running]
@@ -79,16 +94,16 @@ class SpeculativeStep:
 
         # 2. Plan: the planner's verify_lens, then the step's layout, once.
         handles = [r.handle for r in running]
-        plan = self.plan.plan_step(proposal.conf_logits, num_reqs, [h.slot for h in handles],
-                                   [h.generation for h in handles], self.history)
+        plan, tier, logit_rows = self._plan(proposal.conf_logits, handles)
         layout = self.runner.plan(plan.run_lens, plan.verify_lens, prefix_host, page_table,
-                                  [h.slot for h in handles])
+                                  [h.slot for h in handles], tier=tier)
+        self._check(layout.tier, logit_rows)
 
         # 3. Verify: the target runs the step's rows (packed when some request runs fewer than N).
         fixed_ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)
         hidden, states = self.runner.run_states(layout, layout.pack(fixed_ids))
         assert states is not None
-        logits = m.target.compute_logits(hidden)
+        logits = self._logits(hidden, logit_rows)
 
         # 4. Accept, back at the fixed stride; rows that did not run are never read.
         raw_correct: torch.Tensor | None = None
@@ -130,3 +145,61 @@ class SpeculativeStep:
         return StepInfo(num_reqs, sum(correct) + num_reqs, layout.total_rows, sum(plan.verify_lens),
                         layout.num_padding_rows, layout.tier, decision.budget if decision else None, plan.tau,
                         seconds)
+
+    def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle]
+              ) -> tuple[StepPlan, int | None, int | None]:
+        """The step's plan, and under DP attention the tier and logit rows every DP rank runs."""
+        slots, generations = [h.slot for h in handles], [h.generation for h in handles]
+        if self.dp is None:
+            plan = self.plan.plan_step(conf_logits, len(handles), slots, generations, self.history)
+            return plan, None, None
+        try:
+            plan: StepPlan | None = self.plan.plan_step(conf_logits, len(handles), slots, generations,
+                                                        self.history)
+            assert plan is not None
+            rows = sum(plan.run_lens)
+            report = VerifyReport(len(handles), rows, self._tier_of(rows), True)
+        except ValueError:  # the planner's refusals, and a step past the largest tier
+            plan, report = None, VerifyReport(len(handles), 0, 0, False)
+        agreed = self._agree(report)
+        if agreed.uniform_rows is not None:
+            plan = self.plan.uniform_step(len(handles), agreed.uniform_rows)
+        else:
+            assert plan is not None
+            plan = self.plan.align_to_tier(plan, agreed.tier)
+        return plan, agreed.tier, agreed.logit_rows
+
+    def _tier_of(self, rows: int) -> int:
+        tiers = self.runner.shape.tiers
+        return tier_for(rows, tiers) if tiers else rows
+
+    def _agree(self, report: VerifyReport) -> GlobalVerify:
+        assert self.dp is not None
+        agreed = global_verify(self.dp.agree_verify(report), self.runner.shape.tiers, self.plan.uniform_rows,
+                               self.plan.fills_tier)
+        return agreed
+
+    def _check(self, tier: int, logit_rows: int | None) -> None:
+        """In the check mode, every DP rank is about to run the same tier and logit rows (or fails loudly)."""
+        if self.dp is not None:
+            assert logit_rows is not None
+            self.dp.check("verify step (tier, logit rows)", tier, logit_rows)
+
+    def _logits(self, hidden: torch.Tensor, logit_rows: int | None) -> torch.Tensor:
+        """The logits of `hidden`'s rows, projected over `logit_rows` rows (zero rows after them) where
+        every DP rank projects the same rows."""
+        rows = hidden.shape[0]
+        if logit_rows is None or logit_rows == rows:
+            return self.models.target.compute_logits(hidden)
+        return self.models.target.compute_logits(F.pad(hidden, (0, 0, 0, logit_rows - rows)))[:rows]
+
+    def _idle(self) -> None:
+        """A DP rank without requests: run the others' verify step on padding requests alone."""
+        agreed = self._agree(VerifyReport(0, 0, 0, True))
+        if not agreed.tier:
+            return
+        m = self.models
+        layout = self.runner.plan((), (), [], m.host_page_table([]), [], tier=agreed.tier)
+        self._check(layout.tier, agreed.logit_rows)
+        hidden, _ = self.runner.run_states(layout, m.tensor([]))
+        self._logits(hidden, agreed.logit_rows)

@@ -67,6 +67,25 @@ class VerifyPlan(Protocol):
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
                   generations: Sequence[int], history: LaggedSurvival | None) -> StepPlan: ...
 
+    # -- under DP attention (dspark.runtime.distributed.dp_engine) --------------------------------------
+    @property
+    def fills_tier(self) -> bool:
+        """Whether a step's rows grow to fill the graph tier it runs (graph-tier alignment)."""
+        ...
+
+    def align_to_tier(self, step: StepPlan, tier: int) -> StepPlan:
+        """`step` refilled for the (DP-global) `tier` it runs, where `fills_tier`; else `step`."""
+        ...
+
+    def uniform_rows(self, max_reqs: int) -> int:
+        """The rows every request verifies in the uniform step of batches of up to `max_reqs`: the
+        layout every DP rank falls back to when one could not plan."""
+        ...
+
+    def uniform_step(self, num_reqs: int, rows: int) -> StepPlan:
+        """Every request verifies `rows` rows (root included), whatever its confidence."""
+        ...
+
 
 @dataclass(frozen=True)
 class StaticVerifyPlan:
@@ -98,6 +117,18 @@ class StaticVerifyPlan:
         if confidence_logits is not None:
             survival = survival_from_logits(confidence_logits, self.temperatures)
         return StepPlan(full, full, survival)
+
+    fills_tier = False
+
+    def align_to_tier(self, step: StepPlan, tier: int) -> StepPlan:
+        return step
+
+    def uniform_rows(self, max_reqs: int) -> int:
+        return self.num_draft_tokens  # the static step is uniform already
+
+    def uniform_step(self, num_reqs: int, rows: int) -> StepPlan:
+        full = (self.num_draft_tokens,) * num_reqs
+        return StepPlan(full, full)
 
 
 @dataclass(frozen=True)
@@ -184,3 +215,31 @@ class AdaptiveVerifyPlan:
         verify_lens = tuple(ranking.verify_lens(budget).tolist())
         run_lens = verify_lens if self.mode.packs_rows else (self.num_draft_tokens,) * num_reqs
         return StepPlan(verify_lens, run_lens, survival, decision, aligned)
+
+    @property
+    def fills_tier(self) -> bool:
+        return self.align_to_graph_tier and self.mode.packs_rows
+
+    def align_to_tier(self, step: StepPlan, tier: int) -> StepPlan:
+        """Under DP attention every DP rank runs the largest tier any needs: with graph-tier alignment a
+        DP rank's padding rows there are paid for too, so its budget grows to fill that tier (never
+        past `B * cap`, never below survival_eps: it may stay short)."""
+        if not self.fills_tier or step.survival is None:
+            return step
+        cfg, num_reqs = self.schedule, len(step.verify_lens)
+        budget = sum(step.verify_lens) - num_reqs * cfg.floor
+        filled = max(budget, min(tier, num_reqs * cfg.cap) - num_reqs * cfg.floor)
+        if filled == budget:
+            return step
+        verify_lens = tuple(Ranking.of(step.survival, cfg).verify_lens(filled).tolist())
+        return dataclasses.replace(step, verify_lens=verify_lens, run_lens=verify_lens, aligned_budget=filled)
+
+    def uniform_rows(self, max_reqs: int) -> int:
+        if not self.mode.packs_rows:
+            return self.num_draft_tokens  # cap-accept runs every row anyway
+        cap = self.schedule.cap
+        return min(cap, self.token_tiers[-1] // max_reqs) if self.token_tiers else cap
+
+    def uniform_step(self, num_reqs: int, rows: int) -> StepPlan:
+        lens = (rows,) * num_reqs
+        return StepPlan(lens, lens if self.mode.packs_rows else (self.num_draft_tokens,) * num_reqs)

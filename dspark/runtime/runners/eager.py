@@ -30,8 +30,8 @@ class EagerVerifyRunner:
         self.device = target.lm_head.weight.device
 
     def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor, slots: list[int]) -> VerifyLayout:
-        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, self.shape, self.device,
+             page_table: torch.Tensor, slots: list[int], tier: int | None = None) -> VerifyLayout:
+        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, self.shape, self.device, tier=tier,
                            slots=slots)
 
     def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:

@@ -361,7 +361,7 @@ def _wants_usage(req: GenerationRequest) -> bool:
 def serve(runtime: Runtime, sock: socket.socket, host: str, port: int, model_name: str | None = None,
           log_level: str = "info") -> bool:
     """Serve on `sock`, already bound to host:port (which only name it in the log), until interrupted or,
-    under tensor parallelism, until a rank fails. Returns whether the engine failed."""
+    in a multi-process launch, until a rank fails. Returns whether the engine failed."""
     import uvicorn
 
     server = CompletionServer(runtime, model_name)
@@ -371,11 +371,11 @@ def serve(runtime: Runtime, sock: socket.socket, host: str, port: int, model_nam
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %s on http://%s:%d (press CTRL+C to quit)", server.model_name, shown, port)
     uv = uvicorn.Server(config)
-    if runtime.tp.size > 1:
+    if runtime.ranks.world.size > 1:
         # A rank that died leaves a process group no step can run on again: once the engine has told the
         # waiting requests (503), shut down rather than serve 503s until someone notices.
         def shut_down() -> None:
-            log.error("a tensor-parallel rank failed; the server shuts down (restart the launch)")
+            log.error("a rank of the launch failed; the server shuts down (restart the launch)")
             uv.should_exit = True
 
         server.engine.on_failure = shut_down

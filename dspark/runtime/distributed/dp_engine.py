@@ -1,0 +1,378 @@
+"""DP attention, the engine half: every DP rank schedules, drafts and plans its own requests, and each step
+the DP ranks agree on the rows they all run.
+
+Under DP attention (`dp_attention`, the model half) a forward's world-parallel modules gather the rows of
+every DP rank, so every DP rank must make the same forward calls with the same number of rows. Each DP
+rank's engine (its attention rank 0; the others follow it, `lockstep`) runs the usual scheduler, draft and
+planner over its own requests and KV pool, and at three points of a step the engines agree (`DPStepSync`,
+an all-gather of a few integers over the engines):
+
+1. Extend (a prefill chunk, a target-only decode): every engine runs the largest row count of any; one
+   with fewer rows appends a padding request, one with none runs the padding request alone.
+2. Verify: each engine drafts and plans its requests and reports a `VerifyReport` (requests, planned
+   rows, the tier those rows need, whether it could plan). The step's tier is the maximum of the needed
+   tiers (`global_verify`); graph-tier alignment fills each engine's rows up to that global tier; an
+   engine without requests runs an idle layout of that tier (padding requests only). If an engine could
+   not plan, every engine lays out the uniform step instead: every request of every DP rank verifies
+   the same rows (`VerifyPlan.uniform_rows`), whatever its confidence.
+3. Logits: every engine projects the same number of rows (its real rows, padded).
+
+Rank 0 also owns the HTTP server and the dispatch (`DPDispatch`): a request goes to the DP rank with
+the fewest unfinished requests, and each step rank 0 scatters every engine's new requests and aborts
+(`EngineCommand`), every engine runs the step, and the engines' new tokens come back to rank 0
+(`EngineReply`), where the server's requests stand for them. The other engines loop in `serve_engine`.
+
+With `DSPARK_TP_CHECK=1` (the check mode) the engines also compare the tier they are about to run, and
+fail the step on every rank, naming them, when it differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from dspark.runtime.distributed.lockstep import check_agreement, checking
+from dspark.runtime.distributed.tensor_parallel import COMM_CLOCK, TPGroup
+from dspark.runtime.engine.requests import Request
+from dspark.runtime.engine.stats import RunStats, StepInfo
+from dspark.runtime.layout import tier_for
+from dspark.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dspark.runtime.engine.runtime import Runtime
+
+STEP, STATS, STOP = "step", "stats", "stop"
+
+
+# -- agreeing on a step's rows ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VerifyReport:
+    """One DP rank's verify step, as planned on its own."""
+
+    num_requests: int
+    rows: int  # rows its requests run (sum of run_lens); 0 when it has no requests or could not plan
+    tier: int  # the tier those rows need (the rows themselves without tiers)
+    planned: bool  # False: its planner failed, so the step falls back to the uniform layout
+
+
+@dataclass(frozen=True)
+class GlobalVerify:
+    """What every DP rank runs in a verify step."""
+
+    tier: int  # rows of every DP rank's forward (0: no DP rank verifies this step)
+    logit_rows: int  # rows every DP rank projects to logits: the most real rows of any DP rank
+    uniform_rows: int | None  # when some DP rank could not plan: the rows every request verifies
+
+
+def global_verify(reports: list[VerifyReport], tiers: tuple[int, ...], uniform_rows: Callable[[int], int],
+                  fills_tier: bool) -> GlobalVerify:
+    """The step every DP rank runs, from every DP rank's report (the same on every rank).
+
+    `uniform_rows(B)` is what every request verifies in the uniform step of batches of up to B requests
+    (`VerifyPlan.uniform_rows`), taken when some DP rank could not plan; `fills_tier` says that each DP
+    rank fills its rows up to the global tier (graph-tier alignment), so the logits cover the whole tier.
+    """
+    if not any(r.num_requests for r in reports):
+        return GlobalVerify(0, 0, None)
+    if all(r.planned for r in reports):
+        tier = max(r.tier for r in reports)
+        return GlobalVerify(tier, tier if fills_tier and tiers else max(r.rows for r in reports), None)
+    most = max(r.num_requests for r in reports)
+    rows = uniform_rows(most)
+    return GlobalVerify(tier_for(most * rows, tiers) if tiers else most * rows, most * rows, rows)
+
+
+class DPStepSync:
+    """The agreements of a step among the DP ranks' engines (`engines`: one rank per DP rank, in order)."""
+
+    def __init__(self, engines: TPGroup, device: torch.device) -> None:
+        self.engines = engines
+        # NCCL gathers device tensors; gloo and HCCL's object path take host ones
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+
+    def gather(self, *values: int) -> list[tuple[int, ...]]:
+        """Every engine's `values`, in DP rank order."""
+        mine = torch.tensor(values, dtype=torch.long, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.engines.size)]
+        with COMM_CLOCK.timed("agreement"):
+            dist.all_gather(parts, mine, group=self.engines.group)
+        return [tuple(int(v) for v in p.tolist()) for p in parts]
+
+    def agree_extend(self, rows: int, logit_rows: int) -> tuple[int, int]:
+        """The rows and logit rows every engine runs in an extend step: the most of any."""
+        gathered = self.gather(rows, logit_rows)
+        return max(g[0] for g in gathered), max(g[1] for g in gathered)
+
+    def agree_verify(self, report: VerifyReport) -> list[VerifyReport]:
+        gathered = self.gather(report.num_requests, report.rows, report.tier, int(report.planned))
+        return [VerifyReport(n, rows, tier, bool(planned)) for n, rows, tier, planned in gathered]
+
+    def check(self, what: str, *values: int) -> None:
+        """In the check mode, fail every engine loudly unless all are about to run the same `values`."""
+        if checking():
+            check_agreement(self.engines, what, torch.tensor(values, dtype=torch.long), ranks="DP ranks")
+
+
+# -- rank 0's dispatch and the other engines -------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestSpec:
+    """A request rank 0 validated, as a DP rank's engine rebuilds it."""
+
+    rid: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    ignore_eos: bool
+    seed: int | None
+
+    @classmethod
+    def of(cls, r: Request) -> RequestSpec:
+        return cls(r.rid, tuple(r.prompt), r.max_new_tokens, r.sampling, r.ignore_eos, r.seed)
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """What one DP rank's engine does next: a step (after admitting `new` and dropping `aborts`), a report
+    of its run's counters, or stop."""
+
+    kind: str
+    target_only: bool = False
+    new: tuple[RequestSpec, ...] = ()
+    aborts: tuple[int, ...] = ()  # rids
+    reset_stats: bool = False  # a new `generate` run starts: zero the counters first
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    rid: int
+    tokens: tuple[int, ...]  # committed since the last update
+    done: bool
+    finish_reason: str | None
+    decode_steps: int
+
+
+@dataclass(frozen=True)
+class EngineReply:
+    updates: tuple[RequestUpdate, ...] = ()
+    pool: dict[str, int] = field(default_factory=dict)
+    step: StepInfo | None = None
+    stats: RunStats | None = None
+
+
+def _scatter(engines: TPGroup, commands: list[EngineCommand] | None) -> EngineCommand:
+    box: list[Any] = [None]
+    with COMM_CLOCK.timed("command"):
+        dist.scatter_object_list(box, commands, group=engines.group, group_src=0)
+    return box[0]
+
+
+def _gather(engines: TPGroup, reply: EngineReply) -> list[EngineReply] | None:
+    replies: list[Any] | None = [None] * engines.size if engines.rank == 0 else None
+    with COMM_CLOCK.timed("command"):
+        dist.gather_object(reply, replies, group=engines.group, group_dst=0)
+    return replies
+
+
+class EngineOutbox:
+    """The tokens of a DP rank's requests that rank 0 has not seen yet."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, int] = {}  # rid -> output tokens already reported
+
+    def updates(self, touched: list[Request]) -> tuple[RequestUpdate, ...]:
+        out = []
+        for r in touched:
+            sent = self.sent.get(r.rid, 0)
+            out.append(RequestUpdate(r.rid, tuple(r.output[sent:]), r.done, r.finish_reason, r.decode_steps))
+            if r.done:
+                self.sent.pop(r.rid, None)
+            else:
+                self.sent[r.rid] = len(r.output)
+        return tuple(out)
+
+
+def serve_engine(runtime: Runtime) -> None:
+    """A DP rank's engine other than rank 0's: run rank 0's commands until it stops."""
+    engines = runtime.ranks.engines
+    requests: dict[int, Request] = {}  # rid -> this engine's request
+    outbox = EngineOutbox()
+    while True:
+        command = _scatter(engines, None)
+        if command.kind == STOP:
+            return
+        if command.kind == STATS:
+            _gather(engines, EngineReply(stats=runtime.stats))
+            continue
+        if command.reset_stats:
+            runtime.stats = RunStats(gamma=runtime.plan.gamma)
+        runtime.target_only = command.target_only
+        for rid in command.aborts:
+            if (r := requests.pop(rid, None)) is not None:
+                runtime.scheduler.abort(r)
+                outbox.sent.pop(rid, None)
+        for spec in command.new:
+            requests[spec.rid] = r = runtime.adopt(spec)
+            runtime.scheduler.enqueue(r)
+        touched = runtime.step_local()
+        for r in touched:
+            if r.done:
+                requests.pop(r.rid, None)
+        reply = EngineReply(outbox.updates(touched), runtime.scheduler.pool_stats(), runtime.last_step)
+        _gather(engines, reply)
+
+
+class DPDispatch:
+    """Rank 0's side of DP attention: the server's requests, dispatched to the DP ranks' engines.
+
+    Rank 0's own engine (DP rank 0) runs in this process on the server's request objects, which enter
+    and leave its scheduler directly. Another DP rank's requests are stood for by the server's objects,
+    which each step's replies update as that engine updated its own (new tokens, done, finish reason,
+    decode steps).
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.engines = runtime.ranks.engines
+        size = self.engines.size
+        self.new: list[list[Request]] = [[] for _ in range(size)]  # to send with the next step
+        self.aborts: list[list[int]] = [[] for _ in range(size)]
+        self.remote: dict[int, tuple[int, Request]] = {}  # rid -> (DP rank, the server's request)
+        self.remote_unfinished = [0] * size
+        self.pools: list[dict[str, int]] = [{} for _ in range(size)]  # as of each engine's last step
+        self.reset_stats = False
+        self.stopped = False
+        self.broken = False  # a step failed (a rank died): nothing more can be sent
+
+    @property
+    def has_work(self) -> bool:
+        return self.runtime.scheduler.has_work or bool(self.remote) or any(self.aborts)
+
+    def _unfinished(self, dp_rank: int) -> int:
+        if dp_rank == 0:
+            s = self.runtime.scheduler
+            return len(s.waiting) + len(s.prefilling) + len(s.running)
+        return self.remote_unfinished[dp_rank]
+
+    def enqueue(self, request: Request) -> None:
+        """To the DP rank with the fewest unfinished requests (the lowest of equals)."""
+        dp_rank = min(range(self.engines.size), key=lambda d: (self._unfinished(d), d))
+        if dp_rank == 0:
+            self.runtime.scheduler.enqueue(request)
+            return
+        self.remote[request.rid] = (dp_rank, request)
+        self.remote_unfinished[dp_rank] += 1
+        self.new[dp_rank].append(request)
+
+    def abort(self, request: Request) -> None:
+        where = self.remote.pop(request.rid, None)
+        if where is None:
+            self.runtime.scheduler.abort(request)
+            return
+        dp_rank = where[0]
+        self.remote_unfinished[dp_rank] -= 1
+        if request in self.new[dp_rank]:
+            self.new[dp_rank].remove(request)  # never sent: nothing to tell its engine
+        else:
+            self.aborts[dp_rank].append(request.rid)
+        request.done = True
+        request.finish_reason = request.finish_reason or "abort"
+
+    def step(self) -> list[Request]:
+        """One step of every engine; the server's requests that got tokens or finished."""
+        if self.broken:
+            raise RuntimeError("a rank of the launch failed earlier; the process group cannot run a step")
+        try:
+            return self._step()
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _step(self) -> list[Request]:
+        runtime = self.runtime
+        commands = [EngineCommand(STEP, runtime.target_only, tuple(RequestSpec.of(r) for r in new),
+                                  tuple(aborts), self.reset_stats)
+                    for new, aborts in zip(self.new, self.aborts, strict=True)]
+        _scatter(self.engines, commands)
+        if self.reset_stats:
+            runtime.stats = RunStats(gamma=runtime.plan.gamma, requests=runtime.stats.requests)
+        self.new = [[] for _ in commands]
+        self.aborts = [[] for _ in commands]
+        self.reset_stats = False
+        touched = runtime.step_local()
+        replies = _gather(self.engines, EngineReply(step=runtime.last_step))
+        assert replies is not None
+        for dp_rank, reply in enumerate(replies[1:], start=1):
+            self.pools[dp_rank] = reply.pool
+            for u in reply.updates:
+                where = self.remote.get(u.rid)
+                if where is None:
+                    continue  # aborted here since
+                r = where[1]
+                r.output.extend(u.tokens)
+                r.decode_steps = u.decode_steps
+                if u.done:
+                    r.done, r.finish_reason = True, r.finish_reason or u.finish_reason
+                    del self.remote[u.rid]
+                    self.remote_unfinished[dp_rank] -= 1
+                touched.append(r)
+        runtime.last_step = merge_steps([reply.step for reply in replies])
+        return touched
+
+    def pool_stats(self) -> dict[str, int]:
+        """Every DP rank's KV pool together: rank 0's as of now, the others' as of their last step, and
+        the requests not sent yet as waiting."""
+        total = dict(self.runtime.scheduler.pool_stats())
+        for pool in self.pools[1:]:
+            for key, value in pool.items():
+                total[key] += value
+        total["waiting"] += sum(len(new) for new in self.new)
+        return total
+
+    def collect_stats(self) -> RunStats:
+        """Every DP rank's counters of the run, merged (`merge_stats`)."""
+        _scatter(self.engines, [EngineCommand(STATS)] * self.engines.size)
+        replies = _gather(self.engines, EngineReply(stats=self.runtime.stats))
+        assert replies is not None
+        return merge_stats([reply.stats for reply in replies if reply.stats is not None])
+
+    def stop(self) -> None:
+        """Release the other engines (they return from `serve_engine`)."""
+        if not (self.stopped or self.broken):
+            self.stopped = True
+            _scatter(self.engines, [EngineCommand(STOP)] * self.engines.size)
+
+
+def merge_stats(stats: list[RunStats]) -> RunStats:
+    """The DP ranks' counters as one run's: counts summed; the steps and seconds are those of the step
+    loop, which every DP rank runs together, so the most of any."""
+    total = RunStats(gamma=stats[0].gamma)
+    for s in stats:
+        for name in ("requests", "request_steps", "generated_tokens", "committed_tokens", "verify_rows",
+                     "padding_rows", "planned_rows", "predicted_tau", "planned_committed"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        total.drafts_verified = [a + b for a, b in zip(total.drafts_verified, s.drafts_verified, strict=True)]
+        total.drafts_accepted = [a + b for a, b in zip(total.drafts_accepted, s.drafts_accepted, strict=True)]
+    total.steps = max(s.steps for s in stats)
+    total.prefill_seconds = max(s.prefill_seconds for s in stats)
+    total.decode_seconds = max(s.decode_seconds for s in stats)
+    return total
+
+
+def merge_steps(steps: list[StepInfo | None]) -> StepInfo | None:
+    """The DP ranks' last decode steps as one: counts summed, the (global) tier, the slowest time."""
+    real = [s for s in steps if s is not None]
+    if not real:
+        return None
+    budgets = [s.budget for s in real]
+    taus = [s.tau for s in real]
+    return StepInfo(
+        num_reqs=sum(s.num_reqs for s in real), committed=sum(s.committed for s in real),
+        rows=sum(s.rows for s in real), planned_rows=sum(s.planned_rows for s in real),
+        padding_rows=sum(s.padding_rows for s in real), tier=max(s.tier for s in real),
+        budget=None if None in budgets else sum(b for b in budgets if b is not None),
+        tau=None if None in taus else sum(t for t in taus if t is not None),
+        seconds=max(s.seconds for s in real))

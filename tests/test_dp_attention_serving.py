@@ -1,0 +1,204 @@
+"""DP attention end to end on the CPU (gloo over 127.0.0.1): the embedded pair recompiled with
+`parallelism: {tp, dp, dp_attention: true}`, every DP rank scheduling, drafting and planning its own requests
+and agreeing each step on the rows they all run.
+
+- Greedy output equals one-process target-only decoding under `torchrun` with 2 processes (tp 2, dp 2) and 4
+  (tp 4, dp 2: two attention ranks per DP rank, the second following its engine), static and compact, with
+  the check mode on, and with one DP rank idle (a single request).
+- In-process ranks record every verify step each engine runs: all run the same tier, which is the largest
+  any needed; an idle engine runs padding requests alone; graph-tier alignment fills each engine's rows up to
+  the global tier; a DP rank whose planner fails makes every DP rank run the uniform step.
+- The check mode fails every DP rank loudly when one lays out another tier.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dspark.runtime.distributed.dp_engine import GlobalVerify, VerifyReport, global_verify
+from dspark.runtime.layout import tier_for
+
+from .gloo_ranks import free_port, spawn_ranks
+from .parallel_builds import PROMPTS, REPO, compile_parallel, reference, torchrun
+
+DP_ATTENTION = {"dp_attention": True}
+TIERS = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # specs/tiny_cpu_compact_tiers.yaml's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["static", "compact"])
+@pytest.mark.parametrize(("tp", "processes"), [(2, 2), (4, 4)], ids=["tp2-dp2", "tp4-dp2"])
+def test_dp_attention_under_torchrun_decodes_as_one_process(mode: str, tp: int, processes: int,
+                                                            tmp_path: Path) -> None:
+    name = compile_parallel(f"tiny_cpu_{mode}", tmp_path, tp=tp, dp=2, **DP_ATTENTION)
+    assert torchrun(name, processes, tmp_path, free_port()) == reference(f"tiny_cpu_{mode}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_an_idle_dp_rank_takes_part_in_every_step(mode: str, tmp_path: Path) -> None:
+    """One request: DP rank 0 decodes it, DP rank 1 runs every forward on padding alone."""
+    name = compile_parallel(f"tiny_cpu_{mode}", tmp_path, tp=2, dp=2, **DP_ATTENTION)
+    one = PROMPTS[:1]
+    assert torchrun(name, 2, tmp_path, free_port(), one) == reference(f"tiny_cpu_{mode}", one)
+
+
+# -- in-process ranks: what every engine ran ------------------------------------------------------------
+MAX_NEW = (8, 40, 16)  # DP rank 0 gets requests 0 and 2, DP rank 1 request 1: DP rank 0 goes idle first
+
+
+def _engine_rank(rank: int, size: int, port: int, package_dir: str, prompts: list[list[int]], fault: str,
+                 out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from dspark.runtime.distributed import dp_engine
+    from dspark.runtime.distributed.lockstep import RankDisagreement
+    from dspark.runtime.engine import speculative
+    from dspark.runtime.engine.runtime import Runtime, follows
+    from dspark.runtime.package import load_package
+    from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
+    from dspark.runtime.runners.eager import EagerVerifyRunner
+
+    steps: list[dict[str, Any]] = []
+    run_states = EagerVerifyRunner.run_states
+
+    def recorded(self: Any, layout: Any, input_ids: torch.Tensor) -> Any:
+        n = layout.num_requests
+        steps.append({"tier": layout.tier, "requests": n, "rows": layout.total_rows,
+                      "run_lens": layout.rows_per_slot[:n].tolist()})
+        return run_states(self, layout, input_ids)
+
+    EagerVerifyRunner.run_states = recorded  # type: ignore[method-assign]
+    if fault == "plan" and rank == 1:  # DP rank 1's planner fails on its third step
+        plan_step, calls = AdaptiveVerifyPlan.plan_step, []
+
+        def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 3:
+                raise ValueError("the floor alone needs more rows than the largest tier")
+            return plan_step(self, *args, **kwargs)
+
+        AdaptiveVerifyPlan.plan_step = failing  # type: ignore[method-assign]
+    if fault == "tier" and rank == 1:  # DP rank 1 computes the global tier wrongly
+        def wrong(*args: Any, **kwargs: Any) -> GlobalVerify:
+            agreed = dp_engine.global_verify(*args, **kwargs)
+            return GlobalVerify(agreed.tier + 8, agreed.logit_rows, agreed.uniform_rows)
+
+        speculative.global_verify = wrong  # type: ignore[assignment]
+    os.environ["DSPARK_TP_CHECK"] = "1" if fault == "tier" else "0"
+    result: dict[str, Any] = {"steps": steps}
+    package = load_package(package_dir)
+    try:
+        if not follows(package):
+            runtime = Runtime(package)
+            try:
+                requests = [runtime.new_request(p, n) for p, n in zip(prompts, MAX_NEW, strict=True)]
+                for r in requests:
+                    runtime.enqueue(r)
+                while runtime.has_work:
+                    runtime.step()
+                result["outputs"] = [r.output for r in requests]
+            finally:
+                runtime.close()
+    except RankDisagreement as err:
+        result["disagreement"] = str(err)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    if "disagreement" in result:
+        os._exit(0)  # the process group is mid-step: leave without tearing it down
+
+
+@pytest.fixture(scope="module")
+def tiers_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """specs/tiny_cpu_compact_tiers.yaml (compact, tier-aligned, 12 tiers) with tp 2, dp 2, DP attention."""
+    root = tmp_path_factory.mktemp("dp_tiers")
+    return root / "generated" / compile_parallel("tiny_cpu_compact_tiers", root, tp=2, dp=2, **DP_ATTENTION)
+
+
+@pytest.fixture(scope="module")
+def prompts_and_reference() -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts' ids, and each one's greedy target-only continuation as one process decodes it."""
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+
+    runtime = Runtime(load_package(REPO / "generated" / "tiny_cpu_compact_tiers"))
+    ids = [runtime.package.tokenizer.encode(p) for p in PROMPTS]
+    outputs, _ = runtime.generate(ids, max(MAX_NEW), target_only=True)
+    return ids, [out[:n] for out, n in zip(outputs, MAX_NEW, strict=True)]
+
+
+def _run_ranks(package: Path, prompts: list[list[int]], fault: str, out_dir: Path) -> list[dict[str, Any]]:
+    return spawn_ranks(_engine_rank, 2, (str(package), prompts, fault), out_dir, 300, "DP attention ranks")
+
+
+@pytest.mark.slow
+def test_every_dp_rank_runs_the_global_tier(tiers_build: Path, prompts_and_reference: Any,
+                                            tmp_path: Path) -> None:
+    prompts, want = prompts_and_reference
+    ranks = _run_ranks(tiers_build, prompts, "", tmp_path)
+    assert ranks[0]["outputs"] == want
+    steps0, steps1 = ranks[0]["steps"], ranks[1]["steps"]
+    assert len(steps0) == len(steps1) > 0  # every verify step is run by both engines
+    idle = differ = 0
+    for a, b in zip(steps0, steps1, strict=True):
+        assert a["tier"] == b["tier"]  # the tier agreement
+        busy = [s for s in (a, b) if s["requests"]]
+        # the global tier is the largest any DP rank needed (alignment fills a DP rank's rows within it)
+        assert a["tier"] == max(tier_for(s["rows"], TIERS) for s in busy)
+        # graph-tier alignment: each busy DP rank's rows fill the global tier, up to B x cap (cap 8)
+        assert all(s["rows"] == min(a["tier"], 8 * s["requests"]) for s in busy), (a, b)
+        idle += len(busy) == 1
+        for s in (a, b):
+            if not s["requests"]:
+                assert s["rows"] == 0  # padding requests alone
+        differ += a["rows"] != b["rows"]
+    assert idle and differ  # the agreement was not trivial: rows differed and DP rank 0 went idle
+
+
+@pytest.mark.slow
+def test_a_dp_rank_that_cannot_plan_makes_every_rank_run_the_uniform_step(
+        tiers_build: Path, prompts_and_reference: Any, tmp_path: Path) -> None:
+    prompts, want = prompts_and_reference
+    ranks = _run_ranks(tiers_build, prompts, "plan", tmp_path)
+    assert ranks[0]["outputs"] == want  # still lossless
+    uniform = [i for i, (a, b) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"], strict=True))
+               if {n for s in (a, b) for n in s["run_lens"]} == {8}]
+    # DP rank 1's third verify step: every request of both DP ranks runs the uniform rows, here N = 8
+    assert 2 in uniform
+    step = ranks[0]["steps"][2], ranks[1]["steps"][2]
+    assert step[0]["tier"] == step[1]["tier"] == tier_for(8 * max(s["requests"] for s in step), TIERS)
+
+
+@pytest.mark.slow
+def test_the_check_mode_fails_every_dp_rank_on_another_tier(tiers_build: Path, prompts_and_reference: Any,
+                                                             tmp_path: Path) -> None:
+    prompts, _ = prompts_and_reference
+    ranks = _run_ranks(tiers_build, prompts, "tier", tmp_path)
+    for rank in ranks:
+        assert rank["disagreement"] == ("DP ranks disagree on the verify step (tier, logit rows): ranks "
+                                        "[0] vs [1] computed different results")
+
+
+# -- the agreement itself -----------------------------------------------------------------------------------
+def test_the_global_tier_is_the_largest_any_dp_rank_needs() -> None:
+    busy, light = VerifyReport(3, 30, 32, True), VerifyReport(1, 5, 8, True)
+    idle = VerifyReport(0, 0, 0, True)
+    assert global_verify([light, busy, idle], TIERS, lambda b: 8, False) == GlobalVerify(32, 30, None)
+    # aligned: every DP rank fills its rows up to the tier, so the logits cover all of it
+    assert global_verify([light, busy], TIERS, lambda b: 8, True) == GlobalVerify(32, 32, None)
+    # without tiers the step runs the most rows of any DP rank
+    assert global_verify([VerifyReport(2, 7, 7, True), VerifyReport(1, 3, 3, True)], (), lambda b: 8,
+                         False) == GlobalVerify(7, 7, None)
+    assert global_verify([idle, idle], TIERS, lambda b: 8, False) == GlobalVerify(0, 0, None)
+
+
+def test_one_dp_rank_that_cannot_plan_makes_the_step_uniform() -> None:
+    reports = [VerifyReport(3, 0, 0, False), VerifyReport(5, 17, 24, True)]
+    # every request verifies the uniform rows of the largest batch: 5 x 4 = 20 rows, tier 24
+    assert global_verify(reports, TIERS, lambda b: {5: 4}[b], False) == GlobalVerify(24, 20, 4)
+    assert global_verify(reports, (), lambda b: 8, True) == GlobalVerify(40, 40, 8)
