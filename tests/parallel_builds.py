@@ -6,6 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +71,25 @@ def torchrun(name: str, processes: int, cwd: Path, port: int, prompts: tuple[str
     command = ["-m", f"generated.{name}", "run", *prompt_args(prompts), "--max-new-tokens", str(NEW_TOKENS),
                "--json", *extra]
     return completions(run(launch + command, cwd, DSPARK_TP_CHECK="1"))
+
+
+def http_json(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def wait_healthy(url: str, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while True:  # the leader listens once every rank has loaded and joined
+        try:
+            if http_json(f"{url}/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()  # type: ignore[union-attr]
+        time.sleep(0.5)

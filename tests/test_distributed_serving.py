@@ -13,9 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +29,17 @@ from dspark.runtime.distributed.lockstep import RankDisagreement, check_agreemen
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
 from .gloo_ranks import free_port
-from .parallel_builds import NEW_TOKENS, PROMPTS, REPO, TIMEOUT, compile_parallel, reference, run, torchrun
+from .parallel_builds import (
+    NEW_TOKENS,
+    PROMPTS,
+    REPO,
+    compile_parallel,
+    http_json,
+    reference,
+    run,
+    torchrun,
+    wait_healthy,
+)
 
 
 @pytest.mark.slow
@@ -72,16 +79,6 @@ def test_a_launch_that_does_not_fit_the_build_says_how_to_launch_it(tmp_path: Pa
     assert "Traceback" not in result.stderr
 
 
-def _get(url: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("parallelism", [{"tp": 2}, {"tp": 2, "dp": 2, "dp_attention": True}],
                          ids=["tp2", "dp2-dp-attention"])
@@ -99,12 +96,12 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit(parallelism: dict[str,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, ranks[0])
+        wait_healthy(url, ranks[0])
         body = {"model": name, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
-        assert _get(f"{url}/v1/completions", body)[0] == 200  # both ranks serve
+        assert http_json(f"{url}/v1/completions", body)[0] == 200  # both ranks serve
         ranks[1].kill()
         ranks[1].wait(timeout=30)
-        status, answer = _get(f"{url}/v1/completions", body)
+        status, answer = http_json(f"{url}/v1/completions", body)
         assert status == 503 and answer["error"]["code"] == "engine_stopped"
         _, err = ranks[0].communicate(timeout=120)  # exits, does not hang
         assert ranks[0].returncode == 2
@@ -114,18 +111,6 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit(parallelism: dict[str,
             if p.poll() is None:
                 p.kill()
                 p.wait()
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while True:  # the leader listens once every rank has loaded and joined
-        try:
-            if _get(f"{url}/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline and process.poll() is None, process.stderr.read()  # type: ignore[union-attr]
-        time.sleep(0.5)
 
 
 @pytest.mark.slow
@@ -141,9 +126,9 @@ def test_dspark_serve_starts_the_ranks_a_build_needs(tmp_path: Path) -> None:
                               text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, server)
+        wait_healthy(url, server)
         body = {"model": name, "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0}
-        status, answer = _get(f"{url}/v1/completions", body)
+        status, answer = http_json(f"{url}/v1/completions", body)
         one = run([sys.executable, "-m", "generated.tiny_cpu_static", "run", "--prompt", PROMPTS[0],
                    "--max-new-tokens", str(NEW_TOKENS), "--target-only", "--json"], REPO)
         assert one.returncode == 0, one.stderr[-3000:]

@@ -9,22 +9,30 @@ and agreeing each step on the rows they all run.
   any needed; an idle engine runs padding requests alone; graph-tier alignment fills each engine's rows up to
   the global tier; a DP rank whose planner fails makes every DP rank run the uniform step.
 - The check mode fails every DP rank loudly when one lays out another tier.
+- `dspark serve` starts the ranks; concurrent requests, streamed or not, greedy or seeded and sampled, spread
+  over the DP ranks and come back as one process serves them.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from dspark.runtime.distributed.dp_engine import GlobalVerify, VerifyReport, global_verify
+from dspark.runtime.distributed.dp_engine import GlobalVerify
 from dspark.runtime.layout import tier_for
 
 from .gloo_ranks import free_port, spawn_ranks
-from .parallel_builds import PROMPTS, REPO, compile_parallel, reference, torchrun
+from .parallel_builds import PROMPTS, REPO, compile_parallel, http_json, reference, torchrun, wait_healthy
 
 DP_ATTENTION = {"dp_attention": True}
 TIERS = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # specs/tiny_cpu_compact_tiers.yaml's
@@ -184,21 +192,63 @@ def test_the_check_mode_fails_every_dp_rank_on_another_tier(tiers_build: Path, p
                                         "[0] vs [1] computed different results")
 
 
-# -- the agreement itself -----------------------------------------------------------------------------------
-def test_the_global_tier_is_the_largest_any_dp_rank_needs() -> None:
-    busy, light = VerifyReport(3, 30, 32, True), VerifyReport(1, 5, 8, True)
-    idle = VerifyReport(0, 0, 0, True)
-    assert global_verify([light, busy, idle], TIERS, lambda b: 8, False) == GlobalVerify(32, 30, None)
-    # aligned: every DP rank fills its rows up to the tier, so the logits cover all of it
-    assert global_verify([light, busy], TIERS, lambda b: 8, True) == GlobalVerify(32, 32, None)
-    # without tiers the step runs the most rows of any DP rank
-    assert global_verify([VerifyReport(2, 7, 7, True), VerifyReport(1, 3, 3, True)], (), lambda b: 8,
-                         False) == GlobalVerify(7, 7, None)
-    assert global_verify([idle, idle], TIERS, lambda b: 8, False) == GlobalVerify(0, 0, None)
+# -- serving ----------------------------------------------------------------------------------------------
+def _streamed_text(url: str, body: dict[str, Any]) -> str:
+    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    text = []
+    with urllib.request.urlopen(request, timeout=60) as response:
+        for line in response:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                text.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(text)
 
 
-def test_one_dp_rank_that_cannot_plan_makes_the_step_uniform() -> None:
-    reports = [VerifyReport(3, 0, 0, False), VerifyReport(5, 17, 24, True)]
-    # every request verifies the uniform rows of the largest batch: 5 x 4 = 20 rows, tier 24
-    assert global_verify(reports, TIERS, lambda b: {5: 4}[b], False) == GlobalVerify(24, 20, 4)
-    assert global_verify(reports, (), lambda b: 8, True) == GlobalVerify(40, 40, 8)
+def _one_process(prompt: str, max_tokens: int, temperature: float, seed: int | None) -> str:
+    """What the one-process static build serves for one request (greedy: target-only; sampled: from the
+    request's own generator, which a static step draws from the same way whatever the batch)."""
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+    from dspark.runtime.sampling import SamplingParams
+
+    runtime = Runtime(load_package(REPO / "generated" / "tiny_cpu_static"))
+    tokenizer = runtime.package.tokenizer
+    r = runtime.new_request(tokenizer.encode(prompt), max_tokens, SamplingParams(temperature), seed=seed)
+    runtime.enqueue(r)
+    runtime.target_only = temperature == 0
+    while runtime.has_work:
+        runtime.step()
+    return tokenizer.decode(r.output)
+
+
+@pytest.mark.slow
+def test_dspark_serve_spreads_concurrent_requests_over_the_dp_ranks(tmp_path: Path) -> None:
+    name = compile_parallel("tiny_cpu_static", tmp_path, tp=2, dp=2, **DP_ATTENTION)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
+           "DSPARK_TP_CHECK": "1"}
+    command = [sys.executable, "-m", "dspark.cli.main", "serve", str(tmp_path / "generated" / name),
+               "--port", str(port)]
+    server = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    bodies = [{"model": name, "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0},
+              {"model": name, "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0},
+              {"model": name, "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0.8, "seed": 5}]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, server)
+        with ThreadPoolExecutor(3) as pool:  # together: the engine spreads them over both DP ranks
+            answers = [pool.submit(http_json, f"{url}/v1/completions", bodies[0]),
+                       pool.submit(_streamed_text, f"{url}/v1/completions", bodies[1]),
+                       pool.submit(http_json, f"{url}/v1/completions", bodies[2])]
+            greedy, streamed, sampled = (a.result() for a in answers)
+        assert greedy[0] == 200 and sampled[0] == 200
+        texts = [greedy[1]["choices"][0]["text"], streamed, sampled[1]["choices"][0]["text"]]
+        assert texts == [_one_process(b["prompt"], b["max_tokens"], b["temperature"], b.get("seed"))
+                         for b in bodies]
+        os.killpg(server.pid, signal.SIGINT)
+        server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -116,6 +116,25 @@ def test_extend_layout_is_ragged() -> None:
         plan_extend([0], [0], TABLE[:1], PAGE, CPU)
 
 
+def test_an_extend_step_pads_with_a_request_on_the_null_page() -> None:
+    # DP attention: this DP rank runs 5 rows where another runs 8, or none at all
+    layout = plan_extend([0, 3], [4, 1], TABLE[:2], PAGE, CPU, slots=[2, 0], padding_rows=3)
+    assert layout.num_rows == 8 and layout.num_real_rows == 5 and layout.num_padding_rows == 3
+    assert layout.qo_indptr.tolist() == [0, 4, 5, 8] and layout.kv_lens.tolist() == [4, 4, 3]
+    assert layout.positions.tolist()[5:] == [0, 1, 2] and layout.out_cache_loc.tolist()[5:] == [0, 1, 2]
+    assert layout.page_table[2].tolist() == [0, 0, 0, 0] and layout.host_slots == (2, 0)
+    idle = plan_extend([], [], TABLE[:0], PAGE, CPU, slots=[], padding_rows=2)
+    assert idle.num_rows == 2 and idle.num_real_rows == 0 and idle.out_cache_loc.tolist() == [0, 1]
+    with pytest.raises(LayoutError, match="one prefix length"):
+        plan_extend([], [], TABLE[:0], PAGE, CPU)
+
+
+def test_an_idle_verify_step_is_padding_requests_of_the_global_tier() -> None:
+    idle = plan_verify((), (), [], TABLE[:0], shape(tiers=(8, 16)), CPU, tier=16, slots=[])
+    assert idle.num_requests == 0 and idle.total_rows == 0 and idle.tier == 16
+    assert idle.rows_per_slot.tolist() == [N] * 4 and idle.out_cache_loc.lt(PAGE).all()
+
+
 def test_tier_alignment_fills_the_paid_tier() -> None:
     # B=10, floor 1: 10 + 27 = 37 rows replay in the 64-row tier, so its 27 padding rows are free.
     assert tier_aligned_budget(10, 27, floor=1, cap=8, tiers=[16, 32, 64, 128]) == 54

@@ -106,6 +106,16 @@ def test_tp_divides_heads(write_spec):
     assert load_spec(write_spec({"parallelism": {"tp": 2}})).spec.parallelism.tp == 2
 
 
+def test_dp_attention_splits_heads_over_tp_over_dp(write_spec):
+    # 4 heads, 2 kv heads: tp 4 alone cannot split them, but with DP attention over dp 2 each DP rank's
+    # 2 attention ranks hold one KV head each
+    spec = load_spec(write_spec({"parallelism": {"dp_attention": True, "dp": 2, "tp": 4}})).spec
+    assert spec.parallelism.tp == 4
+    issue = only_issue(write_spec, {"parallelism": {"dp_attention": True, "dp": 2, "tp": 8}})
+    assert issue.path == ("parallelism", "tp") and "tp / dp = 4 does not divide" in issue.message
+    assert "tp / dp in [1, 2]" in issue.hint
+
+
 def test_ep_is_one_for_dense_models(write_spec):
     issue = only_issue(write_spec, {"parallelism": {"ep": 2}})
     assert issue.path == ("parallelism", "ep") and "dense" in issue.message
