@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark.runtime.engine.runtime import Runtime
+from dspark.runtime.engine.step_forward import LogitsForward, VerifyForward
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 from dspark.runtime.sampling import sample, warp
 
@@ -129,13 +130,15 @@ class VerifyStepTimer:
         rt = self.runtime
         lens = tuple(spread_rows(num_rows, num_reqs, self.floor, self.cap))
         vocab = rt.target.cfg.vocab_size
-        ids = torch.randint(vocab, (num_rows,), generator=self.generator).to(rt.device)
+        fixed = num_reqs * rt.plan.num_draft_tokens  # ids at the fixed stride, which the layout packs
+        ids = torch.randint(vocab, (fixed,), generator=self.generator).to(rt.device)
+        step = VerifyForward(lens, lens, (self.context_len,) * num_reqs, self.page_table[:num_reqs],
+                             tuple(self.slots[:num_reqs]), None, ids)
         _synchronize(rt.device)
         start = time.perf_counter()
-        # Laying the step out is part of every verify step, so it is timed with the forward.
-        layout = rt.verify_runner.plan(lens, lens, [self.context_len] * num_reqs, self.page_table[:num_reqs],
-                                       self.slots[:num_reqs])
-        hidden, _ = rt.verify_runner.run_states(layout, ids)  # with the draft's states, as serving runs it
-        rt.target.compute_logits(hidden).argmax(-1)
+        # Laying the step out is part of every verify step, so it is timed with the forward (which returns
+        # the draft's states, as serving runs it; under tensor parallelism the followers run it too).
+        rt.forward.verify(step)
+        rt.forward.logits(LogitsForward(None)).argmax(-1)
         _synchronize(rt.device)
         return time.perf_counter() - start

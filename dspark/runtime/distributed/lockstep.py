@@ -1,20 +1,21 @@
-"""Rank 0 leads, the other tensor-parallel ranks follow: every call of the target's forward is a step command.
+"""An engine's rank leads, the other ranks of its tensor-parallel group follow: every forward of a step is a
+step command.
 
-The engine (scheduler, planner, draft, sampling, the HTTP server) runs on rank 0 only, unchanged: it sees
-`LeaderTarget`, a `ServingTarget` over rank 0's shard. Each call the engine makes of the target
-(`forward_paged_states` with the step's attention metadata, `compute_logits`) is first broadcast to the
-other ranks as a command, then run; a follower (`follow`) runs the same call on its own shard and its own
-KV cache, so every collective inside the sharded model (the row-parallel all-reduces, the vocab-parallel
-gathers) meets its partners. What is broadcast is what the call takes: the input ids, positions and
-attention metadata of the step (the engine planned them on rank 0: verify_lens, the budget and the
-layout are decided once, there), or the rows whose logits are wanted.
+The engine (scheduler, planner, draft, sampling, the HTTP server) runs on the group's rank 0 only,
+unchanged: it runs each forward through `LeaderForward`, which first broadcasts the step's command (an
+`ExtendForward`, `VerifyForward` or `LogitsForward` of `dspark.runtime.engine.step_forward`: host values
+and token ids) and then runs it. A follower (`follow`) runs the same command on its own shard, KV cache
+and verify runner, so every collective inside the sharded model (the row-parallel all-reduces, the
+vocab-parallel gathers) meets its partners; each rank plans its own layout and metadata from the host
+values, and its own captured graphs replay its own buffers. The budget, `verify_lens` and the layout are
+therefore decided once, by the engine.
 
-With `DSPARK_TP_CHECK=1` in every rank's environment (a debug mode), each rank digests what it ran (the
-step's input ids and positions) and what it got (the residual stream and states, or the logits) after every
-command, the digests are all-gathered, and any disagreement fails the step on every rank, naming the ranks.
+With `DSPARK_TP_CHECK=1` in every rank's environment (a debug mode), each rank digests what it got from
+every command (the residual stream and states, or the logits), the digests are all-gathered, and any
+disagreement fails the step on every rank, naming the ranks.
 
-The DSpark draft runs on rank 0 alone, unsharded: it is a few layers against the target's tens, it reads
-the target states the sharded forward returns whole on every rank, and keeping it off the followers
+The DSpark draft runs on the engine's rank alone, unsharded: it is a few layers against the target's tens, it
+reads the target states the sharded forward returns whole on every rank, and keeping it off the followers
 keeps its KV cache and its small matmuls free of collectives.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,8 +31,18 @@ import torch
 import torch.distributed as dist
 
 from dspark.runtime.distributed.tensor_parallel import COMM_CLOCK, TPGroup
+from dspark.runtime.engine.step_forward import (
+    ExtendForward,
+    LogitsForward,
+    StepCommand,
+    StepForward,
+    VerifyForward,
+    on_host,
+)
+from dspark.runtime.layout import ExtendLayout, VerifyLayout
+from dspark.runtime.package import VerifyRunner
 
-FORWARD, LOGITS, STOP = "forward", "logits", "stop"
+STOP = "stop"
 CHECK_ENV = "DSPARK_TP_CHECK"
 
 
@@ -65,45 +76,65 @@ def check_agreement(tp: TPGroup, what: str, *tensors: torch.Tensor | None,
                                f"{' vs '.join(str(r) for r in groups.values())} computed different results")
 
 
-def _broadcast(tp: TPGroup, command: tuple[Any, ...] | None, device: torch.device) -> tuple[Any, ...]:
-    """Rank 0's `command` on every rank of the group (NCCL moves the pickled bytes through `device`)."""
+def _broadcast(tp: TPGroup, command: Any, device: torch.device) -> Any:
+    """The group's rank 0's `command` on every rank of the group (NCCL moves the pickled bytes through
+    `device`)."""
     box = [command]
     through = device if device.type == "cuda" else None
     with COMM_CLOCK.timed("command"):
         # group_src: rank 0 of the group (under DP attention a DP rank's engine, not the world's rank 0)
         dist.broadcast_object_list(box, group=tp.group, device=through, group_src=0)
-    command = box[0]
-    assert command is not None
-    return command
+    return box[0]
 
 
-class LeaderTarget:
-    """Rank 0's view of a tensor-parallel target: each forward call is broadcast, then run on its shard."""
+def _checked(forward: StepForward, tp: TPGroup, command: StepCommand) -> Any:
+    """Run `command`; in the check mode, fail every rank of the group if any got another result."""
+    result: Any
+    if isinstance(command, ExtendForward):
+        result = forward.extend(command)
+        what, outputs = "extend forward", result[:2]  # hidden, states
+    elif isinstance(command, VerifyForward):
+        result = forward.verify(command)
+        what, outputs = "verify forward", result[1:]  # hidden, states
+    else:
+        result = forward.logits(command)
+        what, outputs = "logits", (result,)
+    if checking():
+        check_agreement(tp, what, *outputs)
+    return result
 
-    def __init__(self, target: Any, tp: TPGroup) -> None:
-        self.target = target
+
+class LeaderForward:
+    """The engine's side of a tensor-parallel step: each command is broadcast, then run on its shard."""
+
+    def __init__(self, forward: StepForward, tp: TPGroup) -> None:
+        self.forward = forward
         self.tp = tp
         self.broken = False  # a collective failed (a rank died): nothing more can be sent
-        self.cfg = target.cfg
-        self.lm_head = target.lm_head
-        self.device = target.lm_head.weight.device
 
-    def forward_paged_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any,
-                             capture: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with self._guard():
-            _broadcast(self.tp, (FORWARD, input_ids, positions, meta, tuple(capture)), self.device)
-            return _forward(self.target, self.tp, input_ids, positions, attn, meta, capture)
+    @property
+    def runner(self) -> VerifyRunner:
+        return self.forward.runner
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with self._guard():
-            _broadcast(self.tp, (LOGITS, hidden), self.device)
-            return _logits(self.target, self.tp, hidden)
+    def extend(self, step: ExtendForward) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
+        return self._lead(step)  # type: ignore[no-any-return]
+
+    def verify(self, step: VerifyForward) -> tuple[VerifyLayout, torch.Tensor, torch.Tensor | None]:
+        return self._lead(step)  # type: ignore[no-any-return]
+
+    def logits(self, step: LogitsForward) -> torch.Tensor:
+        return self._lead(step)  # type: ignore[no-any-return]
 
     def stop(self) -> None:
         """Release the followers (they return from `follow`); nothing to release once a rank died."""
         if not self.broken:
             with self._guard():
-                _broadcast(self.tp, (STOP,), self.device)
+                _broadcast(self.tp, STOP, self.forward.device)
+
+    def _lead(self, step: StepCommand) -> Any:
+        with self._guard():
+            _broadcast(self.tp, on_host(step), self.forward.device)
+            return _checked(self.forward, self.tp, step)
 
     @contextmanager
     def _guard(self) -> Iterator[None]:
@@ -116,33 +147,12 @@ class LeaderTarget:
             raise
 
 
-def _forward(target: Any, tp: TPGroup, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, meta: Any,
-             capture: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    hidden, states = target.forward_paged_states(input_ids, positions, attn, meta, capture)
-    if checking():
-        check_agreement(tp, "forward", input_ids, positions, hidden, states)
-    return hidden, states
-
-
-def _logits(target: Any, tp: TPGroup, hidden: torch.Tensor) -> torch.Tensor:
-    logits = target.compute_logits(hidden)
-    if checking():
-        check_agreement(tp, "logits", hidden, logits)
-    return logits
-
-
-def follow(target: Any, attn: Any, tp: TPGroup) -> None:
-    """Run rank 0's step commands on this rank's shard until it stops."""
-    device = target.lm_head.weight.device
+def follow(forward: StepForward, tp: TPGroup) -> None:
+    """Run the group's rank 0's step commands on this rank's shard until it stops."""
     while True:
-        command = _broadcast(tp, None, device)
-        kind = command[0]
-        if kind == STOP:
+        command = _broadcast(tp, None, forward.device)
+        if command == STOP:
             return
-        if kind == FORWARD:
-            _, input_ids, positions, meta, capture = command
-            _forward(target, tp, input_ids, positions, attn, meta, capture)
-        elif kind == LOGITS:
-            _logits(target, tp, command[1])
-        else:
-            raise RuntimeError(f"rank {tp.rank}: unknown step command {kind!r} from rank 0")
+        if not isinstance(command, (ExtendForward, VerifyForward, LogitsForward)):
+            raise RuntimeError(f"rank {tp.rank}: unknown step command {command!r} from its group's rank 0")
+        _checked(forward, tp, command)

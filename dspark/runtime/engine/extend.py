@@ -8,28 +8,24 @@ empty step, so that the forward's collectives meet their partners."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from dspark.runtime.attention.metadata import AttentionMetadata
 from dspark.runtime.distributed.dp_engine import DPStepSync
 from dspark.runtime.engine.forward import EngineModels, batch_sampling
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.scheduler import PrefillChunk, commit_tokens
 from dspark.runtime.engine.stats import RunStats, StepInfo
-from dspark.runtime.layout import ExtendLayout, plan_extend
+from dspark.runtime.engine.step_forward import ExtendForward, LogitsForward, StepForwards
+from dspark.runtime.layout import ExtendLayout
 from dspark.runtime.sampling import pick_rows
-
-ExtendMetadataBuilder = Callable[[ExtendLayout], AttentionMetadata]
 
 
 class ExtendSteps:
-    def __init__(self, models: EngineModels, build_metadata: ExtendMetadataBuilder,
-                 eos_ids: frozenset[int], dp: DPStepSync | None = None) -> None:
+    def __init__(self, models: EngineModels, forward: StepForwards, eos_ids: frozenset[int],
+                 dp: DPStepSync | None = None) -> None:
         self.models = models
-        self.build_metadata = build_metadata
+        self.forward = forward
         self.eos_ids = eos_ids
         self.dp = dp
 
@@ -45,19 +41,15 @@ class ExtendSteps:
                  ) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
         """Run the requests' rows, padded to `rows`."""
         m = self.models
-        padding = rows - sum(extend)
-        layout = plan_extend(prefix, extend, m.host_page_table(requests), m.page_size, m.device,
-                             [r.handle.slot for r in requests], padding_rows=padding)
         if self.dp is not None:
-            self.dp.check("extend rows", layout.num_rows)
-        hidden, states = m.target.forward_paged_states(F.pad(m.tensor(ids), (0, padding)), layout.positions,
-                                                       m.attn, self.build_metadata(layout), capture)
-        return hidden, states, layout
+            self.dp.check("extend rows", rows)
+        return self.forward.extend(ExtendForward(
+            tuple(prefix), tuple(extend), m.host_page_table(requests), tuple(r.handle.slot for r in requests),
+            rows - sum(extend), m.tensor(ids), capture))
 
-    def _logits(self, hidden: torch.Tensor, rows: list[int], logit_rows: int) -> torch.Tensor:
-        """Logits of `hidden[rows]`, projected over `logit_rows` rows (the others repeat row 0)."""
-        logits = self.models.target.compute_logits(hidden[rows + [0] * (logit_rows - len(rows))])
-        return logits[:len(rows)]
+    def _logits(self, rows: list[int], logit_rows: int) -> torch.Tensor:
+        """Logits of `rows` of the forward's hidden states, projected over `logit_rows` rows."""
+        return self.forward.logits(LogitsForward(tuple(rows), logit_rows))
 
     def prefill(self, chunks: list[PrefillChunk], with_draft: bool) -> list[Request]:
         """Prefill the chunks; returns the requests whose prompt is now complete, each with its
@@ -79,7 +71,7 @@ class ExtendSteps:
             c.request.prefilled += c.take
         if not logit_rows:
             return []
-        logits = self._logits(hidden, [layout.host_qo_indptr[i + 1] - 1 for i in complete], logit_rows)
+        logits = self._logits([layout.host_qo_indptr[i + 1] - 1 for i in complete], logit_rows)
         ready = [batch[i] for i in complete]
         if not ready:
             return []
@@ -98,9 +90,8 @@ class ExtendSteps:
         rows, _ = self._agree(num_reqs, num_reqs)
         if not rows:
             return None
-        hidden, _, _ = self._forward(running, [r.seq_len for r in running], [1] * num_reqs,
-                                     [r.root for r in running], rows)
-        logits = self._logits(hidden, list(range(num_reqs)), rows)
+        self._forward(running, [r.seq_len for r in running], [1] * num_reqs, [r.root for r in running], rows)
+        logits = self._logits(list(range(num_reqs)), rows)
         if not running:
             return None
         nxt = pick_rows(logits, batch_sampling(running), self.models.generators(running)).tolist()

@@ -24,9 +24,9 @@ from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
 from dspark.runtime.distributed.dp_engine import DPDispatch, DPStepSync, RequestSpec, serve_engine
 from dspark.runtime.distributed.launch import Launch, Ranks, join, leave
-from dspark.runtime.distributed.lockstep import LeaderTarget, follow
+from dspark.runtime.distributed.lockstep import LeaderForward, follow
 from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
-from dspark.runtime.distributed.tensor_parallel import TPGroup, shard_dense_target
+from dspark.runtime.distributed.tensor_parallel import shard_dense_target
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
 from dspark.runtime.engine.forward import EngineModels, backend_device
@@ -34,6 +34,7 @@ from dspark.runtime.engine.requests import Request, RequestError, validate_reque
 from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
+from dspark.runtime.engine.step_forward import StepForward, StepForwards
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.models.checkpoint import load_draft_model, load_target_model, target_embeddings
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
@@ -69,7 +70,7 @@ class Runtime:
         target = rank_target_model(package, ranks, self.device)
         draft = load_draft_model(dep, package.directory, self.device, self._draft_shares(target))
         self._check_models(target, draft)
-        target, attn = serving_target(package, target, ranks.lockstep, self.device)
+        attn = rank_attention(package, target, self.device)
         self.slots = RequestSlots(s.max_running_requests, s.pages_per_request, num_pages, s.page_size)
         dc = draft.cfg
         draft_kv = PagedKVCache(dc.num_layers, num_pages, s.page_size, dc.num_kv_heads, dc.head_dim,
@@ -80,12 +81,17 @@ class Runtime:
         self.models = EngineModels(target, draft, draft_kv, attn, self.slots, self.device,
                                    torch.Generator(device=self.device).manual_seed(seed + ranks.dp_rank))
         self.verify_runner: VerifyRunner = parts.verify_runner(target, attn, draft.cfg.layers_before_capture)
+        forward = StepForward(target, attn, parts.build_extend_metadata, self.verify_runner, self.device)
+        # under tensor parallelism every forward is first a step command to this engine's followers
+        self.forward: StepForwards = forward
+        if ranks.lockstep.size > 1:
+            self.forward = LeaderForward(forward, ranks.lockstep)
         eos = package.tokenizer.eos_ids
         self.scheduler = Scheduler(self.slots, self.plan.num_draft_tokens, s.chunked_prefill_tokens,
                                    attn.max_extend_rows if isinstance(target, Dsv4ForCausalLM) else None)
         dp = DPStepSync(ranks.engines, self.device) if ranks.dp is not None else None
-        self.extend = ExtendSteps(self.models, parts.build_extend_metadata, eos, dp)
-        self.speculative = SpeculativeStep(self.models, self.plan, self.verify_runner, eos, self.sampling, dp)
+        self.extend = ExtendSteps(self.models, self.forward, eos, dp)
+        self.speculative = SpeculativeStep(self.models, self.plan, self.forward, eos, self.sampling, dp)
         self.speculative.recorder = recorder
         self.stats = RunStats(gamma=self.plan.gamma)
         self.last_step: StepInfo | None = None
@@ -128,13 +134,13 @@ class Runtime:
     def close(self, failed: bool = False) -> None:
         """Release the other DP ranks' engines and this engine's follower ranks, and leave the process
         group (a no-op for one process); `failed`: a collective of this process failed (a rank died)."""
-        target, dispatch = self.models.target, self.dispatch
+        forward, dispatch = self.forward, self.dispatch
         if dispatch is not None:
             dispatch.stop()
-        if isinstance(target, LeaderTarget):
-            target.stop()
+        if isinstance(forward, LeaderForward):
+            forward.stop()
         failed = failed or (dispatch is not None and dispatch.broken) or (
-            isinstance(target, LeaderTarget) and target.broken)
+            isinstance(forward, LeaderForward) and forward.broken)
         leave(self.ranks, together=not failed)
 
     # -- what the models are ---------------------------------------------------------------
@@ -286,19 +292,17 @@ def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.dev
                                shards, device)
 
 
-def serving_target(package: GeneratedPackage, target: ServingTarget, tp: TPGroup, device: torch.device
-                   ) -> tuple[ServingTarget, AttentionBackend | Dsv4LayerBackend]:
-    """This rank's target (`rank_target_model`; led by rank 0 under tensor parallelism) and its attention
-    over its own caches: a DSV4 backend allocates its per-slot caches; a dense target's is one paged K/V
-    cache over the pool's pages, for its own heads."""
+def rank_attention(package: GeneratedPackage, target: ServingTarget, device: torch.device
+                   ) -> AttentionBackend | Dsv4LayerBackend:
+    """This rank's attention over its own caches: a DSV4 backend allocates its per-slot caches; a dense
+    target's is one paged K/V cache over the pool's pages, for the heads this rank holds."""
     parts, s = package.parts, package.deployment.serving
     if isinstance(target, Dsv4ForCausalLM):
-        return target, parts.attention_backend(target, s.max_running_requests, s.max_context_len)
+        return parts.attention_backend(target, s.max_running_requests, s.max_context_len)
     tc = target.cfg
     kv = PagedKVCache(tc.num_layers, s.num_pages, s.page_size, target.local_num_kv_heads, tc.head_dim,
                       target.lm_head.weight.dtype, device)
-    attn = parts.attention_backend(kv, s.page_size, target.local_num_heads, tc.head_dim ** -0.5)
-    return (LeaderTarget(target, tp) if tp.size > 1 and tp.rank == 0 else target), attn
+    return parts.attention_backend(kv, s.page_size, target.local_num_heads, tc.head_dim ** -0.5)
 
 
 def follows(package: GeneratedPackage, **options: Any) -> bool:
@@ -325,8 +329,11 @@ def follows(package: GeneratedPackage, **options: Any) -> bool:
     try:
         device = rank_device(dep.backend, ranks.launch)
         target = rank_target_model(package, ranks, device)
-        target, attn = serving_target(package, target, ranks.lockstep, device)
-        follow(target, attn, ranks.lockstep)
+        attn = rank_attention(package, target, device)
+        # the verify runner the engine's rank builds (its graphs, where it captures any, are this rank's)
+        capture = draft_config(dep.model.geometry, dep.draft).layers_before_capture
+        runner = package.parts.verify_runner(target, attn, capture)
+        follow(StepForward(target, attn, package.parts.build_extend_metadata, runner, device), ranks.lockstep)
         together = True  # released by its engine: every rank is leaving
     finally:
         leave(ranks, together)

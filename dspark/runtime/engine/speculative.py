@@ -18,18 +18,17 @@ import time
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from dspark.runtime.distributed.dp_engine import DPStepSync, GlobalVerify, VerifyReport, global_verify
 from dspark.runtime.engine.forward import EngineModels, batch_sampling
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.scheduler import commit_tokens
 from dspark.runtime.engine.stats import RunStats, StepInfo
+from dspark.runtime.engine.step_forward import LogitsForward, StepForwards, VerifyForward
 from dspark.runtime.engine.step_record import step_record
 from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
 from dspark.runtime.kv_cache import SlotHandle
 from dspark.runtime.layout import tier_for
-from dspark.runtime.package import VerifyRunner
 from dspark.runtime.planner.survival import LaggedSurvival
 from dspark.runtime.planner.verify_plan import StepPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams, pick_rows, rejection_accept, warp_rows
@@ -57,12 +56,12 @@ class StepRecorder(Protocol):
 
 
 class SpeculativeStep:
-    def __init__(self, models: EngineModels, plan: VerifyPlan, runner: VerifyRunner,
+    def __init__(self, models: EngineModels, plan: VerifyPlan, forward: StepForwards,
                  eos_ids: frozenset[int], policy: SamplingParams, dp: DPStepSync | None = None) -> None:
         self.models = models
         self.dp = dp
         self.plan = plan
-        self.runner = runner
+        self.forward = forward
         self.eos_ids = eos_ids
         self.policy = policy  # the run's default policy: the one recorded labels describe
         # The lagged-confidence history belongs to the runtime; a plan is shared, immutable config.
@@ -78,7 +77,8 @@ class SpeculativeStep:
         start = time.perf_counter()
         m, n, num_reqs = self.models, self.plan.num_draft_tokens, len(running)
         prefix_host = [r.seq_len for r in running]
-        page_table = m.host_page_table(running).to(m.device)
+        host_table = m.host_page_table(running)
+        page_table = host_table.to(m.device)
         prefix = m.tensor(prefix_host)
         roots = m.tensor([r.root for r in running])
         batch = batch_sampling(running)
@@ -95,15 +95,16 @@ class SpeculativeStep:
         # 2. Plan: the planner's verify_lens, then the step's layout, once.
         handles = [r.handle for r in running]
         plan, tier, logit_rows = self._plan(proposal.conf_logits, handles)
-        layout = self.runner.plan(plan.run_lens, plan.verify_lens, prefix_host, page_table,
-                                  [h.slot for h in handles], tier=tier)
-        self._check(layout.tier, logit_rows)
+        self._check(tier, logit_rows)
 
-        # 3. Verify: the target runs the step's rows (packed when some request runs fewer than N).
+        # 3. Verify: the step's layout, once, and the target's forward of its rows (packed when some
+        #    request runs fewer than N).
         fixed_ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)
-        hidden, states = self.runner.run_states(layout, layout.pack(fixed_ids))
+        layout, _, states = self.forward.verify(VerifyForward(
+            plan.run_lens, plan.verify_lens, tuple(prefix_host), host_table,
+            tuple(h.slot for h in handles), tier, fixed_ids))
         assert states is not None
-        logits = self._logits(hidden, logit_rows)
+        logits = self.forward.logits(LogitsForward(None, logit_rows))
 
         # 4. Accept, back at the fixed stride; rows that did not run are never read.
         raw_correct: torch.Tensor | None = None
@@ -170,28 +171,20 @@ class SpeculativeStep:
         return plan, agreed.tier, agreed.logit_rows
 
     def _tier_of(self, rows: int) -> int:
-        tiers = self.runner.shape.tiers
+        tiers = self.forward.runner.shape.tiers
         return tier_for(rows, tiers) if tiers else rows
 
     def _agree(self, report: VerifyReport) -> GlobalVerify:
         assert self.dp is not None
-        agreed = global_verify(self.dp.agree_verify(report), self.runner.shape.tiers, self.plan.uniform_rows,
-                               self.plan.fills_tier)
+        agreed = global_verify(self.dp.agree_verify(report), self.forward.runner.shape.tiers,
+                               self.plan.uniform_rows, self.plan.fills_tier)
         return agreed
 
-    def _check(self, tier: int, logit_rows: int | None) -> None:
+    def _check(self, tier: int | None, logit_rows: int | None) -> None:
         """In the check mode, every DP rank is about to run the same tier and logit rows (or fails loudly)."""
         if self.dp is not None:
-            assert logit_rows is not None
+            assert tier is not None and logit_rows is not None
             self.dp.check("verify step (tier, logit rows)", tier, logit_rows)
-
-    def _logits(self, hidden: torch.Tensor, logit_rows: int | None) -> torch.Tensor:
-        """The logits of `hidden`'s rows, projected over `logit_rows` rows (zero rows after them) where
-        every DP rank projects the same rows."""
-        rows = hidden.shape[0]
-        if logit_rows is None or logit_rows == rows:
-            return self.models.target.compute_logits(hidden)
-        return self.models.target.compute_logits(F.pad(hidden, (0, 0, 0, logit_rows - rows)))[:rows]
 
     def _idle(self) -> None:
         """A DP rank without requests: run the others' verify step on padding requests alone."""
@@ -199,7 +192,6 @@ class SpeculativeStep:
         if not agreed.tier:
             return
         m = self.models
-        layout = self.runner.plan((), (), [], m.host_page_table([]), [], tier=agreed.tier)
-        self._check(layout.tier, agreed.logit_rows)
-        hidden, _ = self.runner.run_states(layout, m.tensor([]))
-        self._logits(hidden, agreed.logit_rows)
+        self._check(agreed.tier, agreed.logit_rows)
+        self.forward.verify(VerifyForward((), (), (), m.host_page_table([]), (), agreed.tier, m.tensor([])))
+        self.forward.logits(LogitsForward(None, agreed.logit_rows))
