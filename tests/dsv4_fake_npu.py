@@ -79,9 +79,18 @@ class FakeGraph:
         return self
 
     def replay(self) -> None:
-        with torch.no_grad():  # a replay launches the captured kernels; nothing records autograd
+        with torch.inference_mode():  # a replay launches the captured kernels (on inference tensors too)
             for _, entry in self.entries:
                 entry()
+
+
+def _aliases(out: Any, args: tuple[Any, ...]) -> bool:
+    """Whether a view-kind op returned a view of an input (`aten.to` counts as one, and copies when the
+    dtype or device changes: such a copy is new memory a replay must write)."""
+    if not isinstance(out, torch.Tensor):
+        return True
+    inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+    return out.untyped_storage().data_ptr() in inputs
 
 
 class _Capture(TorchDispatchMode):
@@ -94,9 +103,16 @@ class _Capture(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.npu.inside_op or func.is_view:
+        if self.npu.inside_op or (func.is_view and _aliases(out, args)):
             return out
-        if func._schema.is_mutable:
+        if func.namespace == "c10d":  # a collective: it writes its tensors in place; a replay waits for it
+            def collective() -> None:
+                for item in func(*args, **kwargs):
+                    if hasattr(item, "wait"):
+                        item.wait()
+
+            self.graph.entries.append((str(func), collective))
+        elif func._schema.is_mutable:
             self.graph.entries.append((str(func), lambda: func(*args, **kwargs)))
         else:  # a replay writes the captured outputs' memory (a tensor, or each of a tuple's: sort, topk)
             outs = out if isinstance(out, tuple) else (out,)

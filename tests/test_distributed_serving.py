@@ -151,7 +151,6 @@ def test_dspark_serve_starts_the_ranks_a_build_needs(tmp_path: Path) -> None:
     ({"dp": 2, "dp_attention": True, "tp": 4}, "llama", (), "cpu",
      "compiled for 4 processes (tp 4, dp 2 with DP attention), launched as 2"),
     ({"tp": 2}, "dsv4", (), "cpu", "not dsv4 yet: run it as one process (without torchrun)"),
-    ({"tp": 2}, "llama", (8, 16), "cuda", "capturing graphs under tensor parallelism is not built yet"),
     ({"tp": 1}, "llama", (), "cpu", "compiled for one process (tp 1, dp 1), launched as 2"),
 ])
 def test_launches_that_are_not_built_or_do_not_fit_are_refused(parallel, family, tiers, backend, message):

@@ -7,11 +7,11 @@ is one process of rank 0. The deployment's `parallelism` says how many it needs 
 tp x dp, or tp with DP attention); a launch that differs is refused with the command that fits. The
 process group runs over torch.distributed: gloo on the CPU, NCCL on CUDA, HCCL on Ascend.
 
-Built: tensor parallelism of the dense families, rank 0 leading (`dspark.runtime.distributed.lockstep`),
-and DP attention over them (`dspark.runtime.distributed.dp_engine`), without graph capture. Refused here with
-what to compile instead: data parallelism without DP attention (independent replicas, which one process
-group does not need), DP attention of dsv4, and graphs under tensor parallelism; a dsv4 build's tp (its
-recipe's, recorded) runs as one process until dsv4 has tensor parallelism.
+Built: tensor parallelism of the dense families, rank 0 leading (`dspark.runtime.distributed.lockstep`;
+each rank captures and replays its own graphs), and DP attention over them (`dspark.runtime.distributed.
+dp_engine`). Refused here with what to compile instead: data parallelism without DP attention (independent
+replicas, which one process group does not need) and DP attention of dsv4; a dsv4 build's tp (its recipe's,
+recorded) runs as one process until dsv4 has tensor parallelism.
 """
 
 from __future__ import annotations
@@ -90,9 +90,6 @@ def check_launch(launch: Launch, deployment: DeploymentConfig) -> None:
             return
         raise LaunchError(f"{name} is compiled with tp {parallel.tp}; tensor parallelism covers the dense "
                           f"families, not {DSV4_FAMILY} yet: run it as one process (without torchrun)")
-    if parallel.tp > 1 and deployment.backend != "cpu" and deployment.token_tiers:
-        raise LaunchError(f"{name} is compiled with tp {parallel.tp} and graph capture; capturing graphs "
-                          "under tensor parallelism is not built yet: recompile with graph.enabled: false")
     want = parallel.world_size
     if launch.world_size == want:
         return
