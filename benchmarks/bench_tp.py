@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU: TP=2 (two gloo ranks under torchrun) against TP=1 (one process) decoding
-the same prompts with the same build, timed in one run.
+the same prompts with the same build, timed in one run; with `--dp-attention`, DP attention over the two
+ranks (tp 2, dp 2: each DP rank's engine serves half the requests) instead of TP=2.
 
 The build is `specs/llama_50m_cpu_<mode>.yaml` (a 50M-parameter Llama with dummy weights), compiled once
-as given and once with `parallelism.tp: 2` into a temporary directory. Each side runs the engine in a
+as given and once with the two-rank parallelism into a temporary directory. Each side runs the engine in a
 worker (`--worker`): a warm-up generate, then `--rounds` timed target-only and speculative generates;
 rank 0 reports tokens/s (the median over rounds) and the communication time per engine step (prefill
 steps included): the wall time of its layers' collectives and of its step commands (`COMM_CLOCK`), waits
@@ -12,6 +13,7 @@ every step adds a broadcast of the step and two collectives per layer; it is not
 
     .venv/bin/python benchmarks/bench_tp.py
     .venv/bin/python benchmarks/bench_tp.py --mode compact --new-tokens 32 --rounds 3
+    .venv/bin/python benchmarks/bench_tp.py --dp-attention
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ PROMPTS = ("The quick brown fox", "Once upon a time", "def main():", "In the beg
            "Hello, world", "import numpy as np", "Dear reader,", "SELECT * FROM")
 
 
-def compile_build(mode: str, tp: int, root: Path) -> Path:
+def compile_build(mode: str, parallelism: dict[str, int], root: Path) -> Path:
     from dspark.compiler import build
 
     spec_path = REPO / "specs" / f"llama_50m_cpu_{mode}.yaml"
@@ -41,8 +43,9 @@ def compile_build(mode: str, tp: int, root: Path) -> Path:
     for section in ("cost_model", "calibration"):
         if isinstance(spec.get(section), dict) and "file" in spec[section]:
             spec[section]["file"] = str(spec_path.parent / spec[section]["file"])
-    spec["name"] = f"llama_50m_cpu_{mode}_tp{tp}"
-    spec["parallelism"] = {"tp": tp}
+    suffix = "_".join(f"{key.replace('_', '')}{int(value)}" for key, value in parallelism.items())
+    spec["name"] = f"llama_50m_cpu_{mode}_{suffix}"
+    spec["parallelism"] = parallelism
     path = root / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return build(path, root / spec["name"], allow_stale_tables=True).package_dir
@@ -72,7 +75,9 @@ def worker(package: Path, new_tokens: int, rounds: int) -> None:
                 rates.append(stats.generated_tokens / (stats.prefill_seconds + stats.decode_seconds))
                 steps = max(stats.steps, 1)
                 collective.append(COMM_CLOCK.seconds.get("collective", 0.0) / steps)
-                command.append(COMM_CLOCK.seconds.get("command", 0.0) / steps)
+                # under DP attention the engines' agreements are commands of the step too
+                command.append((COMM_CLOCK.seconds.get("command", 0.0)
+                                + COMM_CLOCK.seconds.get("agreement", 0.0)) / steps)
             report[kind] = {"tokens_per_s": statistics.median(rates),
                             "collective_ms_per_step": 1e3 * statistics.median(collective),
                             "command_ms_per_step": 1e3 * statistics.median(command)}
@@ -97,7 +102,7 @@ def launch(package: Path, tp: int, new_tokens: int, rounds: int) -> dict:
                    "--master-addr", "127.0.0.1", "--master-port", str(port), *me]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
-        raise SystemExit(f"TP={tp} run failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"the {tp}-process run failed:\n{done.stderr[-3000:]}")
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
@@ -106,22 +111,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("static", "compact"), default="static")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dp-attention", action="store_true",
+                        help="the two ranks run DP attention (tp 2, dp 2) instead of TP=2")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker is not None:
         worker(args.worker, args.new_tokens, args.rounds)
         return 0
+    two_ranks = {"tp": 2, "dp": 2, "dp_attention": True} if args.dp_attention else {"tp": 2}
+    label = "DP=2" if args.dp_attention else "TP=2"
     with tempfile.TemporaryDirectory() as tmp:
-        one = launch(compile_build(args.mode, 1, Path(tmp)), 1, args.new_tokens, args.rounds)
-        two = launch(compile_build(args.mode, 2, Path(tmp)), 2, args.new_tokens, args.rounds)
+        one = launch(compile_build(args.mode, {"tp": 1}, Path(tmp)), 1, args.new_tokens, args.rounds)
+        two = launch(compile_build(args.mode, two_ranks, Path(tmp)), 2, args.new_tokens, args.rounds)
     cores = os.cpu_count() or 1
     print(f"llama_50m_cpu_{args.mode}: {len(PROMPTS)} prompts x {args.new_tokens} tokens, median of "
-          f"{args.rounds} rounds; {cores} cores: TP=1 runs {cores} threads, each TP=2 rank "
+          f"{args.rounds} rounds; {cores} cores: TP=1 runs {cores} threads, each {label} rank "
           f"{max(1, cores // 2)}")
-    print("TP=2 per step (prefill steps included): collectives = the layers' all-reduces and all-gathers, "
-          "commands = rank 0's broadcast of each forward and logits call")
-    print(f"{'decode':<12} {'TP=1 tok/s':>11} {'TP=2 tok/s':>11} {'TP2/TP1':>8} {'collectives ms':>15} "
-          f"{'commands ms':>12}")
+    commands = ("rank 0's step commands to the other DP rank's engine and the engines' per-step agreements"
+                if args.dp_attention else "rank 0's broadcast of each forward and logits call")
+    print(f"{label} per step (prefill steps included): collectives = the layers' all-reduces and "
+          f"all-gathers, commands = {commands}")
+    print(f"{'decode':<12} {'TP=1 tok/s':>11} {label + ' tok/s':>11} {label[:2] + '2/TP1':>8} "
+          f"{'collectives ms':>15} {'commands ms':>12}")
     for kind in ("target_only", "speculative"):
         a, b = one[kind], two[kind]
         print(f"{kind:<12} {a['tokens_per_s']:>11.1f} {b['tokens_per_s']:>11.1f} "

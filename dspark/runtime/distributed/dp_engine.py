@@ -91,8 +91,7 @@ class DPStepSync:
 
     def __init__(self, engines: TPGroup, device: torch.device) -> None:
         self.engines = engines
-        # NCCL gathers device tensors; gloo and HCCL's object path take host ones
-        self.device = device if device.type == "cuda" else torch.device("cpu")
+        self.device = device  # NCCL and HCCL gather the device's tensors, gloo the host's
 
     def gather(self, *values: int) -> list[tuple[int, ...]]:
         """Every engine's `values`, in DP rank order."""

@@ -77,10 +77,9 @@ def check_agreement(tp: TPGroup, what: str, *tensors: torch.Tensor | None,
 
 
 def _broadcast(tp: TPGroup, command: Any, device: torch.device) -> Any:
-    """The group's rank 0's `command` on every rank of the group (NCCL moves the pickled bytes through
-    `device`)."""
+    """The group's rank 0's `command` on every rank of the group."""
     box = [command]
-    through = device if device.type == "cuda" else None
+    through = None if device.type == "cpu" else device  # NCCL and HCCL move bytes through the device
     with COMM_CLOCK.timed("command"):
         # group_src: rank 0 of the group (under DP attention a DP rank's engine, not the world's rank 0)
         dist.broadcast_object_list(box, group=tp.group, device=through, group_src=0)

@@ -49,10 +49,10 @@ from dspark.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaM
 
 class CommClock:
     """Wall time this process spends communicating, by kind ("collective": the layers' all-reduces and
-    all-gathers; "command": rank 0's step commands), for benchmarks: off unless `enabled`, and then one
-    perf_counter pair per call. gloo's collectives return when done, so on the CPU this is the communication
-    time, waits for the slower rank included; NCCL's are asynchronous, and a GPU measurement must
-    synchronise around them."""
+    all-gathers; "command": an engine's step commands; "agreement": the DP ranks' per-step agreements),
+    for benchmarks: off unless `enabled`, and then one perf_counter pair per call. gloo's collectives
+    return when done, so on the CPU this is the communication time, waits for the slower rank included;
+    NCCL's are asynchronous, and a GPU measurement must synchronise around them."""
 
     def __init__(self) -> None:
         self.enabled = False
