@@ -32,7 +32,16 @@ from dspark.runtime.distributed.dp_engine import GlobalVerify
 from dspark.runtime.layout import tier_for
 
 from .gloo_ranks import free_port, spawn_ranks
-from .parallel_builds import PROMPTS, REPO, compile_parallel, http_json, reference, torchrun, wait_healthy
+from .parallel_builds import (
+    PROMPTS,
+    REPO,
+    compile_parallel,
+    http_json,
+    reference,
+    run,
+    torchrun,
+    wait_healthy,
+)
 
 DP_ATTENTION = {"dp_attention": True}
 TIERS = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # specs/tiny_cpu_compact_tiers.yaml's
@@ -45,6 +54,20 @@ def test_dp_attention_under_torchrun_decodes_as_one_process(mode: str, tp: int, 
                                                             tmp_path: Path) -> None:
     name = compile_parallel(f"tiny_cpu_{mode}", tmp_path, tp=tp, dp=2, **DP_ATTENTION)
     assert torchrun(name, processes, tmp_path, free_port()) == reference(f"tiny_cpu_{mode}")
+
+
+@pytest.mark.parametrize(("command", "message"), [
+    (["run", "--prompt", "hi", "--record", "rec"], "recording under DP attention is not built"),
+    (["profile", "-o", "tables"], "profiling under DP attention is not built"),
+])
+def test_what_dp_attention_does_not_run_is_refused_with_what_to_do(command: list[str], message: str,
+                                                                   tmp_path: Path) -> None:
+    name = compile_parallel("tiny_cpu_compact", tmp_path, tp=2, dp=2, **DP_ATTENTION)
+    package = str(tmp_path / "generated" / name)
+    args = [sys.executable, "-m", "dspark.cli.main", command[0], package, *command[1:]]
+    result = run(args, tmp_path)
+    assert result.returncode == 2 and message in result.stderr and "parallelism.dp: 1" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow
