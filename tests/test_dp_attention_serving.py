@@ -27,7 +27,9 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
+from dspark.compiler import build
 from dspark.runtime.distributed.dp_engine import GlobalVerify
 from dspark.runtime.layout import tier_for
 
@@ -56,18 +58,32 @@ def test_dp_attention_under_torchrun_decodes_as_one_process(mode: str, tp: int, 
     assert torchrun(name, processes, tmp_path, free_port()) == reference(f"tiny_cpu_{mode}")
 
 
-@pytest.mark.parametrize(("command", "message"), [
-    (["run", "--prompt", "hi", "--record", "rec"], "recording under DP attention is not built"),
-    (["profile", "-o", "tables"], "profiling under DP attention is not built"),
-])
-def test_what_dp_attention_does_not_run_is_refused_with_what_to_do(command: list[str], message: str,
-                                                                   tmp_path: Path) -> None:
+def test_recording_under_dp_attention_is_refused_with_what_to_do(tmp_path: Path) -> None:
     name = compile_parallel("tiny_cpu_compact", tmp_path, tp=2, dp=2, **DP_ATTENTION)
-    package = str(tmp_path / "generated" / name)
-    args = [sys.executable, "-m", "dspark.cli.main", command[0], package, *command[1:]]
-    result = run(args, tmp_path)
-    assert result.returncode == 2 and message in result.stderr and "parallelism.dp: 1" in result.stderr
-    assert "Traceback" not in result.stderr
+    result = run([sys.executable, "-m", "dspark.cli.main", "run", str(tmp_path / "generated" / name),
+                  "--prompt", "hi", "--record", "rec"], tmp_path)
+    assert result.returncode == 2 and "recording under DP attention is not built" in result.stderr
+    assert "parallelism.dp: 1" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_dp_attention_build_profiles_its_own_step_costs(tmp_path: Path) -> None:
+    """`dspark profile` under torchrun: every DP rank runs each timed step alongside rank 0, and the table
+    carries the DP build's fingerprint, so the build recompiles against it without a stale-table error."""
+    name = compile_parallel("tiny_cpu_compact", tmp_path, tp=2, dp=2, **DP_ATTENTION)
+    out = tmp_path / "tables"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+              "127.0.0.1", "--master-port", str(free_port())]
+    profile = ["-m", "dspark.cli.main", "profile", str(tmp_path / "generated" / name), "-o", str(out),
+               "--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0", "--grid-density", "2",
+               "--m-bin", "8", "--no-progress"]
+    result = run(launch + profile, tmp_path, DSPARK_TP_CHECK="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    spec = tmp_path / f"{name}.yaml"
+    data = yaml.safe_load(spec.read_text())
+    data["cost_model"] = {"type": "additive", "file": str(out / "additive.json")}
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    build(spec, tmp_path / "generated" / name)  # not stale: profiled on this very launch
 
 
 @pytest.mark.slow

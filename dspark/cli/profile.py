@@ -87,17 +87,17 @@ def profile_package(args: argparse.Namespace) -> int:
     from dspark.measure.cost_fit import fit_draft_seconds
     from dspark.measure.profiler import ProfilePlan, rows_around, run_profile
     from dspark.measure.step_timer import ProfileError, VerifyStepTimer
+    from dspark.runtime.distributed.dp_engine import MirroredForward
     from dspark.runtime.distributed.launch import LaunchError
     from dspark.runtime.engine.requests import RequestError
     from dspark.runtime.engine.runtime import Runtime, follows
 
-    if pkg.deployment.parallel.dp > 1:
-        raise CliError(f"profiling under DP attention is not built: profile a build of {args.package}'s spec "
-                       "with parallelism.dp: 1")
     try:
-        if follows(pkg):  # a follower rank of a torchrun launch ran rank 0's steps
+        if follows(pkg):  # another rank of a torchrun launch ran rank 0's steps
             return 0
         runtime = Runtime(pkg)
+        if runtime.dispatch is not None:  # DP attention: every DP rank runs each timed step alongside
+            runtime.forward = MirroredForward(runtime.forward, runtime.dispatch)
         timer = VerifyStepTimer(runtime, context_len=args.context_len)
         tiers = runtime.tiers
         # Rows around the tiers are grid points; a build without a grid measures none of them.

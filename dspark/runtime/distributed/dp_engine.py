@@ -39,13 +39,23 @@ from dspark.runtime.distributed.lockstep import check_agreement, checking
 from dspark.runtime.distributed.tensor_parallel import COMM_CLOCK, TPGroup
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.stats import RunStats, StepInfo
-from dspark.runtime.layout import tier_for
+from dspark.runtime.engine.step_forward import (
+    ExtendForward,
+    LogitsForward,
+    StepCommand,
+    StepForwards,
+    VerifyForward,
+    on_host,
+    run_forward,
+)
+from dspark.runtime.layout import ExtendLayout, VerifyLayout, tier_for
+from dspark.runtime.package import VerifyRunner
 from dspark.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from dspark.runtime.engine.runtime import Runtime
 
-STEP, STATS, STOP = "step", "stats", "stop"
+STEP, STATS, MIRROR, STOP = "step", "stats", "mirror", "stop"
 
 
 # -- agreeing on a step's rows ------------------------------------------------------------------------
@@ -136,13 +146,14 @@ class RequestSpec:
 @dataclass(frozen=True)
 class EngineCommand:
     """What one DP rank's engine does next: a step (after admitting `new` and dropping `aborts`), a report
-    of its run's counters, or stop."""
+    of its run's counters, rank 0's next forward (profiling), or stop."""
 
     kind: str
     target_only: bool = False
     new: tuple[RequestSpec, ...] = ()
     aborts: tuple[int, ...] = ()  # rids
     reset_stats: bool = False  # a new `generate` run starts: zero the counters first
+    forward: StepCommand | None = None  # MIRROR: the forward rank 0 runs next, to run alongside it
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,10 @@ def serve_engine(runtime: Runtime) -> None:
             return
         if command.kind == STATS:
             _gather(engines, EngineReply(stats=runtime.stats))
+            continue
+        if command.kind == MIRROR:
+            assert command.forward is not None
+            run_forward(runtime.forward, command.forward)
             continue
         if command.reset_stats:
             runtime.stats = RunStats(gamma=runtime.plan.gamma)
@@ -338,11 +353,41 @@ class DPDispatch:
         assert replies is not None
         return merge_stats([reply.stats for reply in replies if reply.stats is not None])
 
+    def mirror(self, step: StepCommand) -> None:
+        """Have every other engine run `step` on its own caches alongside rank 0's (`MirroredForward`)."""
+        _scatter(self.engines, [EngineCommand(MIRROR, forward=on_host(step))] * self.engines.size)
+
     def stop(self) -> None:
         """Release the other engines (they return from `serve_engine`)."""
         if not (self.stopped or self.broken):
             self.stopped = True
             _scatter(self.engines, [EngineCommand(STOP)] * self.engines.size)
+
+
+class MirroredForward:
+    """Rank 0's forwards, each first sent to every other DP rank's engine to run alongside on its own
+    caches: what a timed step of `dspark profile` runs under DP attention, where every DP rank runs the
+    same step (the world-parallel layers gather every DP rank's rows), so the time is a step at that load."""
+
+    def __init__(self, forward: StepForwards, dispatch: DPDispatch) -> None:
+        self.forward = forward
+        self.dispatch = dispatch
+
+    @property
+    def runner(self) -> VerifyRunner:
+        return self.forward.runner
+
+    def extend(self, step: ExtendForward) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
+        self.dispatch.mirror(step)
+        return self.forward.extend(step)
+
+    def verify(self, step: VerifyForward) -> tuple[VerifyLayout, torch.Tensor, torch.Tensor | None]:
+        self.dispatch.mirror(step)
+        return self.forward.verify(step)
+
+    def logits(self, step: LogitsForward) -> torch.Tensor:
+        self.dispatch.mirror(step)
+        return self.forward.logits(step)
 
 
 def merge_stats(stats: list[RunStats]) -> RunStats:

@@ -38,6 +38,7 @@ from dspark.runtime.engine.step_forward import (
     StepForward,
     VerifyForward,
     on_host,
+    run_forward,
 )
 from dspark.runtime.layout import ExtendLayout, VerifyLayout
 from dspark.runtime.package import VerifyRunner
@@ -88,18 +89,14 @@ def _broadcast(tp: TPGroup, command: Any, device: torch.device) -> Any:
 
 def _checked(forward: StepForward, tp: TPGroup, command: StepCommand) -> Any:
     """Run `command`; in the check mode, fail every rank of the group if any got another result."""
-    result: Any
-    if isinstance(command, ExtendForward):
-        result = forward.extend(command)
-        what, outputs = "extend forward", result[:2]  # hidden, states
-    elif isinstance(command, VerifyForward):
-        result = forward.verify(command)
-        what, outputs = "verify forward", result[1:]  # hidden, states
-    else:
-        result = forward.logits(command)
-        what, outputs = "logits", (result,)
+    result = run_forward(forward, command)
     if checking():
-        check_agreement(tp, what, *outputs)
+        if isinstance(command, LogitsForward):
+            check_agreement(tp, "logits", result)
+        elif isinstance(command, ExtendForward):
+            check_agreement(tp, "extend forward", *result[:2])  # hidden, states
+        else:
+            check_agreement(tp, "verify forward", *result[1:])  # hidden, states
     return result
 
 

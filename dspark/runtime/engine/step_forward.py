@@ -120,3 +120,12 @@ class StepForward:
         if step.pad_to is None or step.pad_to == rows:
             return self.target.compute_logits(hidden)
         return self.target.compute_logits(F.pad(hidden, (0, 0, 0, step.pad_to - rows)))[:rows]
+
+
+def run_forward(forward: StepForwards, step: StepCommand) -> Any:
+    """Run any step command through `forward` (its result as that method returns it)."""
+    if isinstance(step, ExtendForward):
+        return forward.extend(step)
+    if isinstance(step, VerifyForward):
+        return forward.verify(step)
+    return forward.logits(step)
