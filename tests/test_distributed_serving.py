@@ -150,7 +150,8 @@ def test_dspark_serve_starts_the_ranks_a_build_needs(tmp_path: Path) -> None:
      "it covers the dense families, not dsv4 yet"),
     ({"dp": 2, "dp_attention": True, "tp": 4}, "llama", (), "cpu",
      "compiled for 4 processes (tp 4, dp 2 with DP attention), launched as 2"),
-    ({"tp": 2}, "dsv4", (), "cpu", "not dsv4 yet: run it as one process (without torchrun)"),
+    ({"tp": 4}, "dsv4", (), "cpu",
+     "compiled for 4 processes (tp 4), launched as 2: run `torchrun --nproc-per-node 4 -m generated.demo"),
     ({"tp": 1}, "llama", (), "cpu", "compiled for one process (tp 1, dp 1), launched as 2"),
 ])
 def test_launches_that_are_not_built_or_do_not_fit_are_refused(parallel, family, tiers, backend, message):
@@ -162,9 +163,14 @@ def test_launches_that_are_not_built_or_do_not_fit_are_refused(parallel, family,
         check_launch(Launch(0, 2, 0), deployment)  # type: ignore[arg-type]
 
 
-def test_a_dsv4_build_runs_its_recorded_tp_as_one_process(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_dsv4_build_runs_its_tp_as_that_many_processes() -> None:
+    """Like the dense families': its tp's processes are accepted, one process is refused with the command."""
     deployment = SimpleNamespace(name="flash", backend="ascend", token_tiers=(8,),
                                  model=SimpleNamespace(family="dsv4"),
-                                 parallel=ParallelPlan(tp=16, dp=1, dp_attention=False, ep=1))
-    check_launch(Launch(0, 1, 0), deployment)  # type: ignore[arg-type]
-    assert "flash records tp 16; tensor parallelism does not cover dsv4 yet" in caplog.text
+                                 parallel=ParallelPlan(tp=2, dp=1, dp_attention=False, ep=1))
+    for rank in (0, 1):
+        check_launch(Launch(rank, 2, rank), deployment)  # type: ignore[arg-type]
+    with pytest.raises(LaunchError, match=re.escape(
+            "flash is compiled for 2 processes (tp 2), launched as 1: run `torchrun --nproc-per-node 2 -m "
+            "generated.flash run|serve …`")):
+        check_launch(Launch(0, 1, 0), deployment)  # type: ignore[arg-type]

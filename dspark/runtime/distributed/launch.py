@@ -7,16 +7,14 @@ is one process of rank 0. The deployment's `parallelism` says how many it needs 
 tp x dp, or tp with DP attention); a launch that differs is refused with the command that fits. The
 process group runs over torch.distributed: gloo on the CPU, NCCL on CUDA, HCCL on Ascend.
 
-Built: tensor parallelism of the dense families, rank 0 leading (`dspark.runtime.distributed.lockstep`;
-each rank captures and replays its own graphs), and DP attention over them (`dspark.runtime.distributed.
-dp_engine`). Refused here with what to compile instead: data parallelism without DP attention (independent
-replicas, which one process group does not need) and DP attention of dsv4; a dsv4 build's tp (its recipe's,
-recorded) runs as one process until dsv4 has tensor parallelism.
+Built: tensor parallelism of the dense families and of dsv4, rank 0 leading (`dspark.runtime.distributed.
+lockstep`; each rank captures and replays its own graphs), and DP attention over the dense families
+(`dspark.runtime.distributed.dp_engine`). Refused here with what to compile instead: data parallelism without
+DP attention (independent replicas, which one process group does not need) and DP attention of dsv4.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,8 +24,6 @@ from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.runtime.config import DeploymentConfig, ParallelPlan
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups
 from dspark.runtime.distributed.tensor_parallel import TPGroup
-
-log = logging.getLogger(__name__)
 
 PROCESS_GROUP_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "ascend": "hccl"}
 # How long a rank waits in a collective before it gives up: long enough for a prefill chunk of a large model
@@ -82,14 +78,6 @@ def check_launch(launch: Launch, deployment: DeploymentConfig) -> None:
     if parallel.dp > 1 and deployment.model.family == DSV4_FAMILY:
         raise LaunchError(f"{name} is compiled with DP attention; it covers the dense families, not "
                           f"{DSV4_FAMILY} yet: recompile with parallelism.dp: 1")
-    if parallel.tp > 1 and deployment.model.family == DSV4_FAMILY:
-        # Its tp is the recipe's, recorded: the build runs as one process until dsv4 has tensor parallelism.
-        if launch.world_size == 1:
-            log.warning("%s records tp %d; tensor parallelism does not cover %s yet, so it runs as one "
-                        "process", name, parallel.tp, DSV4_FAMILY)
-            return
-        raise LaunchError(f"{name} is compiled with tp {parallel.tp}; tensor parallelism covers the dense "
-                          f"families, not {DSV4_FAMILY} yet: run it as one process (without torchrun)")
     want = parallel.world_size
     if launch.world_size == want:
         return

@@ -1,4 +1,4 @@
-"""Tensor parallelism of the dense target families (Llama, Qwen3), Megatron-style.
+"""Tensor parallelism of the dense target families (Llama, Qwen3), Megatron-style, and of DeepSeek-V4.
 
 Each rank of a tensor-parallel group holds a slice of every large weight and computes its share of
 each product; torch.distributed collectives on the group (gloo on the CPU, NCCL on CUDA, HCCL on
@@ -26,6 +26,15 @@ bits over 4 ranks in `tests/test_tensor_parallel.py`. On the CPU the partial pro
 therefore all-gathered and added in rank order (`_sum_over_ranks`); on an accelerator, where the
 local products are not row-invariant either, the all-reduce runs.
 
+DeepSeek-V4 (`dsv4`) splits the same way where it can, SGLang-style (`shard_dsv4_target`): a rank owns whole
+query heads (their rows of the query up-projection wq_b, their attention sinks, their columns of the output
+projection wo, which is row-parallel), a share of the dense MLP (w1 / w3 rows, w2 columns, w2 row-parallel)
+and its vocabulary rows. Its attention has one latent K=V head that every query head reads, which cannot be
+split, so the KV projection, the KV compressors and the lightning indexer are replicated: each rank computes
+the same cache entries and the same top-k. The indexer must stay whole in any case, as a row's top-k ranks
+entries by a sum over every index head's scores. Its layers keep their weights as tensors, so
+`DSV4Layer.partial_sum` (a `PartialSum`) adds wo's and w2's partial products as `RowParallelLinear` does.
+
 The collectives are not differentiable: the sharded model is for inference (its parameters do not
 require grad).
 """
@@ -43,7 +52,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.runtime.config import ModelGeometry
+from dspark.runtime.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.models import ops
+from dspark.runtime.models.dsv4 import DSV4Layer
 from dspark.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -323,3 +334,80 @@ def shard_dense_target(model: nn.Module, tp: TPGroup) -> None:
         shard_attention(layer.self_attn, tp)
         shard_mlp(layer.mlp, cfg.intermediate_size, tp)
     model.local_num_heads, model.local_num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+
+
+# -- DeepSeek-V4 -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartialSum:
+    """The sum over `tp` of each rank's partial product (`_sum_over_ranks`: on the CPU in rank order, so a
+    row's result does not depend on the rows beside it), for a model whose layers keep their weights as
+    tensors (`DSV4Layer.partial_sum`)."""
+
+    tp: TPGroup
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        return _sum_over_ranks(partial, self.tp)
+
+
+def check_dsv4_heads_split(n_heads: int, tp: TPGroup) -> None:
+    """Refuse a group whose size does not divide the query heads (a rank owns whole heads; the one K=V head
+    is replicated, so it sets no condition)."""
+    if n_heads % tp.size:
+        raise ValueError(f"tensor parallelism over {tp.size} ranks needs n_heads ({n_heads}) to be a "
+                         f"multiple of {tp.size}")
+
+
+def shard_dsv4_layer(layer: DSV4Layer, tp: TPGroup) -> None:
+    """Keep rank r's query heads `[r·H/size, (r+1)·H/size)` of one layer: their rows of wq_b (the query
+    up-projection from the replicated latent qr), their sinks, their columns of wo (row-parallel), and MLP
+    columns `[r·I/size, …)` (w1 / w3 rows, w2 columns, row-parallel). The rest stays whole
+    (`shard_dsv4_target` says why); `partial_sum` then adds wo's and w2's partial products over the group."""
+    cfg = layer.cfg
+    heads, hd = cfg.n_heads // tp.size, cfg.head_dim
+    h0, h1 = tp.rank * heads, (tp.rank + 1) * heads  # this rank's query heads
+    q0, q1 = h0 * hd, h1 * hd  # their wq_b rows, wo columns
+    i0, i1 = _share(cfg.inter_dim, tp)
+    layer.wq_b = _frozen(layer.wq_b[q0:q1])  # [heads·D, q_lora]
+    layer.attn_sink = _frozen(layer.attn_sink[h0:h1])  # [heads]
+    layer.wo = _frozen(layer.wo[:, q0:q1])  # [dim, heads·D]
+    layer.w1 = _frozen(layer.w1[i0:i1])  # [I / size, dim]
+    layer.w3 = _frozen(layer.w3[i0:i1])
+    layer.w2 = _frozen(layer.w2[:, i0:i1])  # [dim, I / size]
+    layer.local_heads = heads
+    layer.partial_sum = PartialSum(tp)
+
+
+@torch.no_grad()
+def shard_dsv4_target(model: nn.Module, tp: TPGroup) -> None:
+    """Keep only this rank's share of a dsv4 target, in place (dsv4 loads dummy weights only: every rank
+    builds the same seeded model whole, then drops what it does not own).
+
+    Rank r keeps query heads `[r·H/size, (r+1)·H/size)` of every layer (`shard_dsv4_layer`), its MLP columns
+    and `ceil(V/size)` vocabulary rows of the embedding and of the (untied) LM head. Replicated on every rank,
+    and so computed identically by each: the query down-projection wq_a and its norm (the latent qr every
+    head's query comes from), the single latent K=V head (wkv, kv_norm: one head that every query head reads
+    cannot be split by heads), the KV compressors (they pool that head's entries) and the lightning indexer
+    with its own compressor (a row's top-k ranks entries by a sum over all the index heads' scores, so
+    no rank could choose from a share of them). Each rank's caches therefore hold the same entries, and its
+    attention backend runs its local heads over them (`Dsv4ForCausalLM.local_num_heads`). A group of one
+    leaves the model as it is.
+    """
+    if not isinstance(model, Dsv4ForCausalLM):
+        raise ValueError(f"shard_dsv4_target shards a dsv4 target, not {type(model).__name__}")
+    cfg = model.model.cfg
+    if model.local_num_heads != cfg.n_heads:
+        raise ValueError("the model is already sharded")
+    if tp.size == 1:
+        return
+    check_dsv4_heads_split(cfg.n_heads, tp)
+    ref = model.model
+    shard = VocabShard.of(cfg.vocab_size, tp)
+    embed = VocabParallelEmbedding(_frozen(shard.slice(ref.embed)), shard, tp)
+    head = VocabParallelLMHead(_frozen(shard.slice(ref.head)), shard, tp)
+    del ref.embed, ref.head  # the whole tables: only this rank's rows stay
+    ref.vocab_embed, ref.vocab_head = embed, head
+    model.lm_head = head  # the engine reads the model's dtype and device off it
+    for layer in ref.layers:
+        shard_dsv4_layer(layer, tp)

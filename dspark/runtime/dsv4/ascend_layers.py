@@ -90,9 +90,12 @@ class Dsv4AscendLayers(Dsv4DeviceLayers):
         attention over them."""
         cfg = target.model.cfg
         caches = cls.allocate_caches(target, config, max_requests, max_context_len, device, dtype)
-        attention = Dsv4AscendAttention(cfg.compress_ratios, num_heads=cfg.n_heads, head_dim=cfg.head_dim,
-                                        softmax_scale=cfg.head_dim**-0.5, index_num_heads=cfg.index_n_heads,
-                                        index_head_dim=cfg.index_head_dim, ops=ops)
+        # The query heads this rank holds (all of them without tensor parallelism); the one K=V head, the
+        # compressors and the indexer are whole on every rank.
+        attention = Dsv4AscendAttention(cfg.compress_ratios, num_heads=target.local_num_heads,
+                                        head_dim=cfg.head_dim, softmax_scale=cfg.head_dim**-0.5,
+                                        index_num_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim,
+                                        ops=ops)
         return cls(caches, attention, layout.max_rows_per_request, max_context_len)
 
     def _query_scale_for(self, tier: int) -> Tensor:

@@ -29,8 +29,9 @@ The reference's RoPE (`models.dsv4._rope`) reads the largest position back to th
 and indexes that table, so neither `DSV4Layer.attn_inputs` / `finish_rows` nor `Indexer.query` /
 `Compressor.close_block` can run on a device. This module keeps the reference's angles (the same libm values,
 `Dsv4RopeTables`, built once for `max_context_len` positions) in device tables and restates the pieces that
-rotate with the same primitives (`row_linear`, `rms_norm`, `rowwise_silu`) in the same order, so on the CPU
-they round as the reference does; `Compressor.project` takes batched device positions and is called as is.
+rotate with the same primitives (`row_linear`, `rms_norm`) in the same order, so on the CPU they round as the
+reference does; `Compressor.project` takes batched device positions and `DSV4Layer.output_rows` (the output
+projection and the MLP, after the inverse rotation) reads none, so both are called as they are.
 `pool_blocks` is `Compressor.close_block` for M blocks at once (`Compressor.full`'s batched formula); block 0
 of the overlapping compressor has no predecessor, so its overlap half is masked to value 0 with gate -inf, as
 `close_block` substitutes, by a tensor mask instead of a host branch. (CPU torch's softmax over the positions
@@ -82,7 +83,6 @@ from dspark.runtime.models.dsv4 import (
     rms_norm,
     rope_cos_sin,
     row_linear,
-    rowwise_silu,
 )
 
 if TYPE_CHECKING:
@@ -338,7 +338,7 @@ class Dsv4DeviceLayers(ABC):
         # DSV4Layer.attn_inputs, rotated with the device tables
         x = rms_norm(h, layer.attn_norm, eps)
         qr = rms_norm(row_linear(x, layer.wq_a), layer.q_norm, eps)  # [T, q_lora]
-        q = row_linear(qr, layer.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = row_linear(qr, layer.wq_b).unflatten(-1, (layer.local_heads, cfg.head_dim))  # this rank's heads
         q = rotate(rms_norm(q, None, eps), cos[:, None], sin[:, None])  # [T, H, D]
         kv = rotate(rms_norm(row_linear(x, layer.wkv), layer.kv_norm, eps), cos, sin)  # [T, D]
         _write(lc.swa_kv, swa, kv)
@@ -356,9 +356,7 @@ class Dsv4DeviceLayers(ABC):
         o = self._attend(layer_id, layer, lc, step, q, index)  # [T, H, D]
         # DSV4Layer.finish_rows: V carried rotated channels, so the output is rotated back by its row's angle
         o = rotate(o, cos[:, None], -sin[:, None])
-        h = h + row_linear(o.flatten(1), layer.wo)
-        x = rms_norm(h, layer.ffn_norm, eps)
-        return h + row_linear(rowwise_silu(row_linear(x, layer.w1)) * row_linear(x, layer.w3), layer.w2)
+        return layer.output_rows(h, o)  # the output projection and the MLP (summed over the ranks under TP)
 
     def _compress(self, comp: Compressor, step: Dsv4Step, x: Tensor, pos: Tensor, state_kv: Tensor | None,
                   state_score: Tensor | None, entries: Tensor | None) -> None:

@@ -291,7 +291,7 @@ def layer_forward(layer: DSV4Layer, lc: Dsv4LayerCache, h: Tensor, meta: Dsv4Ver
         iq, weights = layer.indexer.query(x, qr, pos)
 
     n_rows = h.shape[0]
-    o = torch.zeros(n_rows, cfg.n_heads, cfg.head_dim)
+    o = torch.zeros(n_rows, layer.local_heads, cfg.head_dim)  # this rank's query heads (all, unsharded)
     topk = None if layer.indexer is None else torch.full((n_rows, cfg.index_topk), -1, dtype=torch.int32)
     swa_flat = _flat(lc.swa_kv)
     plan = None if not layer.ratio else meta.compressed[layer.ratio]

@@ -38,9 +38,17 @@ class Dsv4ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DSV4Model(DSV4Config(**dsv4_config_kwargs(cfg)))
-        # The engine reads the model's dtype and device off its LM head; this one is the model's own head.
+        # The engine reads the model's dtype and device off its LM head; this one is the model's own head
+        # (under tensor parallelism the vocab-parallel head of this rank's rows, `shard_dsv4_target`).
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.model.head
+
+    @property
+    def local_num_heads(self) -> int:
+        """The query heads this rank's layers hold: all of them, or under tensor parallelism n_heads / tp
+        (`dspark.runtime.distributed.tensor_parallel.shard_dsv4_target`). An attention backend sized from the
+        target runs on these."""
+        return self.model.layers[0].local_heads
 
     @torch.no_grad()
     def init_dummy_(self, seed: int) -> None:

@@ -26,7 +26,7 @@ from dspark.runtime.distributed.dp_engine import DPDispatch, DPStepSync, Request
 from dspark.runtime.distributed.launch import Launch, Ranks, join, leave
 from dspark.runtime.distributed.lockstep import LeaderForward, follow
 from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
-from dspark.runtime.distributed.tensor_parallel import shard_dense_target
+from dspark.runtime.distributed.tensor_parallel import shard_dense_target, shard_dsv4_target
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
 from dspark.runtime.engine.forward import EngineModels, backend_device
@@ -276,7 +276,9 @@ def rank_device(backend: str, launch: Launch) -> torch.device:
 
 def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.device) -> ServingTarget:
     """This rank's target: the whole model for one process; under tensor parallelism (and DP attention) its
-    share, read straight from the checkpoint's files (dummy weights are built whole, then sliced)."""
+    share, read straight from the checkpoint's files (dummy weights are built whole, then sliced; a dsv4
+    target, which loads dummy weights only, keeps its query heads' share and replicates its K=V head,
+    compressors and indexer, `shard_dsv4_target`)."""
     dep = package.deployment
     if ranks.world.size == 1:
         return load_target_model(dep, package.directory, device)
@@ -285,6 +287,8 @@ def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.dev
         target = load_target_model(dep, package.directory, device)
         if isinstance(shards, DPAttentionGroups):
             shard_dp_attention_target(target, shards)
+        elif isinstance(target, Dsv4ForCausalLM):
+            shard_dsv4_target(target, shards)
         else:
             shard_dense_target(target, shards)
         return target
@@ -294,8 +298,10 @@ def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.dev
 
 def rank_attention(package: GeneratedPackage, target: ServingTarget, device: torch.device
                    ) -> AttentionBackend | Dsv4LayerBackend:
-    """This rank's attention over its own caches: a DSV4 backend allocates its per-slot caches; a dense
-    target's is one paged K/V cache over the pool's pages, for the heads this rank holds."""
+    """This rank's attention over its own caches, for the heads this rank holds: a DSV4 backend allocates its
+    per-slot caches (the replicated K=V head's, whole on every rank) and runs the target's local query heads
+    (`Dsv4ForCausalLM.local_num_heads`, which the device backends size their attention by); a dense target's
+    is one paged K/V cache over the pool's pages."""
     parts, s = package.parts, package.deployment.serving
     if isinstance(target, Dsv4ForCausalLM):
         return parts.attention_backend(target, s.max_running_requests, s.max_context_len)

@@ -73,6 +73,7 @@ one row at a time, so a vectorised main loop and a scalar tail always split a ro
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -394,13 +395,19 @@ class DSV4Layer(nn.Module):
         self.compressor = (Compressor(cfg.dim, d, ratio, ratio == cfg.csa_ratio, cfg.rope_dim, self.theta,
                                       cfg.norm_eps) if ratio else None)
         self.indexer = Indexer(cfg, self.theta) if ratio == cfg.csa_ratio else None
+        # Tensor parallelism (`dspark.runtime.distributed.tensor_parallel.shard_dsv4_target`) keeps
+        # `local_heads` of the query heads here (their wq_b rows, sinks and wo columns) and a share of the MLP
+        # (w1 / w3 rows, w2 columns), and sets `partial_sum` to what adds wo's and w2's partial products over
+        # the ranks. Whole: every head, nothing to add.
+        self.local_heads = h
+        self.partial_sum: Callable[[Tensor], Tensor] | None = None
 
     # -- shared by both paths -----------------------------------------------------------------------------
     def _project(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [L, dim] -> queries [L, H, D], query latent qr [L, q_lora], raw KV [L, D]."""
         cfg = self.cfg
         qr = rms_norm(row_linear(x, self.wq_a), self.q_norm, cfg.norm_eps)
-        q = row_linear(qr, self.wq_b).unflatten(-1, (cfg.n_heads, cfg.head_dim))
+        q = row_linear(qr, self.wq_b).unflatten(-1, (self.local_heads, cfg.head_dim))
         q = _rope(rms_norm(q, None, cfg.norm_eps), pos.unsqueeze(-1), self.theta, cfg.rope_dim)
         kv = rms_norm(row_linear(x, self.wkv), self.kv_norm, cfg.norm_eps)
         kv = _rope(kv, pos, self.theta, cfg.rope_dim)
@@ -410,9 +417,19 @@ class DSV4Layer(nn.Module):
         """h [L, dim], attention output o [L, H, D] -> the layer's output [L, dim]."""
         cfg = self.cfg
         o = _rope(o, pos.unsqueeze(-1), self.theta, cfg.rope_dim, inverse=True)  # V carried rotated channels
-        h = h + row_linear(o.flatten(1), self.wo)
-        x = rms_norm(h, self.ffn_norm, cfg.norm_eps)
-        return h + row_linear(rowwise_silu(row_linear(x, self.w1)) * row_linear(x, self.w3), self.w2)
+        return self.output_rows(h, o)
+
+    def _whole(self, partial: Tensor) -> Tensor:
+        return partial if self.partial_sum is None else self.partial_sum(partial)
+
+    def output_rows(self, h: Tensor, o: Tensor) -> Tensor:
+        """h [L, dim], attention output o [L, H, D] already rotated back -> the layer's output [L, dim]: the
+        output projection and the MLP, each a sum over the ranks' partial products under tensor parallelism.
+        No host reads (device backends call it as is)."""
+        h = h + self._whole(row_linear(o.flatten(1), self.wo))
+        x = rms_norm(h, self.ffn_norm, self.cfg.norm_eps)
+        gated = rowwise_silu(row_linear(x, self.w1)) * row_linear(x, self.w3)
+        return h + self._whole(row_linear(gated, self.w2))
 
     # -- pieces for other paths (dspark.runtime.dsv4.paged), the same math as step -----------------------
     def attn_inputs(self, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -523,6 +540,11 @@ class DSV4Model(nn.Module):
         self.layers = nn.ModuleList(DSV4Layer(cfg, ratio) for ratio in cfg.compress_ratios)
         self.final_norm = nn.Parameter(torch.empty(cfg.dim))
         self.head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        # Tensor parallelism (`dspark.runtime.distributed.tensor_parallel.shard_dsv4_target`) replaces `embed`
+        # and `head` with this rank's vocabulary rows behind a vocab-parallel embedding and LM head, which
+        # `embed_tokens` and `lm_head` then call. None: the whole tables.
+        self.vocab_embed: nn.Module | None = None
+        self.vocab_head: nn.Module | None = None
         self.init_random_(seed)
 
     @torch.no_grad()
@@ -542,18 +564,19 @@ class DSV4Model(nn.Module):
     def forward_full(self, tokens: Tensor | list[int]) -> Tensor:
         """Reference: logits [T, vocab] of the whole sequence at once, causal semantics by masks."""
         tokens = _as_tokens(tokens)
-        h = self.embed[tokens]
+        h = self.embed_tokens(tokens)
         for layer in self.layers:
             h = layer.forward_full(h)
-        return row_linear(rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+        return self.lm_head(h)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """tokens [L] -> hidden rows [L, dim]."""
-        return self.embed[tokens]
+        return self.embed[tokens] if self.vocab_embed is None else self.vocab_embed(tokens)
 
     def lm_head(self, h: Tensor) -> Tensor:
         """Last hidden rows [L, dim] -> logits [L, vocab] (final norm, row-invariant head)."""
-        return row_linear(rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+        x = rms_norm(h, self.final_norm, self.cfg.norm_eps)
+        return row_linear(x, self.head) if self.vocab_head is None else self.vocab_head(x)
 
     def init_state(self) -> DSV4State:
         return DSV4State(0, tuple(layer.init_state() for layer in self.layers))
@@ -564,13 +587,13 @@ class DSV4Model(nn.Module):
         tokens = _as_tokens(tokens)
         if tokens.numel() == 0:
             raise ValueError("step needs at least one token")
-        h = self.embed[tokens]
+        h = self.embed_tokens(tokens)
         rows, layers = [], []
         for layer, layer_state in zip(self.layers, state.layers, strict=True):
             h, layer_rows, after = layer.step(h, layer_state, state.length)
             rows.append(layer_rows)
             layers.append(after)
-        logits = row_linear(rms_norm(h, self.final_norm, self.cfg.norm_eps), self.head)
+        logits = self.lm_head(h)
         return StepResult(state.length, logits, tuple(rows),
                           DSV4State(state.length + tokens.numel(), tuple(layers)))
 
