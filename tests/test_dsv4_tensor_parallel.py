@@ -5,7 +5,8 @@ prefill chunks (extend layouts), then greedy speculative decoding with verify st
 request N rows, tier-padded) and packed compact layouts (ragged rows), and target-only decoding (one row
 per request per step), each over its own per-slot caches (`Dsv4PagedAttention`). The device layers run the
 static steps too, on the CPU: `Dsv4CudaLayers` on its torch oracle, `Dsv4AscendLayers` on the operator
-models behind the fake torch_npu.
+models behind the fake torch_npu. End to end, the tiny static and compact builds recompiled with tp 2 run
+under torchrun, and the Ascend and CUDA builds (graphs per token tier) as two ranks on the fake devices.
 
 What is bitwise and what is not
 -------------------------------
@@ -29,6 +30,7 @@ other, and the sharded reference path (`DSV4Model.step` through `greedy_continue
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,9 +41,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from torch import nn
 
+from dspark.compiler import build
 from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_cache_layout
+from dspark.runtime.distributed import launch
 from dspark.runtime.distributed.tensor_parallel import (
     PartialSum,
     TPGroup,
@@ -54,11 +59,14 @@ from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers
 from dspark.runtime.dsv4.attention import Dsv4PagedAttention, extend_config, plan_step_metadata, step_config
 from dspark.runtime.dsv4.cuda_layers import Dsv4CudaLayers
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
+from dspark.runtime.engine import forward
+from dspark.runtime.engine.runtime import Runtime, follows
 from dspark.runtime.layout import StepShape, plan_extend, plan_verify
+from dspark.runtime.package import load_package
 
-from .dsv4_fake_npu import install_fake_npu
+from .dsv4_fake_npu import FakeCuda, FakeGraph, install_fake_npu
 from .gloo_ranks import free_port, spawn_ranks
-from .parallel_builds import compile_parallel, reference, run, torchrun
+from .parallel_builds import REPO, compile_parallel, reference, run, torchrun
 
 CPU = torch.device("cpu")
 N = 4  # rows a request verifies at most: the root and 3 drafts
@@ -86,6 +94,7 @@ MODES = ("target_only", "static", "compact", "static_cuda_layers", "static_ascen
 DEVICE_MODES = ("static_cuda_layers", "static_ascend_layers")
 RTOL, ATOL = 1e-5, 2e-6
 SPAWN_TIMEOUT_S = 180
+REAL_CUDA = torch.cuda
 
 
 def build_target() -> Dsv4ForCausalLM:
@@ -374,3 +383,95 @@ def test_a_tp2_dsv4_build_launched_as_one_process_says_how_to_launch_it(tmp_path
     assert (f"{name} is compiled for 2 processes (tp 2), launched as 1: run `torchrun --nproc-per-node 2 "
             f"-m generated.{name} run|serve …`") in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# -- device packages with graphs, on the CPU -----------------------------------------------------------------
+
+DEVICES = {"ascend": "910c", "cuda": "h200"}
+DEVICE_PROMPT_LENS = (125, 3, 19)  # the first crosses position 127, where the first C128 block closes
+DEVICE_NEW_TOKENS = 8
+
+
+def device_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in DEVICE_PROMPT_LENS]
+
+
+def device_package(backend: str, root: Path, tp: int = 1) -> Path:
+    """specs/dsv4_tiny_cpu_compact.yaml with the C128 layer at ratio 128 (as the Ascend operators take it),
+    compiled for `backend` (a 910C with NPU graphs, an H200 with CUDA graphs, per token tier) and `tp`."""
+    spec = yaml.safe_load((REPO / "specs" / "dsv4_tiny_cpu_compact.yaml").read_text())
+    spec["model"]["geometry"].update(hca_ratio=128, compress_ratios=[0, 4, 128, 4])
+    spec["name"] = f"dsv4_tiny_{backend}_tp{tp}"
+    spec["parallelism"] = {"tp": tp}
+    if backend != "cpu":
+        spec.update(backend={"kind": backend, "device": DEVICES[backend]},
+                    graph={"enabled": True, "token_tiers": [8, 16, 24, 32]})
+    path = root / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    # the cost table was written for the one-process build, whose fingerprint it carries
+    return build(path, root / "generated" / spec["name"], allow_stale_tables=True).package_dir
+
+
+class _Cuda(FakeCuda):
+    def __getattr__(self, name: str) -> Any:  # what torch's own modules read: the real module's
+        return getattr(REAL_CUDA, name)
+
+
+def _device_rank(rank: int, size: int, port: int, backend: str, package_dir: str, prompts: list[list[int]],
+                 out_dir: str) -> None:
+    """One rank of a torchrun-like launch of the device package on the fake device, the check mode on."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DSPARK_TP_CHECK="1")
+    torch.set_num_threads(1)
+    replays: list[int] = []
+    replay = FakeGraph.replay
+
+    def counted(graph: FakeGraph) -> None:
+        replays.append(id(graph))
+        replay(graph)
+
+    with pytest.MonkeyPatch.context() as patch:
+        fake = install_fake_npu(patch)
+        if backend == "cuda":
+            patch.setattr(torch, "cuda", _Cuda())
+        patch.setitem(forward.DEVICES, backend, "cpu")  # the fake device's tensors live on the host
+        patch.setitem(launch.PROCESS_GROUP_BACKENDS, backend, "gloo")
+        patch.setattr(FakeGraph, "replay", counted)
+        package = load_package(package_dir)
+        result: dict[str, Any] = {"replays": replays}
+        if not follows(package):
+            runtime = Runtime(package)
+            try:
+                result["graphs"] = sorted(runtime.verify_runner.graphs)  # type: ignore[attr-defined]
+                outputs, stats = runtime.generate(prompts, DEVICE_NEW_TOKENS)
+                result.update(outputs=outputs, steps=stats.steps)
+            finally:
+                runtime.close()
+        result["heads"] = sorted({kw["num_heads_q"] for name, kw in fake.calls if "num_heads_q" in kw})
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def device_reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """One process's target-only decoding of the CPU package of the same geometry."""
+    package = device_package("cpu", tmp_path_factory.mktemp("dsv4_cpu"))
+    return Runtime(load_package(package)).generate(device_prompts(), DEVICE_NEW_TOKENS, target_only=True)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(DEVICES))
+def test_device_packages_replay_their_graphs_on_every_rank(backend: str, device_reference: list[list[int]],
+                                                          tmp_path: Path) -> None:
+    """The Ascend and CUDA packages (graphs per token tier) compiled with tp 2, run as two gloo ranks on the
+    fake device: every rank captures its own graphs, every verify step replays them on both ranks, the ranks
+    agree on every step (the check mode), the Ascend operators run 2 query heads, and the greedy output
+    equals one process's target-only decoding of the CPU package."""
+    package = device_package(backend, tmp_path, tp=2)
+    ranks = spawn_ranks(_device_rank, 2, (backend, str(package), device_prompts()), tmp_path, SPAWN_TIMEOUT_S,
+                        f"dsv4 {backend} ranks")
+    assert ranks[0]["graphs"] == [8, 16, 24, 32]
+    assert ranks[0]["outputs"] == device_reference
+    assert len(ranks[0]["replays"]) == len(ranks[1]["replays"]) >= ranks[0]["steps"] > 0
+    for result in ranks:
+        assert result["heads"] == ([GEOMETRY.n_heads // 2] if backend == "ascend" else [])
