@@ -137,6 +137,7 @@ class FakeNpu:
         self.capturing: FakeGraph | None = None  # the graph being captured
         self.inside_op = 0
         self.plans = 0
+        self.plan_heads: dict[int, int] = {}  # plan id -> the query heads it was made for
         self.events = 0
 
     def _call(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
@@ -169,17 +170,25 @@ class FakeNpu:
     def _sas(self, q: torch.Tensor, *, metadata: torch.Tensor, **kw: Any
              ) -> tuple[torch.Tensor, torch.Tensor]:
         assert metadata.dtype == torch.int32 and metadata.shape == (1024,)
+        self._check_heads(metadata, q)
         assert int(kw["seqused_kv"].min()) >= 1  # the device side may read it: padding slots too
         return reference_sparse_attn_sharedkv(q, **kw), torch.empty(0)
 
     def _plan(self, **kw: Any) -> torch.Tensor:
         self.plans += 1  # each plan is distinguishable, so a refreshed buffer shows which one it holds
+        self.plan_heads[self.plans] = kw["num_heads_q"]
         return torch.full((1024,), self.plans, dtype=torch.int32)
+
+    def _check_heads(self, metadata: torch.Tensor, query: torch.Tensor) -> None:
+        """The plan the operator runs was made for the query's heads (under TP, the rank's own)."""
+        planned = self.plan_heads[int(metadata[0])]
+        assert planned == query.shape[1], f"planned for {planned} query heads, run on {query.shape[1]}"
 
     def _indexer(self, *, query: torch.Tensor, key: torch.Tensor, weights: torch.Tensor,
                  query_dequant_scale: torch.Tensor, key_dequant_scale: torch.Tensor, query_quant_mode: int,
                  key_quant_mode: int, metadata: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         assert query_quant_mode == 0 and key_quant_mode == 0 and metadata.shape == (1024,)
+        self._check_heads(metadata, query)
         return reference_lightning_indexer(query * query_dequant_scale[..., None],
                                            key * key_dequant_scale[..., None], weights, **kw)
 
