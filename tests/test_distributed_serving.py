@@ -7,6 +7,7 @@ the build is refused with the command that does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -28,7 +29,7 @@ from dspark.runtime.distributed.launch import Launch, LaunchError, check_launch
 from dspark.runtime.distributed.lockstep import RankDisagreement, check_agreement
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
-from .gloo_ranks import free_port
+from .gloo_ranks import free_port, spawn_ranks
 from .parallel_builds import (
     NEW_TOKENS,
     PROMPTS,
@@ -68,6 +69,44 @@ def test_the_check_mode_fails_every_rank_loudly_on_a_disagreement() -> None:
     mp.spawn(_disagree, args=(free_port(), found), nprocs=2, join=True)
     assert dict(found) == {r: "tensor-parallel ranks disagree on the forward: ranks [0] vs [1] computed "
                               "different results" for r in (0, 1)}
+
+
+def _plan_disagrees(rank: int, size: int, port: int, package_dir: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DSPARK_TP_CHECK="1")
+    torch.set_num_threads(1)
+    from dspark.runtime.engine.runtime import Runtime, follows
+    from dspark.runtime.engine.step_forward import StepForward
+    from dspark.runtime.package import load_package
+
+    if rank == 1:  # this rank runs every verify step with another plan than rank 0 sent (same rows run)
+        verify = StepForward.verify
+
+        def other_plan(self: StepForward, step: Any) -> Any:
+            return verify(self, dataclasses.replace(step, verify_lens=tuple(1 for _ in step.verify_lens)))
+
+        StepForward.verify = other_plan  # type: ignore[method-assign]
+    package = load_package(package_dir)
+    found = ""
+    try:
+        if not follows(package):
+            Runtime(package).generate([[1, 2, 3]], 8)
+    except RankDisagreement as err:
+        found = str(err)
+    torch.save({"found": found}, Path(out_dir) / f"rank{rank}.pt")
+    os._exit(0)  # the process group is mid-step: leave without tearing it down
+
+
+@pytest.mark.slow
+def test_the_check_mode_fails_every_rank_when_one_runs_another_plan(tmp_path: Path) -> None:
+    """cap-accept runs every row whatever verify_lens say, so a rank with other verify_lens computes the same
+    forward: only the plan differs, and the check mode's digest of it fails both ranks loudly."""
+    name = compile_parallel("tiny_cpu_cap_accept", tmp_path, tp=2)
+    ranks = spawn_ranks(_plan_disagrees, 2, (str(tmp_path / "generated" / name),), tmp_path, 300,
+                        "tensor-parallel ranks")
+    found = ("tensor-parallel ranks disagree on the verify plan and forward: ranks [0] vs [1] computed "
+             "different results")
+    assert [r["found"] for r in ranks] == [found, found]
 
 
 def test_a_launch_that_does_not_fit_the_build_says_how_to_launch_it(tmp_path: Path) -> None:

@@ -88,7 +88,8 @@ def _broadcast(tp: TPGroup, command: Any, device: torch.device) -> Any:
 
 
 def _checked(forward: StepForward, tp: TPGroup, command: StepCommand) -> Any:
-    """Run `command`; in the check mode, fail every rank of the group if any got another result."""
+    """Run `command`; in the check mode, fail every rank of the group if any got another result. A verify
+    step's digest also covers the plan each rank laid out (rows per slot, `verify_lens`, the tier)."""
     result = run_forward(forward, command)
     if checking():
         if isinstance(command, LogitsForward):
@@ -96,7 +97,10 @@ def _checked(forward: StepForward, tp: TPGroup, command: StepCommand) -> Any:
         elif isinstance(command, ExtendForward):
             check_agreement(tp, "extend forward", *result[:2])  # hidden, states
         else:
-            check_agreement(tp, "verify forward", *result[1:])  # hidden, states
+            layout = result[0]  # the plan as this rank laid it out: rows, verify_lens, tier
+            tier = torch.tensor([layout.tier], dtype=torch.int32, device=layout.verify_lens.device)
+            check_agreement(tp, "verify plan and forward", layout.rows_per_slot, layout.verify_lens, tier,
+                            *result[1:])  # hidden, states
     return result
 
 
