@@ -39,6 +39,7 @@ from .parallel_builds import (
     REPO,
     compile_parallel,
     http_json,
+    prompt_args,
     reference,
     run,
     torchrun,
@@ -58,12 +59,25 @@ def test_dp_attention_under_torchrun_decodes_as_one_process(mode: str, tp: int, 
     assert torchrun(name, processes, tmp_path, free_port()) == reference(f"tiny_cpu_{mode}")
 
 
-def test_recording_under_dp_attention_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    name = compile_parallel("tiny_cpu_compact", tmp_path, tp=2, dp=2, **DP_ATTENTION)
-    result = run([sys.executable, "-m", "dspark.cli.main", "run", str(tmp_path / "generated" / name),
-                  "--prompt", "hi", "--record", "rec"], tmp_path)
-    assert result.returncode == 2 and "recording under DP attention is not built" in result.stderr
-    assert "parallelism.dp: 1" in result.stderr and "Traceback" not in result.stderr
+@pytest.mark.slow
+def test_a_recording_run_records_every_dp_ranks_steps(tmp_path: Path) -> None:
+    """`run --record` under DP attention: the other DP rank's calibration rows and step records come back
+    to rank 0's recording, its slots numbered after DP rank 0's (32 slots each)."""
+    name = compile_parallel("tiny_cpu_cap_accept", tmp_path, tp=2, dp=2, **DP_ATTENTION)
+    record = tmp_path / "rec"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+              "127.0.0.1", "--master-port", str(free_port())]
+    command = ["-m", f"generated.{name}", "run", *prompt_args(PROMPTS), "--max-new-tokens", "16",
+               "--record", str(record)]
+    result = run(launch + command, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in (record / "steps.jsonl").read_text().splitlines()]
+    slots = {r["slot"] for step in steps for r in step["requests"]}
+    assert min(slots) < 32 <= max(slots)  # both DP ranks' requests
+    info = json.loads((record / "run.json").read_text())
+    assert info["recorded_steps"] == len(steps) and info["stats"]["requests"] == len(PROMPTS)
+    meta = json.loads((record / "sts" / "meta.json").read_text())
+    assert meta["num_samples"] > 0
 
 
 @pytest.mark.slow

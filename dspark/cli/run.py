@@ -166,9 +166,6 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     if args.budget_fraction is not None and not pkg.deployment.verify_mode.plans:
         raise CliError(f"--budget-fraction needs a cap-accept or compact build; {package_dir} verifies "
                        "every draft (static mode has no planner)")
-    if (args.record or pkg.deployment.serving.record_steps) and pkg.deployment.parallel.dp > 1:
-        raise CliError(f"recording under DP attention is not built (each DP rank plans its own steps): "
-                       f"record with a build of {package_dir}'s spec with parallelism.dp: 1")
     # every engine of the launch (one per DP rank under DP attention) runs with these
     options = {"forced_budget_fraction": args.budget_fraction, "sampling": sampling_of(pkg, args),
                "seed": args.seed}

@@ -29,12 +29,13 @@ fail the step on every rank, naming them, when it differs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from dspark.formats.step_records import StepRecord
 from dspark.runtime.distributed.lockstep import check_agreement, checking
 from dspark.runtime.distributed.tensor_parallel import COMM_CLOCK, TPGroup
 from dspark.runtime.engine.requests import Request
@@ -154,6 +155,8 @@ class EngineCommand:
     aborts: tuple[int, ...] = ()  # rids
     reset_stats: bool = False  # a new `generate` run starts: zero the counters first
     forward: StepCommand | None = None  # MIRROR: the forward rank 0 runs next, to run alongside it
+    recording: bool = False  # rank 0 records the run (`dspark run --record`): relay what this engine records
+    record_features: bool = False  # ... with the confidence head's inputs
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,53 @@ class EngineReply:
     pool: dict[str, int] = field(default_factory=dict)
     step: StepInfo | None = None
     stats: RunStats | None = None
+    sts: tuple[StsRows, ...] = ()  # what this engine recorded this step, for rank 0's recorder
+    steps: tuple[StepRecord, ...] = ()
+
+
+# A step's calibration rows as `StsSink.add` takes them: logits, correct_len, fully_verified, features.
+StsRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class _RelaySts:
+    def __init__(self, features: bool) -> None:
+        self._features = features
+        self.rows: list[StsRows] = []
+
+    @property
+    def features(self) -> bool:
+        return self._features
+
+    def add(self, logits: torch.Tensor, correct_len: torch.Tensor, fully_verified: torch.Tensor,
+            features: torch.Tensor | None) -> None:
+        self.rows.append((logits.cpu(), correct_len.cpu(), fully_verified.cpu(),
+                          None if features is None else features.cpu()))
+
+
+class _RelaySteps:
+    def __init__(self, slot_offset: int) -> None:
+        self.slot_offset = slot_offset
+        self.records: list[StepRecord] = []
+
+    def append(self, record: StepRecord) -> None:
+        # slots numbered across DP ranks, so that slot and generation still name one request's history
+        requests = tuple(replace(r, slot=r.slot + self.slot_offset) for r in record.requests)
+        self.records.append(replace(record, requests=requests))
+
+
+class RelayRecorder:
+    """Another DP rank's engine's recorder: what it records (calibration rows and step records, slots
+    offset by the DP rank) goes to rank 0's recorder with the step's reply, so a recording run under DP
+    attention writes one recording of every DP rank's steps."""
+
+    def __init__(self, features: bool, slot_offset: int) -> None:
+        self.sts = _RelaySts(features)
+        self.steps = _RelaySteps(slot_offset)
+
+    def take(self) -> tuple[tuple[StsRows, ...], tuple[StepRecord, ...]]:
+        rows, records = tuple(self.sts.rows), tuple(self.steps.records)
+        self.sts.rows, self.steps.records = [], []
+        return rows, records
 
 
 def _scatter(engines: TPGroup, commands: list[EngineCommand] | None) -> EngineCommand:
@@ -224,6 +274,11 @@ def serve_engine(runtime: Runtime) -> None:
         if command.reset_stats:
             runtime.stats = RunStats(gamma=runtime.plan.gamma)
         runtime.target_only = command.target_only
+        if not command.recording:
+            runtime.recorder = None
+        elif runtime.recorder is None:
+            offset = engines.rank * runtime.deployment.serving.max_running_requests
+            runtime.recorder = RelayRecorder(command.record_features, offset)
         for rid in command.aborts:
             if (r := requests.pop(rid, None)) is not None:
                 runtime.scheduler.abort(r)
@@ -235,7 +290,9 @@ def serve_engine(runtime: Runtime) -> None:
         for r in touched:
             if r.done:
                 requests.pop(r.rid, None)
-        reply = EngineReply(outbox.updates(touched), runtime.scheduler.pool_stats(), runtime.last_step)
+        recorded = runtime.recorder.take() if isinstance(runtime.recorder, RelayRecorder) else ((), ())
+        reply = EngineReply(outbox.updates(touched), runtime.scheduler.pool_stats(), runtime.last_step,
+                            sts=recorded[0], steps=recorded[1])
         _gather(engines, reply)
 
 
@@ -307,8 +364,11 @@ class DPDispatch:
 
     def _step(self) -> list[Request]:
         runtime = self.runtime
+        recorder = runtime.recorder  # what the other engines record comes back to it
+        features = recorder is not None and recorder.sts.features
         commands = [EngineCommand(STEP, runtime.target_only, tuple(RequestSpec.of(r) for r in new),
-                                  tuple(aborts), self.reset_stats)
+                                  tuple(aborts), self.reset_stats, recording=recorder is not None,
+                                  record_features=features)
                     for new, aborts in zip(self.new, self.aborts, strict=True)]
         _scatter(self.engines, commands)
         if self.reset_stats:
@@ -321,6 +381,11 @@ class DPDispatch:
         assert replies is not None
         for dp_rank, reply in enumerate(replies[1:], start=1):
             self.pools[dp_rank] = reply.pool
+            if recorder is not None:
+                for rows in reply.sts:
+                    recorder.sts.add(*rows)
+                for record in reply.steps:
+                    recorder.steps.append(record)
             for u in reply.updates:
                 where = self.remote.get(u.rid)
                 if where is None:
