@@ -2,9 +2,9 @@
 `parallelism: {tp, dp, dp_attention: true}`, every DP rank scheduling, drafting and planning its own requests
 and agreeing each step on the rows they all run.
 
-- Greedy output equals one-process target-only decoding under `torchrun` with 2 processes (tp 2, dp 2) and 4
-  (tp 4, dp 2: two attention ranks per DP rank, the second following its engine), static and compact, with
-  the check mode on, and with one DP rank idle (a single request).
+- Greedy output equals one-process target-only decoding under `torchrun` with 4 processes (tp 4, dp 2: two
+  attention ranks per DP rank, the second following its engine) and with 2 (tp 2, dp 2) and one DP rank
+  idle (a single request), static and compact, with the check mode on.
 - In-process ranks record every verify step each engine runs: all run the same tier, which is the largest
   any needed; an idle engine runs padding requests alone; graph-tier alignment fills each engine's rows up to
   the global tier; a DP rank whose planner fails makes every DP rank run the uniform step.
@@ -52,11 +52,11 @@ TIERS = (8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)  # specs/tiny_cpu_c
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["static", "compact"])
-@pytest.mark.parametrize(("tp", "processes"), [(2, 2), (4, 4)], ids=["tp2-dp2", "tp4-dp2"])
-def test_dp_attention_under_torchrun_decodes_as_one_process(mode: str, tp: int, processes: int,
-                                                            tmp_path: Path) -> None:
-    name = compile_parallel(f"tiny_cpu_{mode}", tmp_path, tp=tp, dp=2, **DP_ATTENTION)
-    assert torchrun(name, processes, tmp_path, free_port()) == reference(f"tiny_cpu_{mode}")
+def test_dp_attention_under_torchrun_decodes_as_one_process(mode: str, tmp_path: Path) -> None:
+    """4 processes: 2 DP ranks of 2 attention ranks, each engine leading a follower (2 processes, one
+    attention rank per DP rank, run in the tests below)."""
+    name = compile_parallel(f"tiny_cpu_{mode}", tmp_path, tp=4, dp=2, **DP_ATTENTION)
+    assert torchrun(name, 4, tmp_path, free_port()) == reference(f"tiny_cpu_{mode}")
 
 
 @pytest.mark.slow
