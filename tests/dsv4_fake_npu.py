@@ -246,12 +246,18 @@ class FakeNpu:
     graph = graph_capture
 
 
+_REAL_CUDA = torch.cuda
+
+
 class FakeCuda:
     """torch.cuda's graph and stream API as a generated CUDA runner calls it: a capture records into a
     FakeGraph, and every stream is the one the CPU runs everything on, in order."""
 
     inside_op = 0  # no fake operators here: every op issued while capturing is the caller's
     CUDAGraph = FakeGraph
+
+    def __getattr__(self, name: str) -> Any:  # what torch's own modules read (dynamo's type tables): the real
+        return getattr(_REAL_CUDA, name)
 
     def Stream(self) -> types.SimpleNamespace:  # noqa: N802  (torch.cuda's name)
         return types.SimpleNamespace(wait_stream=lambda other: None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -32,3 +33,29 @@ def spawn_ranks(main: Callable[..., None], size: int, args: tuple[Any, ...], out
                     process.kill()
             pytest.fail(f"{size} {what} did not finish in {timeout_s} s")
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(size)]
+
+
+def as_rank(rank: int, size: int, port: int, check: bool = False) -> None:
+    """Make this spawned process rank `rank` of `size`, as torchrun would (its environment), on one thread;
+    `check`: the check mode on."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DSPARK_TP_CHECK="1" if check else "0")
+    torch.set_num_threads(1)
+
+
+def generate_as_rank(package_dir: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """This rank's part of a greedy run of the package: rank 0 generates and returns its outputs, the
+    steps it took and the tiers its runner captured graphs for (if any); the other ranks return {}."""
+    from dspark.runtime.engine.runtime import Runtime, follows
+    from dspark.runtime.package import load_package
+
+    package = load_package(package_dir)
+    if follows(package):
+        return {}
+    runtime = Runtime(package)
+    try:
+        graphs = sorted(getattr(runtime.verify_runner, "graphs", {}))
+        outputs, stats = runtime.generate(prompts, new_tokens)
+    finally:
+        runtime.close()
+    return {"graphs": graphs, "outputs": outputs, "steps": stats.steps}

@@ -29,7 +29,7 @@ from dspark.runtime.distributed.launch import Launch, LaunchError, check_launch
 from dspark.runtime.distributed.lockstep import RankDisagreement, check_agreement
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 
-from .gloo_ranks import free_port, spawn_ranks
+from .gloo_ranks import as_rank, free_port, spawn_ranks
 from .parallel_builds import (
     NEW_TOKENS,
     PROMPTS,
@@ -72,9 +72,7 @@ def test_the_check_mode_fails_every_rank_loudly_on_a_disagreement() -> None:
 
 
 def _plan_disagrees(rank: int, size: int, port: int, package_dir: str, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DSPARK_TP_CHECK="1")
-    torch.set_num_threads(1)
+    as_rank(rank, size, port, check=True)
     from dspark.runtime.engine.runtime import Runtime, follows
     from dspark.runtime.engine.step_forward import StepForward
     from dspark.runtime.package import load_package

@@ -33,7 +33,7 @@ from dspark.compiler import build
 from dspark.runtime.distributed.dp_engine import GlobalVerify
 from dspark.runtime.layout import tier_for
 
-from .gloo_ranks import free_port, spawn_ranks
+from .gloo_ranks import as_rank, free_port, spawn_ranks
 from .parallel_builds import (
     PROMPTS,
     REPO,
@@ -115,9 +115,7 @@ MAX_NEW = (8, 40, 16)  # DP rank 0 gets requests 0 and 2, DP rank 1 request 1: D
 
 def _engine_rank(rank: int, size: int, port: int, package_dir: str, prompts: list[list[int]], fault: str,
                  out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    as_rank(rank, size, port, check=fault == "tier")
     from dspark.runtime.distributed import dp_engine
     from dspark.runtime.distributed.lockstep import RankDisagreement
     from dspark.runtime.engine import speculative
@@ -152,7 +150,6 @@ def _engine_rank(rank: int, size: int, port: int, package_dir: str, prompts: lis
             return GlobalVerify(agreed.tier + 8, agreed.logit_rows, agreed.uniform_rows)
 
         speculative.global_verify = wrong  # type: ignore[assignment]
-    os.environ["DSPARK_TP_CHECK"] = "1" if fault == "tier" else "0"
     result: dict[str, Any] = {"steps": steps}
     package = load_package(package_dir)
     try:

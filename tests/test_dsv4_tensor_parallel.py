@@ -30,7 +30,6 @@ other, and the sharded reference path (`DSV4Model.step` through `greedy_continue
 from __future__ import annotations
 
 import copy
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,12 +59,12 @@ from dspark.runtime.dsv4.attention import Dsv4PagedAttention, extend_config, pla
 from dspark.runtime.dsv4.cuda_layers import Dsv4CudaLayers
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.engine import forward
-from dspark.runtime.engine.runtime import Runtime, follows
+from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.layout import StepShape, plan_extend, plan_verify
 from dspark.runtime.package import load_package
 
 from .dsv4_fake_npu import FakeCuda, FakeGraph, install_fake_npu
-from .gloo_ranks import free_port, spawn_ranks
+from .gloo_ranks import as_rank, free_port, generate_as_rank, spawn_ranks
 from .parallel_builds import REPO, compile_parallel, reference, run, torchrun
 
 CPU = torch.device("cpu")
@@ -94,7 +93,6 @@ MODES = ("target_only", "static", "compact", "static_cuda_layers", "static_ascen
 DEVICE_MODES = ("static_cuda_layers", "static_ascend_layers")
 RTOL, ATOL = 1e-5, 2e-6
 SPAWN_TIMEOUT_S = 180
-REAL_CUDA = torch.cuda
 
 
 def build_target() -> Dsv4ForCausalLM:
@@ -413,17 +411,10 @@ def device_package(backend: str, root: Path, tp: int = 1) -> Path:
     return build(path, root / "generated" / spec["name"], allow_stale_tables=True).package_dir
 
 
-class _Cuda(FakeCuda):
-    def __getattr__(self, name: str) -> Any:  # what torch's own modules read: the real module's
-        return getattr(REAL_CUDA, name)
-
-
 def _device_rank(rank: int, size: int, port: int, backend: str, package_dir: str, prompts: list[list[int]],
                  out_dir: str) -> None:
     """One rank of a torchrun-like launch of the device package on the fake device, the check mode on."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DSPARK_TP_CHECK="1")
-    torch.set_num_threads(1)
+    as_rank(rank, size, port, check=True)
     replays: list[int] = []
     replay = FakeGraph.replay
 
@@ -434,20 +425,11 @@ def _device_rank(rank: int, size: int, port: int, backend: str, package_dir: str
     with pytest.MonkeyPatch.context() as patch:
         fake = install_fake_npu(patch)
         if backend == "cuda":
-            patch.setattr(torch, "cuda", _Cuda())
+            patch.setattr(torch, "cuda", FakeCuda())
         patch.setitem(forward.DEVICES, backend, "cpu")  # the fake device's tensors live on the host
         patch.setitem(launch.PROCESS_GROUP_BACKENDS, backend, "gloo")
         patch.setattr(FakeGraph, "replay", counted)
-        package = load_package(package_dir)
-        result: dict[str, Any] = {"replays": replays}
-        if not follows(package):
-            runtime = Runtime(package)
-            try:
-                result["graphs"] = sorted(runtime.verify_runner.graphs)  # type: ignore[attr-defined]
-                outputs, stats = runtime.generate(prompts, DEVICE_NEW_TOKENS)
-                result.update(outputs=outputs, steps=stats.steps)
-            finally:
-                runtime.close()
+        result = {"replays": replays, **generate_as_rank(package_dir, prompts, DEVICE_NEW_TOKENS)}
         result["heads"] = sorted({kw["num_heads_q"] for name, kw in fake.calls if "num_heads_q" in kw})
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 

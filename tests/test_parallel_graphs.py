@@ -7,7 +7,6 @@ the greedy output equals one process's target-only decoding of the same build, t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,12 +19,11 @@ import yaml
 from dspark.compiler import build
 
 from .dsv4_fake_npu import FakeCuda, FakeGraph
-from .gloo_ranks import spawn_ranks
+from .gloo_ranks import as_rank, generate_as_rank, spawn_ranks
 from .parallel_builds import PROMPTS, REPO
 
 TIERS = [8, 16, 32, 64]
 NEW_TOKENS = 16
-REAL_CUDA = torch.cuda
 
 
 class _Cuda(FakeCuda):
@@ -34,9 +32,6 @@ class _Cuda(FakeCuda):
     reads them on the device)."""
 
     capturing: FakeGraph | None = None
-
-    def __getattr__(self, name: str) -> Any:  # the rest (types torch's own modules list) is the real one's
-        return getattr(REAL_CUDA, name)
 
     @contextmanager
     def graph(self, graph: FakeGraph, pool: object = None) -> Iterator[None]:
@@ -103,23 +98,9 @@ def _fake_cuda() -> list[int]:
 
 def _graph_rank(rank: int, size: int, port: int, package_dir: str, prompts: list[list[int]],
                 out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), DSPARK_TP_CHECK="1")
-    torch.set_num_threads(1)
+    as_rank(rank, size, port, check=True)
     replays = _fake_cuda()
-    from dspark.runtime.engine.runtime import Runtime, follows
-    from dspark.runtime.package import load_package
-
-    package = load_package(package_dir)
-    result: dict[str, Any] = {"replays": replays}
-    if not follows(package):
-        runtime = Runtime(package)
-        try:
-            result["graphs"] = sorted(runtime.verify_runner.graphs)  # type: ignore[attr-defined]
-            outputs, stats = runtime.generate(prompts, NEW_TOKENS)
-            result.update(outputs=outputs, steps=stats.steps)
-        finally:
-            runtime.close()
+    result = {"replays": replays, **generate_as_rank(package_dir, prompts, NEW_TOKENS)}
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
