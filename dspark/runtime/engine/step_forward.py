@@ -1,7 +1,7 @@
 """A step's target forward, from host values: the layout is planned, its attention metadata built and the
 target run (an extend step) or the verify runner run (a verify step) on the rank that holds them.
 
-What a step needs arrives as a `ExtendForward`, `VerifyForward` or `LogitsForward`: lengths, page-table
+What a step needs arrives as an `ExtendForward`, `VerifyForward` or `LogitsForward`: lengths, page-table
 rows, slots and the tier as host values, and the token ids. Under tensor parallelism the engine's rank
 broadcasts exactly these and every rank plans its own layout and metadata on its own device
 (`dspark.runtime.distributed.lockstep`): no device tensor or backend object (a FlashInfer wrapper's plan,
