@@ -183,8 +183,9 @@ def test_dspark_serve_starts_the_ranks_a_build_needs(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("parallel", "family", "tiers", "backend", "message"), [
     ({"dp": 2, "tp": 2}, "llama", (), "cpu",
      "compiled with dp 2 without DP attention: data-parallel replicas"),
-    ({"dp": 2, "dp_attention": True, "tp": 2}, "dsv4", (), "cpu",
-     "it covers the dense families, not dsv4 yet"),
+    ({"dp": 2, "dp_attention": True, "tp": 4}, "dsv4", (), "cpu",
+     "compiled for 4 processes (tp 4, dp 2 with DP attention), launched as 2: run `torchrun "
+     "--nproc-per-node 4"),
     ({"dp": 2, "dp_attention": True, "tp": 4}, "llama", (), "cpu",
      "compiled for 4 processes (tp 4, dp 2 with DP attention), launched as 2"),
     ({"tp": 4}, "dsv4", (), "cpu",

@@ -1,4 +1,5 @@
-"""DP attention of the dense target families (Llama, Qwen3), SGLang-style: the model half.
+"""DP attention of the dense target families (Llama, Qwen3) and of DeepSeek-V4 (dsv4), SGLang-style: the
+model half.
 
 A world of `tp` processes runs attention data-parallel over `dp` DP ranks of `tp / dp` processes each:
 a DP rank attends only to its own requests (its own KV cache, its own step layout), with its attention
@@ -14,6 +15,14 @@ the same rows. A world-parallel module therefore first all-gathers its input row
 ranks with this rank's attention-TP rank, one per DP rank, in DP rank order), so that every rank of
 the world holds the same rows, runs on all of them, and keeps this DP rank's slice
 (`DPGatheredMLP`, `DPGatheredVocab`); the decoder's forward code is the dense families' own.
+
+DeepSeek-V4 splits the same way (`shard_dp_attention_target`'s dsv4 branch): a layer's query heads (wq_b
+rows, sinks, wo columns, wo row-parallel) over `groups.attention`, with the K=V head, the compressors and the
+indexer replicated on each of them as under plain tensor parallelism (`shard_dsv4_target`); its MLP
+(w1 / w3 rows, w2 columns) and its vocabulary over `groups.world`, the embedding and the LM head wrapped as
+the dense ones are (`DPGatheredVocab`). Its layers keep their weights as tensors and run the output
+projection and the MLP in one method, so a layer becomes a `DPAttentionDsv4Layer`, whose `output_rows` sums
+wo over the attention ranks and runs the MLP on the rows gathered across `dp`.
 
 Row invariance on the CPU (`tensor_parallel`) holds here too: the gather only concatenates rows, the
 local products go through `ops.linear` (and the MLP's SiLU through `ops.lanewise`), and every sum over
@@ -31,16 +40,24 @@ from torch import nn
 
 from dspark.runtime.distributed.tensor_parallel import (
     COMM_CLOCK,
+    PartialSum,
     TPGroup,
     VocabParallelEmbedding,
     VocabParallelLMHead,
+    check_dsv4_heads_split,
     check_heads_split,
     dense_target,
     shard_attention,
     shard_dense_target,
+    shard_dsv4_heads,
+    shard_dsv4_mlp,
+    shard_dsv4_target,
+    shard_dsv4_vocab,
     shard_mlp,
     shard_vocab,
 )
+from dspark.runtime.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.models.dsv4 import DSV4Layer, rms_norm, row_linear, rowwise_silu
 from dspark.runtime.models.llama import LlamaMLP
 
 
@@ -144,9 +161,56 @@ class DPGatheredMLP(nn.Module):
         return own_rows(self.inner.forward_dense(gather_rows(x, self.dp)), x.shape[0], self.dp)
 
 
+class DPAttentionDsv4Layer(DSV4Layer):
+    """A dsv4 layer under DP attention: its query heads split over this DP rank's attention ranks
+    (`partial_sum` adds wo's partial products over them, None with one), its MLP columns over the world
+    (`mlp_sum` adds w2's partial products over it) on the rows of every DP rank, gathered across `dp`.
+
+    A `DSV4Layer` becomes one in place (`shard_dp_attention_target` sets its class and the two attributes):
+    everything else, the paged and the device backends' calls included, is the layer's own, and both reach
+    the output projection and the MLP through `output_rows`."""
+
+    mlp_sum: PartialSum
+    dp: TPGroup
+
+    def output_rows(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """`DSV4Layer.output_rows` with the MLP on the gathered rows: h [n, dim] and o [n, heads, D] of this
+        DP rank -> its layer output [n, dim]. The math is the base class's, line for line (the same
+        row-invariant products and norm), only the rows the MLP runs on differ."""
+        h = h + self._whole(row_linear(o.flatten(1), self.wo))
+        x = gather_rows(rms_norm(h, self.ffn_norm, self.cfg.norm_eps), self.dp)  # [dp · n, dim]
+        gated = rowwise_silu(row_linear(x, self.w1)) * row_linear(x, self.w3)
+        return h + own_rows(self.mlp_sum(row_linear(gated, self.w2)), h.shape[0], self.dp)
+
+
+def shard_dsv4_dp_attention(model: Dsv4ForCausalLM, groups: DPAttentionGroups) -> None:
+    """Keep this rank's share of a dsv4 target under DP attention, in place (see the module docstring): query
+    heads over `groups.attention` (the K=V head, compressors and indexer replicated, as `shard_dsv4_target`
+    says why), the MLP and the vocabulary over `groups.world`, rows gathered across `groups.dp`. With one
+    DP rank this is `shard_dsv4_target` over the world."""
+    cfg = model.model.cfg
+    if model.local_num_heads != cfg.n_heads or model.model.vocab_embed is not None:
+        raise ValueError("the model is already sharded")  # its heads, or (one attention rank) its vocabulary
+    if groups.dp.size == 1:
+        shard_dsv4_target(model, groups.world)
+        return
+    check_dsv4_heads_split(cfg.n_heads, groups.attention)
+    ref = model.model
+    embed, head = shard_dsv4_vocab(model, groups.world)
+    ref.vocab_embed = DPGatheredVocab(embed, groups.dp)
+    ref.vocab_head = DPGatheredVocab(head, groups.dp)
+    model.lm_head = ref.vocab_head  # the engine reads the model's dtype and device off it
+    for layer in ref.layers:
+        shard_dsv4_heads(layer, groups.attention)
+        mlp_sum = shard_dsv4_mlp(layer, groups.world)
+        layer.__class__ = DPAttentionDsv4Layer
+        layer.mlp_sum, layer.dp = mlp_sum, groups.dp
+
+
 @torch.no_grad()
 def shard_dp_attention_target(model: nn.Module, groups: DPAttentionGroups) -> None:
-    """Keep this rank's share of a loaded dense target (Llama, Qwen3) under DP attention, in place.
+    """Keep this rank's share of a loaded dense target (Llama, Qwen3) under DP attention, in place (a dsv4
+    target: `shard_dsv4_dp_attention`).
 
     As with `shard_dense_target`, every rank loads the whole model and drops what it does not own, and
     whatever reads the unsharded weights must do so first. The attention's q/k/v/o are split by heads
@@ -156,6 +220,9 @@ def shard_dp_attention_target(model: nn.Module, groups: DPAttentionGroups) -> No
     then give the heads of this rank's KV cache and attention backend. With one DP rank this is
     `shard_dense_target` over the world.
     """
+    if isinstance(model, Dsv4ForCausalLM):
+        shard_dsv4_dp_attention(model, groups)
+        return
     model = dense_target(model)
     if groups.dp.size == 1:
         shard_dense_target(model, groups.world)

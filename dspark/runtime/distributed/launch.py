@@ -8,9 +8,10 @@ tp x dp, or tp with DP attention); a launch that differs is refused with the com
 process group runs over torch.distributed: gloo on the CPU, NCCL on CUDA, HCCL on Ascend.
 
 Built: tensor parallelism of the dense families and of dsv4, rank 0 leading (`dspark.runtime.distributed.
-lockstep`; each rank captures and replays its own graphs), and DP attention over the dense families
-(`dspark.runtime.distributed.dp_engine`). Refused here with what to compile instead: data parallelism without
-DP attention (independent replicas, which one process group does not need) and DP attention of dsv4.
+lockstep`; each rank captures and replays its own graphs), and DP attention over the dense families and
+dsv4 (`dspark.runtime.distributed.dp_engine`; the model half, `dp_attention`). Refused here with what to
+compile instead: data parallelism without DP attention (independent replicas, which one process group does
+not need).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.runtime.config import DeploymentConfig, ParallelPlan
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups
 from dspark.runtime.distributed.tensor_parallel import TPGroup
@@ -75,9 +75,6 @@ def check_launch(launch: Launch, deployment: DeploymentConfig) -> None:
         raise LaunchError(f"{name} is compiled with dp {parallel.dp} without DP attention: data-parallel "
                           "replicas share nothing, so run one build with parallelism.dp: 1 per replica "
                           "behind a load balancer, or set parallelism.dp_attention: true")
-    if parallel.dp > 1 and deployment.model.family == DSV4_FAMILY:
-        raise LaunchError(f"{name} is compiled with DP attention; it covers the dense families, not "
-                          f"{DSV4_FAMILY} yet: recompile with parallelism.dp: 1")
     want = parallel.world_size
     if launch.world_size == want:
         return

@@ -411,3 +411,43 @@ def shard_dsv4_target(model: nn.Module, tp: TPGroup) -> None:
     model.lm_head = head  # the engine reads the model's dtype and device off it
     for layer in ref.layers:
         shard_dsv4_layer(layer, tp)
+
+
+# The pieces of `shard_dsv4_layer` / `shard_dsv4_target` apart, for DP attention (`dp_attention`), which
+# splits a layer's query heads over its DP rank's attention ranks and its MLP and vocabulary over the world.
+
+
+def shard_dsv4_heads(layer: DSV4Layer, tp: TPGroup) -> None:
+    """Keep rank r's query heads `[r·H/size, (r+1)·H/size)` of one layer (their wq_b rows, sinks and wo
+    columns, as `shard_dsv4_layer` does); `partial_sum` then adds wo's partial products over `tp` (None for
+    a group of one: the heads are whole)."""
+    cfg = layer.cfg
+    heads, hd = cfg.n_heads // tp.size, cfg.head_dim
+    h0, h1 = tp.rank * heads, (tp.rank + 1) * heads
+    layer.wq_b = _frozen(layer.wq_b[h0 * hd:h1 * hd])  # [heads·D, q_lora]
+    layer.attn_sink = _frozen(layer.attn_sink[h0:h1])  # [heads]
+    layer.wo = _frozen(layer.wo[:, h0 * hd:h1 * hd])  # [dim, heads·D]
+    layer.local_heads = heads
+    layer.partial_sum = PartialSum(tp) if tp.size > 1 else None
+
+
+def shard_dsv4_mlp(layer: DSV4Layer, tp: TPGroup) -> PartialSum:
+    """Keep rank r's MLP columns `[r·I/size, …)` of one layer (w1 / w3 rows, w2 columns, as
+    `shard_dsv4_layer` does), and return what adds w2's partial products over `tp`."""
+    i0, i1 = _share(layer.cfg.inter_dim, tp)
+    layer.w1 = _frozen(layer.w1[i0:i1])  # [I / size, dim]
+    layer.w3 = _frozen(layer.w3[i0:i1])
+    layer.w2 = _frozen(layer.w2[:, i0:i1])  # [dim, I / size]
+    return PartialSum(tp)
+
+
+def shard_dsv4_vocab(model: Dsv4ForCausalLM, tp: TPGroup
+                     ) -> tuple[VocabParallelEmbedding, VocabParallelLMHead]:
+    """The embedding and the (untied) LM head of `ceil(V/size)` vocabulary rows of this rank, for the caller
+    to install; the whole tables are dropped (`shard_dsv4_target` does the same)."""
+    ref = model.model
+    shard = VocabShard.of(ref.cfg.vocab_size, tp)
+    embed = VocabParallelEmbedding(_frozen(shard.slice(ref.embed)), shard, tp)
+    head = VocabParallelLMHead(_frozen(shard.slice(ref.head)), shard, tp)
+    del ref.embed, ref.head
+    return embed, head

@@ -69,8 +69,16 @@ def plan_step_metadata(layout: VerifyLayout | ExtendLayout, config: Dsv4StepConf
     if isinstance(layout, VerifyLayout):
         num_reqs, tier, num_slots = layout.num_requests, layout.tier, layout.num_slots
     else:
-        num_reqs = len(layout.host_kv_lens)
-        tier, num_slots = layout.num_rows, num_reqs
+        # An extend step's padding request (DP attention: a DP rank with fewer rows than another's, or
+        # none) is not one of the requests: it has no slot (`host_slots` lists the real requests only)
+        # and so no caches of its own. It is planned as a verify step's padding requests are: slots
+        # after the real ones, prefix 0, all-null page tables, so its raw K=V and compressor rows land
+        # in the null page (page 0) that no real row reads, it closes no compressed entry and attends to
+        # nothing. Its rows are split into padding requests of at most the step's rows per request, so
+        # they never widen the query blocks (`extend_config` passes padding_request_rows 0, which the step
+        # config takes as its rows per request). A real slot's caches are never touched by them.
+        num_reqs = len(layout.host_slots)
+        tier, num_slots = layout.num_rows, None
     ends = layout.host_qo_indptr
     rows = [ends[i + 1] - ends[i] for i in range(num_reqs)]
     prefix = [kv - n for kv, n in zip(layout.host_kv_lens[:num_reqs], rows, strict=True)]
