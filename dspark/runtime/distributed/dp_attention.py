@@ -57,7 +57,7 @@ from dspark.runtime.distributed.tensor_parallel import (
     shard_vocab,
 )
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.models.dsv4 import DSV4Layer, rms_norm, row_linear, rowwise_silu
+from dspark.runtime.models.dsv4 import DSV4Layer
 from dspark.runtime.models.llama import LlamaMLP
 
 
@@ -168,19 +168,16 @@ class DPAttentionDsv4Layer(DSV4Layer):
 
     A `DSV4Layer` becomes one in place (`shard_dp_attention_target` sets its class and the two attributes):
     everything else, the paged and the device backends' calls included, is the layer's own, and both reach
-    the output projection and the MLP through `output_rows`."""
+    the MLP through `output_rows` -> `mlp_rows`."""
 
     mlp_sum: PartialSum
     dp: TPGroup
 
-    def output_rows(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """`DSV4Layer.output_rows` with the MLP on the gathered rows: h [n, dim] and o [n, heads, D] of this
-        DP rank -> its layer output [n, dim]. The math is the base class's, line for line (the same
-        row-invariant products and norm), only the rows the MLP runs on differ."""
-        h = h + self._whole(row_linear(o.flatten(1), self.wo))
-        x = gather_rows(rms_norm(h, self.ffn_norm, self.cfg.norm_eps), self.dp)  # [dp · n, dim]
-        gated = rowwise_silu(row_linear(x, self.w1)) * row_linear(x, self.w3)
-        return h + own_rows(self.mlp_sum(row_linear(gated, self.w2)), h.shape[0], self.dp)
+    def mlp_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP on the gathered rows: x [n, dim] of this DP rank -> its [n, dim]. The products are the
+        base class's (`mlp_partial`), on every DP rank's rows, summed over the world in rank order."""
+        gathered = gather_rows(x, self.dp)  # [dp · n, dim]
+        return own_rows(self.mlp_sum(self.mlp_partial(gathered)), x.shape[0], self.dp)
 
 
 def shard_dsv4_dp_attention(model: Dsv4ForCausalLM, groups: DPAttentionGroups) -> None:

@@ -427,9 +427,16 @@ class DSV4Layer(nn.Module):
         output projection and the MLP, each a sum over the ranks' partial products under tensor parallelism.
         No host reads (device backends call it as is)."""
         h = h + self._whole(row_linear(o.flatten(1), self.wo))
-        x = rms_norm(h, self.ffn_norm, self.cfg.norm_eps)
+        return h + self.mlp_rows(rms_norm(h, self.ffn_norm, self.cfg.norm_eps))
+
+    def mlp_rows(self, x: Tensor) -> Tensor:
+        """The MLP of normed rows x [L, dim] -> [L, dim], summed over the ranks under tensor parallelism."""
+        return self._whole(self.mlp_partial(x))
+
+    def mlp_partial(self, x: Tensor) -> Tensor:
+        """This rank's partial MLP product of x [L, dim] (its w1/w3 columns, its w2 rows) -> [L, dim]."""
         gated = rowwise_silu(row_linear(x, self.w1)) * row_linear(x, self.w3)
-        return h + self._whole(row_linear(gated, self.w2))
+        return row_linear(gated, self.w2)
 
     # -- pieces for other paths (dspark.runtime.dsv4.paged), the same math as step -----------------------
     def attn_inputs(self, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
