@@ -256,6 +256,16 @@ def test_tp_must_divide_the_query_heads_only(dsv4_spec):
     assert "use tp in [1, 2, 4]" in issue.hint and issue.location.line == line_of(spec, "tp: 3")
 
 
+def test_under_dp_attention_tp_over_dp_must_divide_the_query_heads(dsv4_spec):
+    # tp 8 over dp 2: each DP rank splits its 4 query heads over 4 attention ranks
+    parallelism = {"tp": 8, "dp": 2, "dp_attention": True}
+    assert load_spec(dsv4_spec({"parallelism": parallelism})).spec.parallelism.tp == 8
+    issue = only_issue(dsv4_spec({"parallelism": {**parallelism, "tp": 16}}))
+    assert issue.path == ("parallelism", "tp")
+    assert issue.message == "the attention TP size tp / dp = 8 does not divide n_heads (4)"
+    assert "use tp / dp in [1, 2, 4]" in issue.hint
+
+
 def test_expert_parallelism_is_refused(dsv4_spec):
     issue = only_issue(dsv4_spec({"parallelism": {"ep": 2}}))
     assert issue.path == ("parallelism", "ep")

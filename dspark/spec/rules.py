@@ -72,19 +72,20 @@ def check_calibration_count(facts: SpecFacts) -> Iterator[SpecIssue]:
 
 
 def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
-    geometry, tp = facts.geometry, facts.spec.parallelism.tp
-    if isinstance(geometry, Dsv4Geometry):
-        # DeepSeek-V4's one latent K=V head is read by every query head: each rank keeps a copy.
-        if geometry.num_heads % tp:
-            valid = [d for d in range(1, geometry.num_heads + 1) if geometry.num_heads % d == 0]
-            yield SpecIssue(("parallelism", "tp"), f"tp {tp} does not divide n_heads ({geometry.num_heads})",
-                            f"every rank needs whole query heads (the latent K=V head is replicated); "
-                            f"use tp in {valid}")
-        return
-    parallelism = facts.spec.parallelism
+    geometry, parallelism = facts.geometry, facts.spec.parallelism
+    tp = parallelism.tp
     # Under DP attention a request's heads are split over its DP rank's tp / dp ranks only.
     dp_attention = parallelism.dp_attention and parallelism.dp > 1 and tp % parallelism.dp == 0
     heads_tp = tp // parallelism.dp if dp_attention else tp
+    if isinstance(geometry, Dsv4Geometry):
+        # DeepSeek-V4's one latent K=V head is read by every query head: each rank keeps a copy.
+        if geometry.num_heads % heads_tp:
+            valid = [d for d in range(1, geometry.num_heads + 1) if geometry.num_heads % d == 0]
+            what = f"the attention TP size tp / dp = {heads_tp}" if dp_attention else f"tp {tp}"
+            yield SpecIssue(("parallelism", "tp"), f"{what} does not divide n_heads ({geometry.num_heads})",
+                            f"every rank needs whole query heads (the latent K=V head is replicated); "
+                            f"use {'tp / dp' if dp_attention else 'tp'} in {valid}")
+        return
     if geometry is None or (geometry.num_heads % heads_tp == 0 and geometry.num_kv_heads % heads_tp == 0):
         return
     common = math.gcd(geometry.num_heads, geometry.num_kv_heads)
