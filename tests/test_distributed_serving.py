@@ -107,8 +107,9 @@ def test_the_check_mode_fails_every_rank_when_one_runs_another_plan(tmp_path: Pa
     assert [r["found"] for r in ranks] == [found, found]
 
 
-def test_a_launch_that_does_not_fit_the_build_says_how_to_launch_it(tmp_path: Path) -> None:
-    name = compile_parallel("tiny_cpu_static", tmp_path, tp=2)
+@pytest.mark.parametrize("spec", ["tiny_cpu_static", "dsv4_tiny_cpu_static"])
+def test_a_launch_that_does_not_fit_the_build_says_how_to_launch_it(spec: str, tmp_path: Path) -> None:
+    name = compile_parallel(spec, tmp_path, tp=2)
     result = run([sys.executable, "-m", f"generated.{name}", "run", "--prompt", "hi"], tmp_path)
     assert result.returncode == 2
     assert (f"{name} is compiled for 2 processes (tp 2), launched as 1: run `torchrun --nproc-per-node 2 "

@@ -30,7 +30,6 @@ other, and the sharded reference path (`DSV4Model.step` through `greedy_continue
 from __future__ import annotations
 
 import copy
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -65,7 +64,7 @@ from dspark.runtime.package import load_package
 
 from .dsv4_fake_npu import FakeCuda, FakeGraph, install_fake_npu
 from .gloo_ranks import as_rank, free_port, generate_as_rank, spawn_ranks
-from .parallel_builds import REPO, compile_parallel, reference, run, torchrun
+from .parallel_builds import REPO, compile_parallel, reference, torchrun
 
 CPU = torch.device("cpu")
 N = 4  # rows a request verifies at most: the root and 3 drafts
@@ -372,15 +371,6 @@ def test_tp2_under_torchrun_decodes_as_one_process(mode: str, tmp_path: Path) ->
     repository's tp-1 build decodes."""
     name = compile_parallel(f"dsv4_tiny_cpu_{mode}", tmp_path, tp=2)
     assert torchrun(name, 2, tmp_path, free_port()) == reference(f"dsv4_tiny_cpu_{mode}")
-
-
-def test_a_tp2_dsv4_build_launched_as_one_process_says_how_to_launch_it(tmp_path: Path) -> None:
-    name = compile_parallel("dsv4_tiny_cpu_static", tmp_path, tp=2)
-    result = run([sys.executable, "-m", f"generated.{name}", "run", "--prompt", "hi"], tmp_path)
-    assert result.returncode == 2
-    assert (f"{name} is compiled for 2 processes (tp 2), launched as 1: run `torchrun --nproc-per-node 2 "
-            f"-m generated.{name} run|serve …`") in result.stderr
-    assert "Traceback" not in result.stderr
 
 
 # -- device packages with graphs, on the CPU -----------------------------------------------------------------
