@@ -75,10 +75,14 @@ def null_pages(attn: Any) -> dict[str, torch.Tensor]:
     return {name: t[0].clone() for name, t in cache_tensors(attn).items()}
 
 
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str,
+                exact: bool = True) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.equal(a[name], b[name]), f"{what}: {name}"
+        if exact:
+            assert torch.equal(a[name], b[name]), f"{what}: {name}"
+        else:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=f"{what}: {name}")
 
 
 def run(target: Dsv4ForCausalLM, attn: Dsv4LayerBackend, layout: Any, meta: Any, ids: list[int]
@@ -109,11 +113,16 @@ def prefilled(target: Dsv4ForCausalLM, mode: str) -> tuple[Dsv4LayerBackend, lis
     return attn, seqs, table
 
 
-def padded_and_not(target: Dsv4ForCausalLM, attn: Dsv4LayerBackend, plan: Any, ids: list[int], real_rows: int
-                   ) -> None:
+def padded_and_not(target: Dsv4ForCausalLM, attn: Dsv4LayerBackend, plan: Any, ids: list[int], real_rows: int,
+                   exact: bool) -> None:
     """Run `plan(padded)` from the same caches without and with padding: the padded step's caches outside the
-    null page and its real rows' logits are the unpadded step's bits, and its padding did write (the null page
-    changed). The caches are left as the padded step left them."""
+    null page and its real rows' logits are the unpadded step's (bit for bit where `exact`), and its padding
+    did write (the null page changed). The caches are left as the padded step left them.
+
+    `exact` holds for the CPU paged backend, whose products are row-invariant. The device layers are the
+    GPU's and NPU's tensor code run on the CPU: their products over a step's rows are plain GEMMs, which
+    split the rows over threads by the row count, so padding may move a real row's last bits there (as on a
+    device); a padding row written into a real slot would still be far outside the tolerance."""
     start = {name: t.clone() for name, t in cache_tensors(attn).items()}
     want = run(target, attn, *plan(False), ids)
     plain = real_pages(attn)
@@ -121,8 +130,8 @@ def padded_and_not(target: Dsv4ForCausalLM, attn: Dsv4LayerBackend, plan: Any, i
         t.copy_(start[name])
     got = run(target, attn, *plan(True), ids)
     assert got.shape[0] > want.shape[0] == real_rows
-    assert torch.equal(got[:real_rows], want)
-    assert_same(real_pages(attn), plain, "a real slot's caches")
+    assert_same({"logits": got[:real_rows]}, {"logits": want}, "the real rows", exact)
+    assert_same(real_pages(attn), plain, "a real slot's caches", exact)
     assert any(not torch.equal(start[k][0], t[0]) for k, t in cache_tensors(attn).items()), \
         "the padding wrote nothing"
 
@@ -141,7 +150,9 @@ def test_padding_rows_leave_every_real_slots_caches_untouched(mode: str) -> None
                                  [SLOTS[i] for i in two], padding_rows=2 * N + 1 if padding else 0)
             return layout, plan_step_metadata(layout, EXTEND, MAX_LEN, CPU)
 
-        padded_and_not(target, attn, extend, [t for i in two for t in seqs[i][prefix[i]:prefix[i] + 3]], 6)
+        exact = mode == "paged"
+        ids = [t for i in two for t in seqs[i][prefix[i]:prefix[i] + 3]]
+        padded_and_not(target, attn, extend, ids, 6, exact)
 
         runs = (N, 2)
 
@@ -154,7 +165,7 @@ def test_padding_rows_leave_every_real_slots_caches_untouched(mode: str) -> None
 
         ids = [t for i, n in zip(two, runs, strict=True)
                for t in (seqs[i] + [1] * N)[prefix[i]:prefix[i] + n]]  # the shortest prompt runs out
-        padded_and_not(target, attn, verify, ids, sum(runs))
+        padded_and_not(target, attn, verify, ids, sum(runs), exact)
 
         # an idle DP rank: padding alone, in an extend step and in a verify step of a tier
         before = real_pages(attn)
