@@ -44,10 +44,14 @@ from .parallel_builds import (
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["static", "compact"])
-def test_tp2_under_torchrun_decodes_as_one_process(mode: str, tmp_path: Path) -> None:
-    name = compile_parallel(f"tiny_cpu_{mode}", tmp_path, tp=2)
-    assert torchrun(name, 2, tmp_path, free_port()) == reference(f"tiny_cpu_{mode}")
+@pytest.mark.parametrize("spec", ["tiny_cpu_static", "dsv4_tiny_cpu_compact"])
+def test_tp2_under_torchrun_decodes_as_one_process(spec: str, tmp_path: Path) -> None:
+    """A dense and a dsv4 build recompiled with tp 2 under `torchrun --nproc-per-node 2`, the check mode on,
+    decode what one process's target-only decoding of the repository's tp-1 build decodes. (Dense compact
+    under TP runs in test_parallel_graphs.py and, inside each DP rank, in test_dp_attention_serving.py; dsv4
+    static in test_dsv4_tensor_parallel.py's model-level tests.)"""
+    name = compile_parallel(spec, tmp_path, tp=2)
+    assert torchrun(name, 2, tmp_path, free_port()) == reference(spec)
 
 
 def _disagree(rank: int, port: int, found: Any) -> None:
