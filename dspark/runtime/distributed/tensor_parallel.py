@@ -359,24 +359,48 @@ def check_dsv4_heads_split(n_heads: int, tp: TPGroup) -> None:
                          f"multiple of {tp.size}")
 
 
-def shard_dsv4_layer(layer: DSV4Layer, tp: TPGroup) -> None:
+def shard_dsv4_heads(layer: DSV4Layer, tp: TPGroup) -> None:
     """Keep rank r's query heads `[r·H/size, (r+1)·H/size)` of one layer: their rows of wq_b (the query
-    up-projection from the replicated latent qr), their sinks, their columns of wo (row-parallel), and MLP
-    columns `[r·I/size, …)` (w1 / w3 rows, w2 columns, row-parallel). The rest stays whole
-    (`shard_dsv4_target` says why); `partial_sum` then adds wo's and w2's partial products over the group."""
+    up-projection from the replicated latent qr), their sinks and their columns of wo (row-parallel);
+    `partial_sum` then adds wo's partial products over `tp` (None for a group of one: the heads are whole)."""
     cfg = layer.cfg
     heads, hd = cfg.n_heads // tp.size, cfg.head_dim
     h0, h1 = tp.rank * heads, (tp.rank + 1) * heads  # this rank's query heads
     q0, q1 = h0 * hd, h1 * hd  # their wq_b rows, wo columns
-    i0, i1 = _share(cfg.inter_dim, tp)
     layer.wq_b = _frozen(layer.wq_b[q0:q1])  # [heads·D, q_lora]
     layer.attn_sink = _frozen(layer.attn_sink[h0:h1])  # [heads]
     layer.wo = _frozen(layer.wo[:, q0:q1])  # [dim, heads·D]
+    layer.local_heads = heads
+    layer.partial_sum = PartialSum(tp) if tp.size > 1 else None
+
+
+def shard_dsv4_mlp(layer: DSV4Layer, tp: TPGroup) -> PartialSum:
+    """Keep rank r's MLP columns `[r·I/size, …)` of one layer (w1 / w3 rows, w2 columns, row-parallel), and
+    return what adds w2's partial products over `tp`."""
+    i0, i1 = _share(layer.cfg.inter_dim, tp)
     layer.w1 = _frozen(layer.w1[i0:i1])  # [I / size, dim]
     layer.w3 = _frozen(layer.w3[i0:i1])
     layer.w2 = _frozen(layer.w2[:, i0:i1])  # [dim, I / size]
-    layer.local_heads = heads
-    layer.partial_sum = PartialSum(tp)
+    return PartialSum(tp)
+
+
+def shard_dsv4_layer(layer: DSV4Layer, tp: TPGroup) -> None:
+    """Keep this rank's query heads and MLP columns of one layer, both over `tp`, so that `partial_sum` adds
+    wo's and w2's partial products over the group. The rest stays whole (`shard_dsv4_target` says why)."""
+    shard_dsv4_heads(layer, tp)
+    shard_dsv4_mlp(layer, tp)  # the same group: the layer's partial_sum adds w2's products too
+
+
+def shard_dsv4_vocab(model: Dsv4ForCausalLM, tp: TPGroup
+                     ) -> tuple[VocabParallelEmbedding, VocabParallelLMHead]:
+    """The embedding and the (untied) LM head of this rank's `ceil(V/size)` vocabulary rows, for the caller
+    to install; the whole tables are dropped."""
+    ref = model.model
+    shard = VocabShard.of(ref.cfg.vocab_size, tp)
+    embed = VocabParallelEmbedding(_frozen(shard.slice(ref.embed)), shard, tp)
+    head = VocabParallelLMHead(_frozen(shard.slice(ref.head)), shard, tp)
+    del ref.embed, ref.head  # the whole tables: only this rank's rows stay
+    return embed, head
 
 
 @torch.no_grad()
@@ -403,51 +427,8 @@ def shard_dsv4_target(model: nn.Module, tp: TPGroup) -> None:
         return
     check_dsv4_heads_split(cfg.n_heads, tp)
     ref = model.model
-    shard = VocabShard.of(cfg.vocab_size, tp)
-    embed = VocabParallelEmbedding(_frozen(shard.slice(ref.embed)), shard, tp)
-    head = VocabParallelLMHead(_frozen(shard.slice(ref.head)), shard, tp)
-    del ref.embed, ref.head  # the whole tables: only this rank's rows stay
+    embed, head = shard_dsv4_vocab(model, tp)
     ref.vocab_embed, ref.vocab_head = embed, head
     model.lm_head = head  # the engine reads the model's dtype and device off it
     for layer in ref.layers:
         shard_dsv4_layer(layer, tp)
-
-
-# The pieces of `shard_dsv4_layer` / `shard_dsv4_target` apart, for DP attention (`dp_attention`), which
-# splits a layer's query heads over its DP rank's attention ranks and its MLP and vocabulary over the world.
-
-
-def shard_dsv4_heads(layer: DSV4Layer, tp: TPGroup) -> None:
-    """Keep rank r's query heads `[r·H/size, (r+1)·H/size)` of one layer (their wq_b rows, sinks and wo
-    columns, as `shard_dsv4_layer` does); `partial_sum` then adds wo's partial products over `tp` (None for
-    a group of one: the heads are whole)."""
-    cfg = layer.cfg
-    heads, hd = cfg.n_heads // tp.size, cfg.head_dim
-    h0, h1 = tp.rank * heads, (tp.rank + 1) * heads
-    layer.wq_b = _frozen(layer.wq_b[h0 * hd:h1 * hd])  # [heads·D, q_lora]
-    layer.attn_sink = _frozen(layer.attn_sink[h0:h1])  # [heads]
-    layer.wo = _frozen(layer.wo[:, h0 * hd:h1 * hd])  # [dim, heads·D]
-    layer.local_heads = heads
-    layer.partial_sum = PartialSum(tp) if tp.size > 1 else None
-
-
-def shard_dsv4_mlp(layer: DSV4Layer, tp: TPGroup) -> PartialSum:
-    """Keep rank r's MLP columns `[r·I/size, …)` of one layer (w1 / w3 rows, w2 columns, as
-    `shard_dsv4_layer` does), and return what adds w2's partial products over `tp`."""
-    i0, i1 = _share(layer.cfg.inter_dim, tp)
-    layer.w1 = _frozen(layer.w1[i0:i1])  # [I / size, dim]
-    layer.w3 = _frozen(layer.w3[i0:i1])
-    layer.w2 = _frozen(layer.w2[:, i0:i1])  # [dim, I / size]
-    return PartialSum(tp)
-
-
-def shard_dsv4_vocab(model: Dsv4ForCausalLM, tp: TPGroup
-                     ) -> tuple[VocabParallelEmbedding, VocabParallelLMHead]:
-    """The embedding and the (untied) LM head of `ceil(V/size)` vocabulary rows of this rank, for the caller
-    to install; the whole tables are dropped (`shard_dsv4_target` does the same)."""
-    ref = model.model
-    shard = VocabShard.of(ref.cfg.vocab_size, tp)
-    embed = VocabParallelEmbedding(_frozen(shard.slice(ref.embed)), shard, tp)
-    head = VocabParallelLMHead(_frozen(shard.slice(ref.head)), shard, tp)
-    del ref.embed, ref.head
-    return embed, head
