@@ -128,9 +128,8 @@ def test_an_abort_reaches_the_engine_that_holds_the_request() -> None:
     assert dispatch.new[1] == [] and not dispatch.aborts[1]
     dispatch.enqueue(sent)  # DP rank 0 is empty again
     dispatch.remote[sent.rid] = (1, sent)  # as if it had been sent to DP rank 1
-    dispatch.remote_unfinished[1] += 1
     dispatch.abort(sent)
-    assert dispatch.aborts[1] == [sent.rid] and dispatch.remote_unfinished[1] == 0
+    assert dispatch.aborts[1] == [sent.rid] and dispatch.unfinished(1) == 0
 
 
 def test_the_dp_ranks_counters_merge_into_one_run() -> None:

@@ -311,8 +311,7 @@ class DPDispatch:
         size = self.engines.size
         self.new: list[list[Request]] = [[] for _ in range(size)]  # to send with the next step
         self.aborts: list[list[int]] = [[] for _ in range(size)]
-        self.remote: dict[int, tuple[int, Request]] = {}  # rid -> (DP rank, the server's request)
-        self.remote_unfinished = [0] * size
+        self.remote: dict[int, tuple[int, Request]] = {}  # rid -> (DP rank, the server's request): unfinished
         self.pools: list[dict[str, int]] = [{} for _ in range(size)]  # as of each engine's last step
         self.reset_stats = False
         self.stopped = False
@@ -322,20 +321,20 @@ class DPDispatch:
     def has_work(self) -> bool:
         return self.runtime.scheduler.has_work or bool(self.remote) or any(self.aborts)
 
-    def _unfinished(self, dp_rank: int) -> int:
+    def unfinished(self, dp_rank: int) -> int:
+        """Requests dispatched to `dp_rank` that have not finished."""
         if dp_rank == 0:
             s = self.runtime.scheduler
             return len(s.waiting) + len(s.prefilling) + len(s.running)
-        return self.remote_unfinished[dp_rank]
+        return sum(1 for d, _ in self.remote.values() if d == dp_rank)
 
     def enqueue(self, request: Request) -> None:
         """To the DP rank with the fewest unfinished requests (the lowest of equals)."""
-        dp_rank = min(range(self.engines.size), key=lambda d: (self._unfinished(d), d))
+        dp_rank = min(range(self.engines.size), key=lambda d: (self.unfinished(d), d))
         if dp_rank == 0:
             self.runtime.scheduler.enqueue(request)
             return
         self.remote[request.rid] = (dp_rank, request)
-        self.remote_unfinished[dp_rank] += 1
         self.new[dp_rank].append(request)
 
     def abort(self, request: Request) -> None:
@@ -344,7 +343,6 @@ class DPDispatch:
             self.runtime.scheduler.abort(request)
             return
         dp_rank = where[0]
-        self.remote_unfinished[dp_rank] -= 1
         if request in self.new[dp_rank]:
             self.new[dp_rank].remove(request)  # never sent: nothing to tell its engine
         else:
@@ -371,8 +369,6 @@ class DPDispatch:
                                   record_features=features)
                     for new, aborts in zip(self.new, self.aborts, strict=True)]
         _scatter(self.engines, commands)
-        if self.reset_stats:
-            runtime.stats = RunStats(gamma=runtime.plan.gamma, requests=runtime.stats.requests)
         self.new = [[] for _ in commands]
         self.aborts = [[] for _ in commands]
         self.reset_stats = False
@@ -396,7 +392,6 @@ class DPDispatch:
                 if u.done:
                     r.done, r.finish_reason = True, r.finish_reason or u.finish_reason
                     del self.remote[u.rid]
-                    self.remote_unfinished[dp_rank] -= 1
                 touched.append(r)
         runtime.last_step = merge_steps([reply.step for reply in replies])
         return touched

@@ -47,10 +47,6 @@ class ExtendSteps:
             tuple(prefix), tuple(extend), m.host_page_table(requests), tuple(r.handle.slot for r in requests),
             rows - sum(extend), m.tensor(ids), capture))
 
-    def _logits(self, rows: list[int], logit_rows: int) -> torch.Tensor:
-        """Logits of `rows` of the forward's hidden states, projected over `logit_rows` rows."""
-        return self.forward.logits(LogitsForward(tuple(rows), logit_rows))
-
     def prefill(self, chunks: list[PrefillChunk], with_draft: bool) -> list[Request]:
         """Prefill the chunks; returns the requests whose prompt is now complete, each with its
         first token committed. With `with_draft` the prompt also becomes draft context."""
@@ -61,8 +57,8 @@ class ExtendSteps:
         if not rows:
             return []
         ids = [t for c in chunks for t in c.request.prompt[c.request.prefilled:c.request.prefilled + c.take]]
-        hidden, states, layout = self._forward(batch, [r.prefilled for r in batch], [c.take for c in chunks],
-                                               ids, rows, self.models.capture if with_draft else ())
+        _, states, layout = self._forward(batch, [r.prefilled for r in batch], [c.take for c in chunks],
+                                          ids, rows, self.models.capture if with_draft else ())
         if with_draft and real:
             assert states is not None
             self.models.append_draft_context(states[:real], layout.positions[:real], layout.row_req[:real],
@@ -71,7 +67,8 @@ class ExtendSteps:
             c.request.prefilled += c.take
         if not logit_rows:
             return []
-        logits = self._logits([layout.host_qo_indptr[i + 1] - 1 for i in complete], logit_rows)
+        last = tuple(layout.host_qo_indptr[i + 1] - 1 for i in complete)  # each complete prompt's last row
+        logits = self.forward.logits(LogitsForward(last, logit_rows))
         ready = [batch[i] for i in complete]
         if not ready:
             return []
@@ -91,7 +88,8 @@ class ExtendSteps:
         if not rows:
             return None
         self._forward(running, [r.seq_len for r in running], [1] * num_reqs, [r.root for r in running], rows)
-        logits = self._logits(list(range(num_reqs)), rows)
+        # every row the step ran (padded to the DP ranks' most), the requests' first
+        logits = self.forward.logits(LogitsForward(None))[:num_reqs]
         if not running:
             return None
         nxt = pick_rows(logits, batch_sampling(running), self.models.generators(running)).tolist()

@@ -202,18 +202,20 @@ class Runtime:
         """A validated request (not queued yet); raises RequestError naming the limit it breaks.
         With a `seed` the request samples from its own generator. Reads only configuration, so any
         thread may call it."""
-        generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
         r = Request(next(self._rids), list(prompt), max_new_tokens, sampling or self.sampling, ignore_eos,
-                    generator, seed=seed)
+                    self._generator(seed), seed=seed)
         pool = (self.slots.num_pages - 1) * self.page_size
         validate_request(r, self.plan.num_draft_tokens, self.deployment.serving.max_context_len, pool)
         return r
 
     def adopt(self, spec: RequestSpec) -> Request:
         """Another DP rank's engine's copy of a request rank 0 validated (DP attention)."""
-        generator = None if spec.seed is None else torch.Generator(device=self.device).manual_seed(spec.seed)
         return Request(spec.rid, list(spec.prompt), spec.max_new_tokens, spec.sampling, spec.ignore_eos,
-                       generator, seed=spec.seed)
+                       self._generator(spec.seed), seed=spec.seed)
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        """A request's own sampling stream when it has a seed."""
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
 
     def enqueue(self, request: Request) -> None:
         (self.dispatch or self.scheduler).enqueue(request)

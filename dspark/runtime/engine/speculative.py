@@ -77,8 +77,7 @@ class SpeculativeStep:
         start = time.perf_counter()
         m, n, num_reqs = self.models, self.plan.num_draft_tokens, len(running)
         prefix_host = [r.seq_len for r in running]
-        host_table = m.host_page_table(running)
-        page_table = host_table.to(m.device)
+        page_table = m.host_page_table(running).to(m.device)
         prefix = m.tensor(prefix_host)
         roots = m.tensor([r.root for r in running])
         batch = batch_sampling(running)
@@ -101,7 +100,7 @@ class SpeculativeStep:
         #    request runs fewer than N).
         fixed_ids = torch.cat((roots[:, None], drafts), dim=1).reshape(-1)
         layout, _, states = self.forward.verify(VerifyForward(
-            plan.run_lens, plan.verify_lens, tuple(prefix_host), host_table,
+            plan.run_lens, plan.verify_lens, tuple(prefix_host), page_table,
             tuple(h.slot for h in handles), tier, fixed_ids))
         assert states is not None
         logits = self.forward.logits(LogitsForward(None, logit_rows))
@@ -150,25 +149,22 @@ class SpeculativeStep:
     def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle]
               ) -> tuple[StepPlan, int | None, int | None]:
         """The step's plan, and under DP attention the tier and logit rows every DP rank runs."""
+        num_reqs = len(handles)
         slots, generations = [h.slot for h in handles], [h.generation for h in handles]
         if self.dp is None:
-            plan = self.plan.plan_step(conf_logits, len(handles), slots, generations, self.history)
-            return plan, None, None
+            return self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history), None, None
+        own: StepPlan | None
         try:
-            plan: StepPlan | None = self.plan.plan_step(conf_logits, len(handles), slots, generations,
-                                                        self.history)
-            assert plan is not None
-            rows = sum(plan.run_lens)
-            report = VerifyReport(len(handles), rows, self._tier_of(rows), True)
+            own = self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history)
+            rows = sum(own.run_lens)
+            report = VerifyReport(num_reqs, rows, self._tier_of(rows), True)
         except ValueError:  # the planner's refusals, and a step past the largest tier
-            plan, report = None, VerifyReport(len(handles), 0, 0, False)
+            own, report = None, VerifyReport(num_reqs, 0, 0, False)
         agreed = self._agree(report)
         if agreed.uniform_rows is not None:
-            plan = self.plan.uniform_step(len(handles), agreed.uniform_rows)
-        else:
-            assert plan is not None
-            plan = self.plan.align_to_tier(plan, agreed.tier)
-        return plan, agreed.tier, agreed.logit_rows
+            return self.plan.uniform_step(num_reqs, agreed.uniform_rows), agreed.tier, agreed.logit_rows
+        assert own is not None  # every DP rank planned
+        return self.plan.align_to_tier(own, agreed.tier), agreed.tier, agreed.logit_rows
 
     def _tier_of(self, rows: int) -> int:
         tiers = self.forward.runner.shape.tiers
@@ -176,9 +172,8 @@ class SpeculativeStep:
 
     def _agree(self, report: VerifyReport) -> GlobalVerify:
         assert self.dp is not None
-        agreed = global_verify(self.dp.agree_verify(report), self.forward.runner.shape.tiers,
-                               self.plan.uniform_rows, self.plan.fills_tier)
-        return agreed
+        return global_verify(self.dp.agree_verify(report), self.forward.runner.shape.tiers,
+                             self.plan.uniform_rows, self.plan.fills_tier)
 
     def _check(self, tier: int | None, logit_rows: int | None) -> None:
         """In the check mode, every DP rank is about to run the same tier and logit rows (or fails loudly)."""

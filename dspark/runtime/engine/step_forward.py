@@ -46,7 +46,7 @@ class VerifyForward:
     run_lens: tuple[int, ...]
     verify_lens: tuple[int, ...]
     prefix_lens: tuple[int, ...]
-    page_table: torch.Tensor  # int32 [B, pages_per_request], host
+    page_table: torch.Tensor  # int32 [B, pages_per_request], on any device (a follower gets the host's copy)
     slots: tuple[int, ...]
     tier: int | None
     fixed_ids: torch.Tensor  # int64 [B * N]: each request's root and drafts at the fixed stride
@@ -100,7 +100,9 @@ class StepForward:
     def extend(self, step: ExtendForward) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
         layout = plan_extend(step.prefix_lens, step.extend_lens, step.page_table, self.runner.shape.page_size,
                              self.device, step.slots, padding_rows=step.padding_rows)
-        ids = F.pad(step.input_ids.to(self.device), (0, step.padding_rows))
+        ids = step.input_ids.to(self.device)
+        if step.padding_rows:
+            ids = F.pad(ids, (0, step.padding_rows))
         hidden, states = self.target.forward_paged_states(ids, layout.positions, self.attn,
                                                           self.build_extend_metadata(layout), step.capture)
         self.hidden = hidden
