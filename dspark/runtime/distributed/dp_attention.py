@@ -20,9 +20,9 @@ DeepSeek-V4 splits the same way (`shard_dp_attention_target`'s dsv4 branch): a l
 rows, sinks, wo columns, wo row-parallel) over `groups.attention`, with the K=V head, the compressors and the
 indexer replicated on each of them as under plain tensor parallelism (`shard_dsv4_target`); its MLP
 (w1 / w3 rows, w2 columns) and its vocabulary over `groups.world`, the embedding and the LM head wrapped as
-the dense ones are (`DPGatheredVocab`). Its layers keep their weights as tensors and run the output
-projection and the MLP in one method, so a layer becomes a `DPAttentionDsv4Layer`, whose `output_rows` sums
-wo over the attention ranks and runs the MLP on the rows gathered across `dp`.
+the dense ones are (`DPGatheredVocab`). Its layers keep their weights as tensors, so a layer becomes a
+`DPAttentionDsv4Layer`, whose `mlp_rows` runs the MLP on the rows gathered across `dp` (wo's partial
+products are summed over the attention ranks by the layer's own `partial_sum`).
 
 Row invariance on the CPU (`tensor_parallel`) holds here too: the gather only concatenates rows, the
 local products go through `ops.linear` (and the MLP's SiLU through `ops.lanewise`), and every sum over
