@@ -1,23 +1,21 @@
 """The dsv4 family served end to end from its generated packages (specs/dsv4_tiny_cpu_*.yaml), in every verify
 mode: target-only decoding over the paged caches equals the reference model's own greedy decoding, greedy
 speculative output equals target-only output, and with scripted drafts (the target's own greedy continuation
-with one error injected at a chosen slot, or none) every acceptance length occurs across C4 and C16 block
+with one error injected at a shuffled slot, or none) every acceptance length occurs across C4 and C16 block
 boundaries, rejected suffixes rolled back by overwriting, and the output is still target-only's, token for
 token."""
 
 from __future__ import annotations
 
-import dataclasses
-import random
-from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
+
+from .scripted_draft import assert_every_length, generate_scripted
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("static", "cap_accept", "compact")
@@ -58,40 +56,15 @@ def test_greedy_speculative_output_equals_target_only(runtime: Runtime) -> None:
     assert stats.steps > 0
 
 
-def test_scripted_drafts_hit_every_acceptance_length(runtime: Runtime,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The draft proposes the target's greedy continuation with an error at a random slot (or none): the
-    verify steps accept every length 0 .. gamma, close compressed blocks for drafts then rejected, and the
-    output is target-only's."""
+def test_scripted_drafts_hit_every_acceptance_length(runtime: Runtime) -> None:
+    """The draft proposes the target's greedy continuation with an error at a shuffled slot (or none): the
+    verify steps accept every length 0 .. gamma and reject a draft at every slot, close compressed blocks
+    for drafts then rejected, and the output is target-only's."""
     rt = runtime
     ps = prompts(rt.target.cfg.vocab_size)
     want, _ = rt.generate(ps, NEW_TOKENS, target_only=True)
-    gamma, vocab = rt.plan.gamma, rt.target.cfg.vocab_size
-    horizon = NEW_TOKENS + gamma + 1
-    full = {tuple(p): rt.target.greedy_continue(torch.tensor([p]), horizon)[0].tolist() for p in ps}
-    rng = random.Random(5)
-    propose = rt.draft.propose
-    errors: Counter[int] = Counter()  # the slot of each proposal's wrong draft (gamma: none)
-
-    def scripted(anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        proposal = propose(anchor_ids, anchor_pos, *args, **kwargs)
-        drafts = proposal.drafts.clone()
-        for b, r in enumerate(rt.scheduler.running):  # the order the step's requests are drafted in
-            seq, pos = full[tuple(r.prompt)], int(anchor_pos[b])
-            assert seq[pos] == int(anchor_ids[b])  # the root is the target's own token there
-            drafts[b] = torch.tensor(seq[pos + 1:pos + 1 + gamma])
-            wrong = rng.randint(0, gamma)  # gamma: every draft right
-            if wrong < gamma:
-                drafts[b, wrong] = (drafts[b, wrong] + 1) % vocab
-            errors[wrong] += 1
-        return dataclasses.replace(proposal, drafts=drafts)
-
-    monkeypatch.setattr(rt.draft, "propose", scripted)
-    got, stats = rt.generate(ps, NEW_TOKENS)
-    assert got == want
-    assert set(errors) == set(range(gamma + 1))
+    run = generate_scripted(rt, ps, NEW_TOKENS, seed=5)
+    assert run.outputs == want
+    assert_every_length(run, rt.plan.gamma)
     # scripted drafts are accepted: far fewer steps than tokens
-    assert stats.steps < sum(len(o) for o in want) / 2
-    if rt.plan.mode == "static":  # every row verified: drafts were rejected at the first slot and accepted
-        # through the last: the acceptance lengths were reached, not only proposed
-        assert stats.drafts_accepted[0] < stats.drafts_verified[0] and stats.drafts_accepted[-1] > 0
+    assert run.stats.steps < sum(len(o) for o in want) / 2

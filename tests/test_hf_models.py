@@ -6,7 +6,9 @@ rope_theta), then compiled into a deployment with a dummy draft and served by th
 the runtime's paged path — a prefill extend, a one-row decode extend and a ragged compact verify step
 through the generated verify runner — the logits equal transformers' full forward within float32
 tolerance, and greedy continuations (target-only and speculative) equal transformers' greedy ones,
-for tied and untied embeddings, biases, and every RoPE scaling dspark implements.
+for tied and untied embeddings, biases, and every RoPE scaling dspark implements. The speculative run
+that is compared is one whose drafts get accepted: a scripted draft proposes transformers' own greedy
+continuation with an error at a shuffled slot, and the verifier accepts every length 0 … gamma.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from dspark.runtime.models import ops
 from dspark.runtime.models.checkpoint import load_target
 from dspark.runtime.package import load_package
 from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
+
+from .scripted_draft import assert_every_length, generate_scripted
 
 transformers = pytest.importorskip("transformers")
 
@@ -173,15 +177,23 @@ def test_paged_prefill_decode_and_verify_logits_equal_transformers(served) -> No
             rt.slots.release(h.slot)
 
 
+def hf_sequence(model: Any, prompt: list[int], steps: int) -> list[int]:
+    """The prompt and transformers' greedy continuation of `steps` tokens, through any EOS."""
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0].tolist()
+
+
 def hf_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
     """transformers' greedy continuation, cut where the runtime stops (before EOS)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    out = hf_sequence(model, prompt, steps)[len(prompt):]
     return out[:out.index(EOS_ID)] if EOS_ID in out else out
 
 
 def test_greedy_continuations_equal_transformers(served) -> None:
+    """Target-only, speculative with the dummy draft (its drafts are rejected), and speculative with a
+    scripted draft proposing transformers' continuation (accepted at every length 0 … gamma): each is
+    transformers' greedy output."""
     reference, rt = served
     seqs = prompts((3, 9, 14, 6), seed=4)
     expected = [hf_greedy(reference, s, 16) for s in seqs]
@@ -189,6 +201,10 @@ def test_greedy_continuations_equal_transformers(served) -> None:
     speculative, _ = rt.generate(seqs, 16)
     assert target_only == expected
     assert speculative == expected
+    scripts = {tuple(s): hf_sequence(reference, s, 16 + GAMMA + 1) for s in seqs}
+    scripted = generate_scripted(rt, seqs, 16, scripts)
+    assert scripted.outputs == expected
+    assert_every_length(scripted, GAMMA)
 
 
 def test_a_tied_checkpoint_loads_without_an_lm_head_tensor(tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
 """The qwen3 family served end to end: the committed `specs/qwen3_tiny_cpu_compact.yaml` (dummy Qwen3
 target with tied embeddings and a dummy draft) decodes greedily exactly as target-only decoding, in
-every verify mode. Acceptance is irrelevant here (random drafts); what is checked is that the Qwen3
-forward is row-invariant through prefill chunks, ragged verify steps and decode, so speculation never
-changes a token.
+every verify mode: with its dummy draft (random drafts, rejected) and with a scripted one (the target's
+greedy continuation with an error at a shuffled slot), which the verifier accepts at every length
+0 … gamma. The Qwen3 forward is row-invariant through prefill chunks, ragged verify steps and decode, and
+the accepted drafts' KV and draft context are committed as the target's own, so speculation never changes
+a token.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dspark.runtime.models.qwen3 import Qwen3ForCausalLM
 from dspark.runtime.package import load_package
 
 from .runtime_helpers import REPO, compile_variant
+from .scripted_draft import assert_every_length, generate_scripted
 
 SPEC = "qwen3_tiny_cpu_compact.yaml"
 PROMPTS = ["def main(", "import os\n", "class Parser:\n    def __init__(self", "x", "for i in range(10):\n",
@@ -48,3 +51,8 @@ def test_greedy_speculative_equals_target_only(mode: str, tmp_path: Path) -> Non
     assert all(len(out) == 16 or not out for out in reference)  # max_new_tokens, or an early EOS
     if mode == "compact":  # the committed cost table makes the planner cut rows: ragged steps ran
         assert stats.verify_rows < stats.request_steps * rt.plan.num_draft_tokens
+    scripted = generate_scripted(rt, prompts, 16)
+    assert scripted.outputs == reference
+    assert_every_length(scripted, rt.plan.gamma)
+    if mode == "compact":  # unsure past its wrong draft, the draft's rows there are cut: ragged and accepted
+        assert scripted.stats.verify_rows < scripted.stats.request_steps * rt.plan.num_draft_tokens

@@ -12,6 +12,8 @@ from dspark.runtime.package import load_package
 from dspark.runtime.tokenizer import ByteTokenizer
 from dspark.spec import SpecError, load_spec
 
+from .scripted_draft import assert_every_length, generate_scripted
+
 GEOMETRY = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
             "num_kv_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
 DUMMY = {"model": {"checkpoint": "nowhere/target", "geometry": GEOMETRY, "load_format": "dummy"},
@@ -46,12 +48,18 @@ def test_dummy_models_have_the_spec_geometry_and_seeded_weights(dummy_package) -
 
 @pytest.mark.parametrize("mode", ["static", "compact"])
 def test_dummy_weights_decode_losslessly(dummy_package, mode: str) -> None:
+    """With the dummy draft (almost never accepted) and with a scripted one (the target's greedy
+    continuation with an error at a shuffled slot): the verifier accepts every draft length 0 … gamma,
+    and the output is target-only's."""
     verify = {"mode": mode, "allow_no_cost_model": True}
     runtime = Runtime(load_package(dummy_package({"verify": verify})))
     prompts = [[1, 2, 3, 4], [7, 8], [100, 200, 250]]
     expected, _ = runtime.generate(prompts, 12, target_only=True)
     got, stats = runtime.generate(prompts, 12)
     assert got == expected and stats.steps > 0
+    scripted = generate_scripted(runtime, prompts, 12)
+    assert scripted.outputs == expected
+    assert_every_length(scripted, runtime.plan.gamma)
 
 
 def test_the_compiler_records_dummy_weights(dummy_package) -> None:
