@@ -282,11 +282,16 @@ def test_checkpoint_digests_are_cached_and_invalidated(tmp_path):
 
 
 def test_an_unwritable_cache_is_not_fatal(tmp_path, monkeypatch):
+    directory = checkpoint(tmp_path / "ckpt", HF_CONFIG, b"w")
+    expected = checkpoint_digest(directory)  # through the fixture's writable cache
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(blocker / "cache"))
-    directory = checkpoint(tmp_path / "ckpt", HF_CONFIG, b"w")
-    assert checkpoint_digest(directory) == checkpoint_digest(directory)
+    # Nothing can be read from or written to a cache under a file: each call hashes the files again.
+    assert checkpoint_digest(directory) == expected
+    (directory / "model.safetensors").write_bytes(b"x")
+    assert checkpoint_digest(directory) not in (expected, "")
+    assert blocker.read_text() == ""
 
 
 def stamp(path: Path, fingerprint: Fingerprint, **changes) -> None:

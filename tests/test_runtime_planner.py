@@ -54,7 +54,12 @@ def test_source_example_budget_prefers_3620_over_3014_tokens_per_second(table: C
     assert decision.budget == 2 and decision.num_rows == 4
     assert decision.objective == pytest.approx(3620, rel=1e-6)
     assert decision.predicted_step_seconds == pytest.approx(0.001)
-    three_rows = 4.22 / 0.0014
+    # The source's alternative, 3 extra rows: the planner's tau for them over the table's time at M = 5.
+    three = choose_budget(example_survival(), None, ScheduleConfig(gamma=2), max_rows=5)
+    assert (three.budget, three.num_rows) == (3, 5) and three.tau == pytest.approx(4.22, abs=1e-6)
+    seconds = 1 / table.lookup(5) if isinstance(table, SpsTable) else table.step_time(2, 5)
+    assert seconds == pytest.approx(0.0014)
+    three_rows = three.tau / seconds
     assert three_rows == pytest.approx(3014.3, abs=0.1)
     assert decision.objective > three_rows
 
