@@ -1,5 +1,5 @@
 """`dspark-compile` commands: build, check, diff, export-sglang, stale tables, overwrite protection,
-atomicity, speed."""
+atomicity, bounded work."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dspark.cli.compile import main
 from dspark.compiler import compile_spec, emit, write
+
+from .bounded_work import count_calls
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -194,11 +195,12 @@ def test_the_compiler_never_imports_torch(project):
     assert not {name for name in imported if name.split(".")[0] == "torch"}
 
 
-def test_one_compile_is_fast(project):
-    compile_spec("specs/demo.yaml")  # warm caches (templates, pydantic schemas)
-    start = time.perf_counter()
-    compile_spec("specs/demo.yaml")
-    assert time.perf_counter() - start < 1.0
+def test_one_compile_is_cheap(project):
+    """A compile with warm caches (templates, pydantic schemas) makes about 20 000 function calls (some
+    10 ms); the bound is in calls, not seconds, so a loaded machine cannot fail it."""
+    compile_spec("specs/demo.yaml")  # warm caches
+    package, calls = count_calls(lambda: compile_spec("specs/demo.yaml"))
+    assert package.files and calls < 200_000, calls
 
 
 def _stale_cost_table(project) -> None:
