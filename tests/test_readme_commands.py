@@ -13,11 +13,14 @@ script and runs (that is what the README says the demo does).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +35,7 @@ BLOCK_TIMEOUT_S = 300
 
 # Commands shown but not run here (matched against the whole command), with the reason.
 EXCLUDED = {
-    r"^\./dev demo\b": "the demo's two commands are read from ./dev and run instead (test_demo_commands)",
+    r"^\./dev demo\b": "its two commands are read out of ./dev and run instead (demo_commands)",
     r"^\./dev test\b": "the test suite itself",
     r"torchrun\b": "several processes under torchrun: tests/test_dp_attention_serving.py and "
                    "tests/test_distributed_serving.py run these launches",
@@ -113,15 +116,27 @@ def localised(command: str, port: int) -> str:
     return command.replace("8000", str(port))
 
 
-def run_script(text: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_script(text: str, cwd: Path, logs: Path) -> subprocess.CompletedProcess[str]:
+    """Run one block in its own process group; whatever it leaves running is killed after it.
+
+    Output goes to files, not pipes, so a leftover background process cannot keep the wait open.
+    """
     # One thread per process: two blocks run at once, and every block is mostly process start-up.
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    try:
-        return subprocess.run(["bash", "-c", text], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=BLOCK_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as exc:
-        return subprocess.CompletedProcess(exc.cmd, -1, str(exc.stdout), f"timed out: {exc}")
+    out, err = logs.with_suffix(".out"), logs.with_suffix(".err")
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(["bash", "-c", text], cwd=cwd, env=env, stdout=stdout, stderr=stderr,
+                                start_new_session=True)
+        try:
+            status = proc.wait(timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            status = -1
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    note = f"timed out after {BLOCK_TIMEOUT_S} s\n" if status == -1 else ""
+    return subprocess.CompletedProcess(proc.args, status, out.read_text(), note + err.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +168,7 @@ def test_the_readme_says_what_the_demo_runs() -> None:
 def test_the_readme_blocks_parse_into_commands() -> None:
     blocks = readme_blocks((REPO / "README.md").read_text(encoding="utf-8"))
     commands = [c for b in blocks for c in b.commands]
+    assert blocks[0].line == 3  # the README opens with the two commands, right under its title
     assert blocks[0].commands == ["./dev demo    # compile specs/tiny_cpu_static.yaml and run the "
                                   "generated runtime on fixed prompts",
                                   "./dev test    # run the test suite (ruff + pytest, slow tests included)"]
@@ -163,8 +179,30 @@ def test_the_readme_blocks_parse_into_commands() -> None:
         "a \\\n  b", "x <<'EOF'\ny \\\nEOF", "z &"]
 
 
+def test_a_block_leaves_no_process_behind(tmp_path: Path) -> None:
+    """A background process a block forgets to stop neither holds the test up nor outlives it."""
+    started = time.monotonic()
+    result = run_script("sleep 600 &\necho $! > pid\necho started", tmp_path, tmp_path / "job")
+    assert (result.returncode, result.stdout) == (0, "started\n")
+    assert time.monotonic() - started < 30
+    pid = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 10
+    while alive(pid):
+        assert time.monotonic() < deadline, f"process {pid} outlived its block"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie waiting for a parent that no longer exists to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
 @pytest.mark.slow
-def test_every_readme_command_runs(workspace: Path) -> None:
+def test_every_readme_command_runs(workspace: Path, tmp_path: Path) -> None:
     blocks = readme_blocks((REPO / "README.md").read_text(encoding="utf-8"))
     demo = script([f"{VENV_BIN}/{c}" for c in demo_commands()])
     jobs: list[tuple[str, str]] = [("./dev demo (its commands)", demo)]
@@ -177,7 +215,8 @@ def test_every_readme_command_runs(workspace: Path) -> None:
     # runtime processes (the slow part: each loads torch and a model) go first.
     order = sorted(range(len(jobs)), key=lambda k: -len(re.findall(r"/dspark |torchrun", jobs[k][1])))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        done = dict(zip(order, pool.map(lambda k: run_script(jobs[k][1], workspace), order), strict=True))
+        runs = pool.map(lambda k: run_script(jobs[k][1], workspace, tmp_path / f"job{k}"), order)
+        done = dict(zip(order, runs, strict=True))
     failures = [f"{name}: exit {done[k].returncode}\n{text}\n--- stdout\n{done[k].stdout[-3000:]}\n"
                 f"--- stderr\n{done[k].stderr[-3000:]}"
                 for k, (name, text) in enumerate(jobs) if done[k].returncode != 0]
