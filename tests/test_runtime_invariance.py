@@ -15,6 +15,7 @@ from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.layout import cache_slots
 from dspark.runtime.models import ops
+from tests import invariance_checks
 
 
 @pytest.mark.parametrize("in_features, out_features", [(256, 688), (688, 256), (256, 259)])
@@ -163,3 +164,24 @@ def test_a_long_prefill_chunk_runs_in_slabs_that_read_only_their_keys() -> None:
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None], is_causal=True)
     torch.testing.assert_close(out, ref[0].transpose(0, 1)[ctx:], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Not trusting the machine: the same properties under a product that rounds by its call's shape.
+
+
+def test_the_adversarial_product_breaks_a_product_that_trusts_the_blas() -> None:
+    """The adversary has teeth: a linear that pads rows to a floor and runs one BLAS call (what a
+    row-count threshold would ask for) gives a row other bits at 16 rows than at 20."""
+    torch.manual_seed(4)
+    w, x = torch.randn(704, 256), torch.randn(20, 256)
+    with invariance_checks.adversarial():
+        padded = [torch.nn.functional.linear(torch.nn.functional.pad(x[:n], (0, 0, 0, max(16, n) - n)), w)[:n]
+                  for n in (16, 20)]
+    assert not torch.equal(padded[0], padded[1][:16])
+
+
+@pytest.mark.parametrize("check", sorted(invariance_checks.CHECKS))
+def test_rows_are_invariant_under_an_adversarial_product(check: str) -> None:
+    with invariance_checks.adversarial():
+        invariance_checks.CHECKS[check]()

@@ -331,11 +331,16 @@ def test_cuda_kernels_replay_in_a_captured_graph() -> None:
 
 
 def test_rms_norm_reference_is_hugging_faces_recipe() -> None:
-    """float32 statistics, cast back before the weight: bf16 rounds twice, as HF's LlamaRMSNorm does."""
-    x, w = torch.randn(4, 64).to(torch.bfloat16), torch.randn(64).to(torch.bfloat16)
+    """float32 statistics, cast back before the weight: bf16 rounds twice, as HF's LlamaRMSNorm does,
+    bit for bit; rounding once (the weight applied in float32) is another result, which this tells apart."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 256).to(torch.bfloat16), torch.randn(256).to(torch.bfloat16)
     xf = x.float()
-    normed = (xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
-    torch.testing.assert_close(rms_norm.rms_norm_torch(x, w, 1e-6), w * normed, atol=0, rtol=1e-2)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    twice = w * normed.to(torch.bfloat16)
+    once = (w.float() * normed).to(torch.bfloat16)
+    assert torch.equal(rms_norm.rms_norm_torch(x, w, 1e-6), twice)
+    assert not torch.equal(once, twice)
     with pytest.raises(ValueError, match="weight must be"):
         rms_norm.rms_norm(x, torch.ones(63), 1e-6)
 

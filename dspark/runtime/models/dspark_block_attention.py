@@ -3,13 +3,10 @@ batch: not on how many requests share the step, nor on how far the longest of th
 
 Each request's block queries attend to its cached context (the first `ctx_lens[b]` of `C` entries)
 and to its own block. A fused attention kernel reduces over all `C + Q` keys at once, and its
-blocking, hence its rounding, follows `C`, which the longest request in the batch sets. Here:
-
-* the context is read in fixed 64-key chunks from key 0, every product of one shape whatever `C`
-  (chunks wholly past a request's context are fully masked and add exact zeros);
-* the softmax shift is the maximum over all scores, which is exact in any order;
-* the normaliser is an extra all-ones value column, so it accumulates inside the same products as
-  the numerator, chunk after chunk in key order, the block's own keys last.
+blocking, hence its rounding, follows `C`, which the longest request in the batch sets. Here the keys
+are the context padded to whole `KV_CHUNK` chunks followed by the block in a chunk of its own, and
+`ops.chunked_attention` runs every product in one shape fixed by the model, adding the chunks in key
+order (chunks wholly past a request's context are masked and add exact zeros; docs/exactness.md).
 
 Scores, probabilities and sums are float32 whatever the model's dtype, as in a fused kernel: chunk
 sums added in bfloat16 would lose the context's tail on long prompts.
@@ -20,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dspark.runtime.models.ops import lanewise
+from dspark.runtime.attention.metadata import KV_CHUNK
+from dspark.runtime.models import ops
 
-CHUNK = 64
+
 def block_step_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, ctx_lens: torch.Tensor,
                          blk_k: torch.Tensor, blk_v: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of block queries `q[B, Q, H, D]` over the context `ctx_k/ctx_v[B, C, Hkv, D]` (request
@@ -32,30 +30,28 @@ def block_step_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tens
     b, nq, h, d = q.shape
     c, hkv = ctx_k.shape[1], ctx_k.shape[2]
     group = h // hkv
-    # [B, Hkv, group * Q, D]: the query heads that share a key/value head, as rows of one product.
     f32 = torch.promote_types(q.dtype, torch.float32)  # float32 at least (float64 stays)
-    qg = q.permute(0, 2, 1, 3).reshape(b, hkv, group * nq, d).to(f32) * scale
-    pad = -c % CHUNK
-    ck = F.pad(ctx_k.to(f32), (0, 0, 0, 0, 0, pad)).permute(0, 2, 1, 3)  # [B, Hkv, C', D]
-    ones = torch.ones(*ctx_v.shape[:-1], 1, dtype=f32, device=ctx_v.device)
-    cv = F.pad(torch.cat((ctx_v.to(f32), ones), dim=-1), (0, 0, 0, 0, 0, pad))
-    cv = cv.permute(0, 2, 1, 3)  # [B, Hkv, C', D+1]
-    visible = torch.arange(c + pad, device=q.device)[None, :] < ctx_lens[:, None]  # [B, C']
+    ctx_pad, blk_pad = -c % KV_CHUNK, -nq % KV_CHUNK
+    if nq > KV_CHUNK:
+        raise ValueError(f"a block of {nq} slots does not fit one key chunk of {KV_CHUNK}")
 
-    scores = [qg @ ck[:, :, i:i + CHUNK].transpose(-1, -2) for i in range(0, c + pad, CHUNK)]
-    scores = [s.masked_fill(~visible[:, None, None, i * CHUNK:(i + 1) * CHUNK], float("-inf"))
-              for i, s in enumerate(scores)]
-    bk = blk_k.to(f32).permute(0, 2, 1, 3)
-    bv = torch.cat((blk_v.to(f32), torch.ones(*blk_v.shape[:-1], 1, dtype=f32, device=blk_v.device)),
-                   dim=-1).permute(0, 2, 1, 3)  # [B, Hkv, Q, D+1]
-    blk_scores = qg @ bk.transpose(-1, -2)  # [B, Hkv, group*Q, Q]; the block is always visible
-    shift = blk_scores.amax(-1, keepdim=True)
-    for s in scores:
-        shift = torch.maximum(shift, s.amax(-1, keepdim=True))
+    def keys_of(ctx: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:  # [Hkv, B, C' + KV_CHUNK, D]
+        both = torch.cat((F.pad(ctx.to(f32), (0, 0, 0, 0, 0, ctx_pad)),
+                          F.pad(blk.to(f32), (0, 0, 0, 0, 0, blk_pad))), dim=1)
+        return both.permute(2, 0, 1, 3).contiguous()
 
-    acc = torch.zeros(b, hkv, group * nq, d + 1, dtype=f32, device=q.device)
-    for i, s in enumerate(scores):
-        acc = acc + lanewise(torch.exp, s - shift) @ cv[:, :, i * CHUNK:(i + 1) * CHUNK]
-    acc = acc + lanewise(torch.exp, blk_scores - shift) @ bv
-    out = (acc[..., :d] / acc[..., d:]).to(q.dtype)
-    return out.reshape(b, hkv, group, nq, d).reshape(b, h, nq, d).transpose(1, 2)
+    # The block's slots are positions ctx_lens[b] …; each goes to the column its position sets.
+    columns, cols = ops.attention_columns(ctx_lens, nq)
+    seqs = torch.arange(b, device=q.device)[:, None].expand(b, nq)
+    qc = q.new_zeros(b, cols, h, d, dtype=f32)
+    qc[seqs, columns] = q.to(f32) * scale
+    qc = qc.view(b, cols, hkv, group, d).permute(2, 0, 1, 3, 4).contiguous()  # Hkv, B, C, G, D
+    pos = torch.arange(c + ctx_pad + KV_CHUNK, device=q.device)
+    in_ctx = pos < c + ctx_pad
+    in_block = (pos - c - ctx_pad < nq)[None, :]
+    visible = torch.where(in_ctx[None, :], pos[None, :] < ctx_lens[:, None], in_block)
+    hidden = visible.new_ones(b, cols, pos.numel())
+    hidden[seqs, columns] = ~visible[:, None, :]
+    out = ops.chunked_attention(qc, keys_of(ctx_k, blk_k), keys_of(ctx_v, blk_v), hidden)
+    out = out.permute(1, 2, 0, 3, 4)[seqs, columns]  # B, Q, Hkv, G, D
+    return out.reshape(b, nq, h, d).to(q.dtype)
