@@ -71,14 +71,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows, width = x.shape
     tiles = _tiles(rows, ROW_TILE)
     # A fresh buffer, so every call's operands have one alignment and one set of strides.
-    padded = x.new_zeros(tiles * ROW_TILE, width)
-    padded[:rows] = x
-    out = x.new_empty(tiles * ROW_TILE, weight.shape[0])
-    weight_t = weight.t()
+    padded = x.new_zeros(tiles, ROW_TILE, width)
+    padded.view(-1, width)[:rows] = x
+    # `weight @ tileᵀ`: the tile's rows are the vector lanes of the product (the dimension a BLAS
+    # kernel vectorises), not its register-blocked columns, whose remainder blocks (and the split
+    # between threads) round a row by its place in the tile on some CPUs.
+    out_t = x.new_empty(tiles, weight.shape[0], ROW_TILE)
     for t in range(tiles):
-        tile = slice(t * ROW_TILE, (t + 1) * ROW_TILE)
-        torch.mm(padded[tile], weight_t, out=out[tile])
-    out = out[:rows]
+        torch.mm(weight, padded[t].t(), out=out_t[t])
+    out = out_t.transpose(1, 2).reshape(-1, weight.shape[0])[:rows]
     return out + bias if bias is not None else out
 
 
