@@ -58,6 +58,11 @@ timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_atte
   tests/test_dsv4_attention_kernel.py tests/test_dsv4_cuda_layers_gpu.py \
   -k "not under_interpreter" \
   2>&1 | tee "$RES/tests.log" | tail -n 25
+# The CPU exactness checks on this machine's host CPU, another x86 model than the developers'
+# (docs/exactness.md), in the same call.
+lscpu | grep -m1 "Model name" | tee -a "$RES/tests.log"
+timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_invariance.py \
+  tests/test_invariance_kernel_selections.py -k "not emulated" 2>&1 | tee -a "$RES/tests.log" | tail -n 5
 save
 fi
 

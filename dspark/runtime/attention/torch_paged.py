@@ -33,8 +33,7 @@ class TorchPagedAttention:
         blocks = meta.blocks
         assert blocks is not None  # TorchPagedMetadata checks it
         q_padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # the zero row padding gathers
-        pos_padded = torch.cat((meta.positions, meta.positions.new_zeros(1)))
-        outs = [self._attend_block(layer_id, q_padded, pos_padded, block) for block in blocks.blocks]
+        outs = [self._attend_block(layer_id, q_padded, block) for block in blocks.blocks]
         if not outs:
             return q.new_zeros(q.shape)
         return torch.cat(outs)[blocks.scatter]
@@ -52,22 +51,17 @@ class TorchPagedAttention:
 
         return read(k_cache), read(v_cache)
 
-    def _attend_block(self, layer_id: int, q_padded: torch.Tensor, pos_padded: torch.Tensor,
-                      block: QueryBlock) -> torch.Tensor:
+    def _attend_block(self, layer_id: int, q_padded: torch.Tensor, block: QueryBlock) -> torch.Tensor:
         """`[b * width, H, D]`: the block's padded query rows attended over their requests' keys."""
         num_reqs, width = block.gather.shape
         num_kv, head_dim = self.cache.k.shape[-2:]
         group = self.num_heads // num_kv
         f32 = torch.promote_types(q_padded.dtype, torch.float32)
-        # A request's rows are consecutive positions; each goes to the column its position sets.
-        columns, cols = ops.attention_columns(pos_padded[block.gather[:, 0]], width)
-        reqs = torch.arange(num_reqs)[:, None].expand(num_reqs, width)
-        q = q_padded.new_zeros(num_reqs, cols, self.num_heads, head_dim, dtype=f32)
-        q[reqs, columns] = q_padded[block.gather].to(f32) * self.scale
-        q = q.view(num_reqs, cols, num_kv, group, head_dim).permute(2, 0, 1, 3, 4)  # Hkv, b, C, G, D
-        hidden = block.hidden.new_ones(num_reqs, cols, block.kv_bound)
-        hidden[reqs, columns] = block.hidden[:, :, 0].transpose(1, 2)
+        # Pairs (query row, query head of the KV group), row-major: [Hkv, b, width * group, D].
+        q = (q_padded[block.gather].to(f32) * self.scale).view(num_reqs, width, num_kv, group, head_dim)
+        q = q.permute(2, 0, 1, 3, 4).reshape(num_kv, num_reqs, width * group, head_dim)
         keys, vals = (t.to(f32).permute(2, 0, 1, 3).contiguous() for t in self._read_kv(layer_id, block))
-        out = ops.chunked_attention(q.contiguous(), keys, vals, hidden)  # Hkv, b, C, G, D
-        out = out.permute(1, 2, 0, 3, 4)[reqs, columns]  # b, width, Hkv, G, D
+        hidden = block.hidden[:, :, 0].transpose(1, 2).repeat_interleave(group, dim=1)  # b, pairs, kv_bound
+        out = ops.chunked_attention(q, keys, vals, hidden)  # Hkv, b, pairs, D
+        out = out.reshape(num_kv, num_reqs, width, group, head_dim).permute(1, 2, 0, 3, 4)
         return out.reshape(num_reqs * width, self.num_heads, head_dim).to(q_padded.dtype)

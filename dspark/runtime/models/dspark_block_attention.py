@@ -40,18 +40,13 @@ def block_step_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tens
                           F.pad(blk.to(f32), (0, 0, 0, 0, 0, blk_pad))), dim=1)
         return both.permute(2, 0, 1, 3).contiguous()
 
-    # The block's slots are positions ctx_lens[b] …; each goes to the column its position sets.
-    columns, cols = ops.attention_columns(ctx_lens, nq)
-    seqs = torch.arange(b, device=q.device)[:, None].expand(b, nq)
-    qc = q.new_zeros(b, cols, h, d, dtype=f32)
-    qc[seqs, columns] = q.to(f32) * scale
-    qc = qc.view(b, cols, hkv, group, d).permute(2, 0, 1, 3, 4).contiguous()  # Hkv, B, C, G, D
+    # Pairs (block slot, query head of the KV group), row-major: [Hkv, B, Q * group, D].
+    qg = (q.to(f32) * scale).view(b, nq, hkv, group, d).permute(2, 0, 1, 3, 4).reshape(hkv, b, nq * group, d)
     pos = torch.arange(c + ctx_pad + KV_CHUNK, device=q.device)
     in_ctx = pos < c + ctx_pad
     in_block = (pos - c - ctx_pad < nq)[None, :]
-    visible = torch.where(in_ctx[None, :], pos[None, :] < ctx_lens[:, None], in_block)
-    hidden = visible.new_ones(b, cols, pos.numel())
-    hidden[seqs, columns] = ~visible[:, None, :]
-    out = ops.chunked_attention(qc, keys_of(ctx_k, blk_k), keys_of(ctx_v, blk_v), hidden)
-    out = out.permute(1, 2, 0, 3, 4)[seqs, columns]  # B, Q, Hkv, G, D
+    visible = torch.where(in_ctx[None, :], pos[None, :] < ctx_lens[:, None], in_block)  # B, C' + KV_CHUNK
+    hidden = (~visible)[:, None, :].expand(b, nq * group, pos.numel())
+    out = ops.chunked_attention(qg, keys_of(ctx_k, blk_k), keys_of(ctx_v, blk_v), hidden)
+    out = out.reshape(hkv, b, nq, group, d).permute(1, 2, 0, 3, 4)
     return out.reshape(b, nq, h, d).to(q.dtype)

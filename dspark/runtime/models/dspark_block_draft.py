@@ -65,6 +65,13 @@ def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def dense_many(x: torch.Tensor, *layers: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """`dense` for several layers read from the same rows, as one product (`ops.linear_many`)."""
+    outs = ops.linear_many(x.reshape(-1, x.shape[-1]), [layer.weight for layer in layers],
+                           [layer.bias for layer in layers])
+    return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outs)
+
+
 class BlockDraftAttention(nn.Module):
     def __init__(self, cfg: BlockDraftConfig) -> None:
         super().__init__()
@@ -89,9 +96,10 @@ class BlockDraftAttention(nn.Module):
         """Block rows `x[B, Q, d]` (already input-normed) attend to the context keys/values
         `[B, C, Hkv, D]` and to the block's own (`Visibility` says which)."""
         c = self.cfg
-        q = self.q_norm(dense(x, self.q_proj).unflatten(-1, (c.num_heads, c.head_dim)))
-        q = ops.apply_rope(q, cos, sin)
-        k_blk, v_blk = self.kv(x, cos, sin)
+        q, k_blk, v_blk = dense_many(x, self.q_proj, self.k_proj, self.v_proj)
+        q = ops.apply_rope(self.q_norm(q.unflatten(-1, (c.num_heads, c.head_dim))), cos, sin)
+        k_blk = ops.apply_rope(self.k_norm(k_blk.unflatten(-1, (c.num_kv_heads, c.head_dim))), cos, sin)
+        v_blk = v_blk.unflatten(-1, (c.num_kv_heads, c.head_dim))
         ctx_k, ctx_v, scale = ctx_k.to(x.dtype), ctx_v.to(x.dtype), c.head_dim ** -0.5
         if visible.ctx_lens is not None:
             out = block_step_attention(q, ctx_k, ctx_v, visible.ctx_lens, k_blk, v_blk, scale)
@@ -113,7 +121,8 @@ class BlockDraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(lanewise(F.silu, dense(x, self.gate_proj)) * dense(x, self.up_proj), self.down_proj)
+        gate, up = dense_many(x, self.gate_proj, self.up_proj)
+        return dense(lanewise(F.silu, gate) * up, self.down_proj)
 
 
 class BlockDraftLayer(nn.Module):

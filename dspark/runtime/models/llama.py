@@ -44,6 +44,14 @@ def paged_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     return layer(x)
 
 
+def paged_linears(x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
+    """`paged_linear` for several layers read from the same rows, as one product where all are plain
+    (`ops.linear_many`); a tensor-parallel shard runs its own forward."""
+    if all(isinstance(layer, nn.Linear) for layer in layers):
+        return ops.linear_many(x, [layer.weight for layer in layers], [layer.bias for layer in layers])
+    return tuple(paged_linear(x, layer) for layer in layers)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -88,10 +96,10 @@ class LlamaAttention(nn.Module):
                       attn: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         h, h_kv, hd = self.local_num_heads, self.local_num_kv_heads, self.cfg.head_dim
-        q, k = self.qk_heads(paged_linear(x, self.q_proj).view(t, h, hd),
-                             paged_linear(x, self.k_proj).view(t, h_kv, hd))
+        q, k, v = paged_linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k = self.qk_heads(q.reshape(t, h, hd), k.reshape(t, h_kv, hd))
         q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)  # [T, H | Hkv, D]
-        v = paged_linear(x, self.v_proj).view(t, h_kv, hd)
+        v = v.reshape(t, h_kv, hd)
         out = attn.attend(layer_id, q, k, v, meta)  # [T, H, D]
         return paged_linear(out.reshape(t, -1), self.o_proj)
 
@@ -110,7 +118,8 @@ class LlamaMLP(nn.Module):
     def forward_paged(self, x: torch.Tensor) -> torch.Tensor:
         # lanewise: a width off the CPU's vector lanes (a tensor-parallel shard's, say) would otherwise
         # round a row's SiLU differently with the rows beside it
-        h = ops.lanewise(F.silu, paged_linear(x, self.gate_proj)) * paged_linear(x, self.up_proj)
+        gate, up = paged_linears(x, self.gate_proj, self.up_proj)
+        h = ops.lanewise(F.silu, gate) * up
         return paged_linear(h, self.down_proj)
 
 

@@ -13,9 +13,9 @@ never by the step:
 - `bmm`: batched products in calls of exactly `PROBLEMS_PER_CALL` problems of one shape;
 - `ordered_product`: a product with few outputs (a head's gate, the confidence logit) as exact
   products and a fixed pairwise tree of adds, with no BLAS at all;
-- `chunked_attention`: query rows in tiles of `ROWS_PER_PAIR_TILE` rows (all heads of a KV group), a
-  row's place in its tile set by its own position, against keys in chunks of `KV_CHUNK`, through
-  `bmm`; chunk partials added in key order, one elementwise add at a time;
+- `chunked_attention`: (query row, head) pairs in tiles of `PAIR_TILE`, the vector lanes of products
+  against keys in chunks of `KV_CHUNK`, through `bmm`; chunk partials added in key order, one
+  elementwise add at a time;
 - `lanewise`: an elementwise transcendental on fixed tiles of `ELEMENT_TILE` elements, a whole number
   of vector iterations on any x86 ISA and below torch's threading grain, so no element falls in a
   scalar tail or at a thread boundary.
@@ -30,10 +30,11 @@ functions there are the plain operations, and the device tests check tolerance a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from dspark.formats.hf_config import RopeScaling
 from dspark.runtime.attention.metadata import KV_CHUNK
@@ -45,13 +46,13 @@ ROW_TILE = 16
 # A product with fewer outputs per row than this is summed by `ordered_product` instead: a BLAS
 # call with few columns takes a small-matrix path that can round a row by its place in the call.
 BLAS_MIN_OUT = 64
-# Problems in every CPU batched-product call, and the query rows of one attention problem (each with
-# all query heads of its KV group).
-PROBLEMS_PER_CALL = 16
-ROWS_PER_PAIR_TILE = 4
+# Problems in every CPU batched-product call, and the (query row, query head) pairs of one attention
+# problem: the products' vector lanes, a whole number of AVX-512 registers.
+PROBLEMS_PER_CALL = 32
+PAIR_TILE = 16
 # Elements of every elementwise transcendental call: a multiple of 2 x 16 float32 lanes (AVX-512's
 # loop step; AVX2's is half) and below torch's parallel grain (32768), so it never splits.
-ELEMENT_TILE = 8192
+ELEMENT_TILE = 16384
 
 
 def _tiles(count: int, tile: int) -> int:
@@ -65,6 +66,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # Fixed tiles would not make cuBLAS row-invariant (it picks a kernel by the whole shape) and
         # would cost a launch per tile.
         return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return F.linear(x, weight, bias)  # training a draft: autograd, and no exactness to keep
     if weight.shape[0] < BLAS_MIN_OUT:
         out = ordered_product(x, weight)
         return out + bias if bias is not None else out
@@ -81,6 +84,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         torch.mm(weight, padded[t].t(), out=out_t[t])
     out = out_t.transpose(1, 2).reshape(-1, weight.shape[0])[:rows]
     return out + bias if bias is not None else out
+
+
+# Keyed by the first weight's identity (a tensor's `==` is elementwise), dropped with it.
+_STACKED = WeakIdKeyDictionary()
+
+
+def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                biases: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """`x @ w.T (+ b)` for several weights read from the same rows (q, k and v; gate and up), as one
+    `linear` over the weights stacked: fewer, wider calls. The stack is cached while the weights are
+    the same tensors at the same versions (loading new weights in place rebuilds it)."""
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
+    parts = [*weights, *(b for b in biases if b is not None)]
+    stamp = tuple((id(t), t._version) for t in parts)
+    hit = _STACKED.get(weights[0])
+    if hit is None or hit[0] != stamp:
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0])
+                              for w, b in zip(weights, biases, strict=True)])
+        hit = (stamp, torch.cat(list(weights)), bias)
+        _STACKED[weights[0]] = hit
+    out = linear(x, hit[1], hit[2])
+    # Contiguous parts: a row reduction (a head's RMSNorm) over a strided view may be vectorised across
+    # rows, in an order set by how many there are.
+    return tuple(part.contiguous() for part in out.split([w.shape[0] for w in weights], dim=-1))
 
 
 def ordered_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -115,7 +145,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a[P, m, k] @ b[P, k, n]` -> `[P, m, n]`; on the CPU as calls of exactly `PROBLEMS_PER_CALL`
     problems of one shape (the last call's missing problems are zeros), so a problem's bits do not
     depend on how many problems the step has."""
-    if a.device.type != "cpu":
+    if a.device.type != "cpu" or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         return torch.bmm(a, b)
     problems, m, _ = a.shape
     n = b.shape[2]
@@ -141,71 +171,88 @@ def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     if x.device.type != "cpu":
         return fn(x)
     count = x.numel()
-    tiles = _tiles(count, ELEMENT_TILE)
-    flat = x.new_zeros(tiles * ELEMENT_TILE)
-    flat[:count] = x.reshape(-1)
-    out = torch.empty_like(flat)
-    for t in range(tiles):
-        tile = slice(t * ELEMENT_TILE, (t + 1) * ELEMENT_TILE)
-        out[tile] = fn(flat[tile])
+    flat = x.reshape(-1)  # a view when x is contiguous
+    out = x.new_empty(_tiles(count, ELEMENT_TILE) * ELEMENT_TILE)
+    full = count // ELEMENT_TILE * ELEMENT_TILE
+    for start in range(0, full, ELEMENT_TILE):
+        out[start:start + ELEMENT_TILE] = fn(flat[start:start + ELEMENT_TILE])
+    if full < count:
+        tail = x.new_zeros(ELEMENT_TILE)
+        tail[:count - full] = flat[full:]
+        out[full:] = fn(tail)
     return out[:count].view(x.shape)
 
 
-def attention_columns(first_positions: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
-    """Where a sequence's `rows` consecutive query rows, the first at `first_positions[b]`, sit in the
-    columns `chunked_attention` runs: row i at `first % ROWS_PER_PAIR_TILE + i`, so a row's place in its
-    attention problem is set by its own position, never by the rows beside it. Returns `[N, rows]`
-    column indices and the column count (a whole number of tiles)."""
-    offset = first_positions.long() % ROWS_PER_PAIR_TILE  # [N]
-    columns = offset[:, None] + torch.arange(rows, device=first_positions.device)[None, :]
-    return columns, _tiles(rows + ROWS_PER_PAIR_TILE - 1, ROWS_PER_PAIR_TILE) * ROWS_PER_PAIR_TILE
+def lanewise_(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`lanewise` in place, for a contiguous `x` and an `fn` that takes `out=` (torch.exp, say)."""
+    if x.device.type != "cpu":
+        return fn(x, out=x)
+    flat = x.view(-1)
+    count = flat.numel()
+    full = count // ELEMENT_TILE * ELEMENT_TILE
+    for start in range(0, full, ELEMENT_TILE):
+        tile = flat[start:start + ELEMENT_TILE]
+        fn(tile, out=tile)
+    if full < count:
+        tail = x.new_zeros(ELEMENT_TILE)
+        tail[:count - full] = flat[full:]
+        flat[full:] = fn(tail, out=tail)[:count - full]
+    return x
 
 
 def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       hidden: torch.Tensor) -> torch.Tensor:
-    """Softmax attention `[Hkv, N, C, G, D]` of pre-scaled queries `q [Hkv, N, C, G, D]` (C query
-    columns, a multiple of `ROWS_PER_PAIR_TILE`, laid out by `attention_columns`; G query heads per KV
-    head) over `keys`/`values [Hkv, N, L, D]` (`L` a multiple of `KV_CHUNK`), where `hidden [N, C, L]`
-    is True for a key a column must not see; float32 (or float64) throughout. A column that sees no key
-    (padding) gets zeros.
+    """Softmax attention `[Hkv, N, pairs, D]` of pre-scaled queries `q [Hkv, N, pairs, D]` over
+    `keys`/`values [Hkv, N, L, D]` (`L` a multiple of `KV_CHUNK`), where `hidden [N, pairs, L]` is True
+    for a key a pair must not see; float32 (or float64) throughout. A pair is one (query row, query head
+    of the KV group), row-major; a pair that sees no key gets zeros.
 
-    Every product is a `bmm` problem of one shape: a tile of `ROWS_PER_PAIR_TILE` columns x G heads
-    against one chunk of keys, then their probabilities against the chunk's values with a column of
-    ones (the softmax normaliser accumulates in the same product), each output a dot of two contiguous
-    vectors. The shift is each pair's maximum score (exact in any order), and the chunks' partial sums
-    are added in key order."""
-    hkv, seqs, cols, group, dim = q.shape
-    length = keys.shape[2]
-    chunks, tiles = length // KV_CHUNK, cols // ROWS_PER_PAIR_TILE
-    pairs = ROWS_PER_PAIR_TILE * group
-    # Problems are (KV head, sequence, column tile, key chunk), in that order.
-    shape = (hkv, seqs, tiles, chunks)
-    a = q.reshape(hkv, seqs, tiles, 1, pairs, dim).expand(*shape, pairs, dim)
-    k = keys.reshape(hkv, seqs, 1, chunks, KV_CHUNK, dim).expand(*shape, KV_CHUNK, dim)
-    scores = bmm(a.reshape(-1, pairs, dim), k.reshape(-1, KV_CHUNK, dim).transpose(1, 2))
-    scores = scores.view(*shape, ROWS_PER_PAIR_TILE, group, KV_CHUNK)
-    mask = hidden.view(seqs, tiles, ROWS_PER_PAIR_TILE, chunks, KV_CHUNK).transpose(2, 3)
-    scores.masked_fill_(mask[:, :, :, :, None], float("-inf"))
-    top = scores.amax(dim=(3, 6), keepdim=True)
-    probs = lanewise(torch.exp, scores - torch.where(torch.isinf(top), torch.zeros_like(top), top))
-    # The values' columns (and the ones) as contiguous rows over the chunk's keys, so this product is
-    # laid out as the scores' and every linear's.
+    Every product is a `bmm` problem of one shape: one chunk of keys against a tile of `PAIR_TILE`
+    pairs, then the chunk's values, with a row of ones (the softmax normaliser accumulates in the same
+    product), against their probabilities; the pairs are the products' vector lanes. The shift is each
+    pair's maximum score (exact in any order), and the chunks' partial sums are added in key order."""
+    hkv, seqs, pairs, dim = q.shape
+    chunks = keys.shape[2] // KV_CHUNK
+    tiles = _tiles(pairs, PAIR_TILE)
+    width = tiles * PAIR_TILE
+    q = F.pad(q, (0, 0, 0, width - pairs)).view(hkv, seqs, tiles, PAIR_TILE, dim)
+    hidden = F.pad(hidden, (0, 0, 0, width - pairs), value=True)
+    # Problems are (KV head, sequence, key chunk) for each pair tile in turn, so a chunk's keys and
+    # values are read in place (one view for every tile) and only the small query tiles are repeated.
+    shape = (hkv, seqs, chunks)
+    k = keys.view(-1, KV_CHUNK, dim)  # [P, KV_CHUNK, D]
     ones = values.new_ones(*values.shape[:-1], 1)
-    v = torch.cat((values, ones), dim=-1).view(hkv, seqs, chunks, KV_CHUNK, dim + 1).transpose(-1, -2)
-    v = v.contiguous().view(hkv, seqs, 1, chunks, dim + 1, KV_CHUNK).expand(*shape, dim + 1, KV_CHUNK)
-    part = bmm(probs.view(-1, pairs, KV_CHUNK), v.reshape(-1, dim + 1, KV_CHUNK).transpose(1, 2))
-    part = part.view(*shape, pairs, dim + 1)
+    v_t = torch.cat((values, ones), dim=-1).view(*shape, KV_CHUNK, dim + 1).transpose(-1, -2).contiguous()
+    v_t = v_t.view(-1, dim + 1, KV_CHUNK)  # [P, D + 1, KV_CHUNK]
+    scores = q.new_empty(tiles, *shape, KV_CHUNK, PAIR_TILE)
+    for t in range(tiles):
+        a = q[:, :, t, None].expand(*shape, PAIR_TILE, dim).reshape(-1, PAIR_TILE, dim)
+        scores[t] = bmm(k, a.transpose(1, 2)).view(*shape, KV_CHUNK, PAIR_TILE)
+    # hidden [N, tiles * PAIR_TILE, chunks * KV_CHUNK] -> [tiles, 1, N, chunks, KV_CHUNK, PAIR_TILE]
+    mask = hidden.view(seqs, tiles, PAIR_TILE, chunks, KV_CHUNK).permute(1, 0, 3, 4, 2)
+    scores.masked_fill_(mask[:, None], float("-inf"))
+    top = scores.amax(dim=(3, 4), keepdim=True)
+    scores -= torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    probs = lanewise_(torch.exp, scores).view(tiles, -1, KV_CHUNK, PAIR_TILE)
+    part = q.new_empty(tiles, *shape, dim + 1, PAIR_TILE)
+    for t in range(tiles):
+        part[t] = bmm(v_t, probs[t]).view(*shape, dim + 1, PAIR_TILE)
     acc = part[:, :, :, 0]
     for chunk in range(1, chunks):  # in key order; a chunk past every pair's keys adds exact zeros
         acc = acc + part[:, :, :, chunk]
-    total = acc[..., dim:]
-    out = torch.where(total > 0, acc[..., :dim] / total.clamp_min(1e-30), torch.zeros_like(acc[..., :dim]))
-    return out.reshape(hkv, seqs, cols, group, dim)
+    total = acc[:, :, :, dim:]
+    out = torch.where(total > 0, acc[:, :, :, :dim] / total.clamp_min(1e-30), torch.zeros_like(acc[:, :, :, :dim]))
+    # [tiles, Hkv, N, D, PAIR_TILE] -> [Hkv, N, pairs, D]
+    return out.permute(1, 2, 0, 4, 3).reshape(hkv, seqs, width, dim)[:, :, :pairs]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension as Hugging Face computes it: in float32, cast back, then
-    scaled (for float32 `x` the casts are no-ops); one Triton kernel on a GPU."""
+    scaled (for float32 `x` the casts are no-ops); one Triton kernel on a GPU. On the CPU `x` is made
+    contiguous first: torch may vectorise a reduction over a strided view across rows, in an order set
+    by how many rows there are."""
+    if x.device.type == "cpu":
+        x = x.contiguous()
     return rms_norm_kernels.rms_norm(x, weight, eps)
 
 
