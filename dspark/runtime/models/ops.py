@@ -48,7 +48,7 @@ ROW_TILE = 16
 BLAS_MIN_OUT = 64
 # Problems in every CPU batched-product call, and the (query row, query head) pairs of one attention
 # problem: the products' vector lanes, a whole number of AVX-512 registers.
-PROBLEMS_PER_CALL = 32
+PROBLEMS_PER_CALL = 64
 PAIR_TILE = 16
 # Elements of every elementwise transcendental call: a multiple of 2 x 16 float32 lanes (AVX-512's
 # loop step; AVX2's is half) and below torch's parallel grain (32768), so it never splits.
@@ -240,8 +240,8 @@ def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     acc = part[:, :, :, 0]
     for chunk in range(1, chunks):  # in key order; a chunk past every pair's keys adds exact zeros
         acc = acc + part[:, :, :, chunk]
-    total = acc[:, :, :, dim:]
-    out = torch.where(total > 0, acc[:, :, :, :dim] / total.clamp_min(1e-30), torch.zeros_like(acc[:, :, :, :dim]))
+    weighted, total = acc[:, :, :, :dim], acc[:, :, :, dim:]
+    out = torch.where(total > 0, weighted / total.clamp_min(1e-30), torch.zeros_like(weighted))
     # [tiles, Hkv, N, D, PAIR_TILE] -> [Hkv, N, pairs, D]
     return out.permute(1, 2, 0, 4, 3).reshape(hkv, seqs, width, dim)[:, :, :pairs]
 
