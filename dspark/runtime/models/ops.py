@@ -59,6 +59,12 @@ def _tiles(count: int, tile: int) -> int:
     return -(-count // tile)
 
 
+def _training(*tensors: torch.Tensor) -> bool:
+    """Training a draft (autograd, or bf16 autocast): plain operations, no exactness to keep."""
+    return torch.is_autocast_enabled("cpu") or (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for 2-D `x`; on the CPU each row's bits do not depend on how many rows
     `x` has nor where a row sits among them beyond its place in a tile (the bias is added row by row)."""
@@ -66,8 +72,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         # Fixed tiles would not make cuBLAS row-invariant (it picks a kernel by the whole shape) and
         # would cost a launch per tile.
         return F.linear(x, weight, bias)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return F.linear(x, weight, bias)  # training a draft: autograd, and no exactness to keep
+    if _training(x, weight):
+        return F.linear(x, weight, bias)
     if weight.shape[0] < BLAS_MIN_OUT:
         out = ordered_product(x, weight)
         return out + bias if bias is not None else out
@@ -95,7 +101,7 @@ def linear_many(x: torch.Tensor, weights: Sequence[torch.Tensor],
     """`x @ w.T (+ b)` for several weights read from the same rows (q, k and v; gate and up), as one
     `linear` over the weights stacked: fewer, wider calls. The stack is cached while the weights are
     the same tensors at the same versions (loading new weights in place rebuilds it)."""
-    if x.device.type != "cpu" or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+    if x.device.type != "cpu" or _training(x, *weights):
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
     parts = [*weights, *(b for b in biases if b is not None)]
     stamp = tuple((id(t), t._version) for t in parts)
@@ -145,7 +151,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a[P, m, k] @ b[P, k, n]` -> `[P, m, n]`; on the CPU as calls of exactly `PROBLEMS_PER_CALL`
     problems of one shape (the last call's missing problems are zeros), so a problem's bits do not
     depend on how many problems the step has."""
-    if a.device.type != "cpu" or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+    if a.device.type != "cpu" or _training(a, b):
         return torch.bmm(a, b)
     problems, m, _ = a.shape
     n = b.shape[2]
@@ -220,9 +226,10 @@ def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # Problems are (KV head, sequence, key chunk) for each pair tile in turn, so a chunk's keys and
     # values are read in place (one view for every tile) and only the small query tiles are repeated.
     shape = (hkv, seqs, chunks)
-    k = keys.view(-1, KV_CHUNK, dim)  # [P, KV_CHUNK, D]
-    ones = values.new_ones(*values.shape[:-1], 1)
-    v_t = torch.cat((values, ones), dim=-1).view(*shape, KV_CHUNK, dim + 1).transpose(-1, -2).contiguous()
+    k = keys.reshape(-1, KV_CHUNK, dim)  # [P, KV_CHUNK, D], a view of contiguous keys
+    v_t = values.new_empty(*shape, dim + 1, KV_CHUNK)
+    v_t[..., :dim, :] = values.reshape(*shape, KV_CHUNK, dim).transpose(-1, -2)
+    v_t[..., dim, :] = 1
     v_t = v_t.view(-1, dim + 1, KV_CHUNK)  # [P, D + 1, KV_CHUNK]
     scores = q.new_empty(tiles, *shape, KV_CHUNK, PAIR_TILE)
     for t in range(tiles):
