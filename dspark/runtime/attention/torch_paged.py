@@ -46,10 +46,10 @@ class TorchPagedAttention:
         num_kv, head_dim = k_cache.shape[1:]
 
         def read(cache: torch.Tensor) -> torch.Tensor:
-            # Hkv, pages, page, D
-            pages = cache.view(-1, self.page_size, num_kv, head_dim).permute(2, 0, 1, 3)
-            paged = pages.index_select(1, block.pages).view(num_kv, block.num_requests, -1, head_dim)
-            return paged[:, :, :block.kv_bound].to(dtype)
+            # Whole pages (contiguous rows of the cache) first, then the head-major copy.
+            paged = cache.view(-1, self.page_size * num_kv * head_dim).index_select(0, block.pages)
+            paged = paged.view(block.num_requests, -1, num_kv, head_dim)[:, :block.kv_bound]
+            return paged.to(dtype).permute(2, 0, 1, 3).contiguous()
 
         return read(k_cache), read(v_cache)
 
