@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _dot_in_k_order() -> None:
     """Under the interpreter `tl.dot` is numpy's matmul, whose BLAS may round a row of a tile by its
     place in it (seen on an AVX-512 AMD machine); a GPU's MMA computes every element of a tile alike.
-    Sum each output in k order, one exactly rounded multiply and add at a time, so the checks test the
+    Sum each output in k order, every product and every add rounded once, so the checks test the
     kernels' tiling and not the host's BLAS."""
     import numpy as np
     from triton.runtime import interpreter
@@ -35,9 +35,8 @@ def _dot_in_k_order() -> None:
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
         dtype = d.data.dtype
         x, y = a.data.astype(dtype), b.data.astype(dtype)
-        acc = np.zeros(d.data.shape, dtype=dtype)
-        for k in range(x.shape[-1]):
-            acc = acc + x[..., :, k, None] * y[..., None, k, :]
+        # [.., M, K, N] products summed over K, a non-contiguous axis, which numpy adds in k order
+        acc = (x[..., :, :, None] * y[..., None, :, :]).sum(axis=-2)
         return interpreter.TensorHandle(acc + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = create_dot
