@@ -25,7 +25,6 @@ def _dot_in_k_order() -> None:
     place in it (seen on an AVX-512 AMD machine); a GPU's MMA computes every element of a tile alike.
     Sum each output in k order, every product and every add rounded once, so the checks test the
     kernels' tiling and not the host's BLAS."""
-    import numpy as np
     from triton.runtime import interpreter
 
     original = interpreter.InterpreterBuilder.create_dot
