@@ -2,7 +2,7 @@
 
 Disjoint sets come from different `--phase` values (the benchmarks use phase 40); `--phases`
 joins several (about 400 prompts each) and `--exclude` drops prompts already in other sets (the
-same text occurs in several held-out files). The calibration figures in the README use:
+same text occurs in several held-out files). The calibration figures in docs/results.md use:
 
     P=".venv/bin/python benchmarks/held_out_prompts.py"
     $P --phases 15,23,31,50,58 -o runs/prompts_fit.json
