@@ -3,10 +3,10 @@ batch: not on how many requests share the step, nor on how far the longest of th
 
 Each request's block queries attend to its cached context (the first `ctx_lens[b]` of `C` entries)
 and to its own block. A fused attention kernel reduces over all `C + Q` keys at once, and its
-blocking, hence its rounding, follows `C`, which the longest request in the batch sets. Here the keys
-are the context padded to whole `KV_CHUNK` chunks followed by the block in a chunk of its own, and
+blocking, hence its rounding, follows `C`, which the longest request in the batch sets. Here each
+request's keys are its context followed by its block, from key 0 in whole `KV_CHUNK` chunks, and
 `ops.chunked_attention` runs every product in one shape fixed by the model, adding the chunks in key
-order (chunks wholly past a request's context are masked and add exact zeros; docs/exactness.md).
+order (chunks wholly past a request's keys are masked and add exact zeros; docs/exactness.md).
 
 Scores, probabilities and sums are float32 whatever the model's dtype, as in a fused kernel: chunk
 sums added in bfloat16 would lose the context's tail on long prompts.
@@ -15,7 +15,6 @@ sums added in bfloat16 would lose the context's tail on long prompts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dspark.runtime.attention.metadata import KV_CHUNK
 from dspark.runtime.models import ops
@@ -31,22 +30,22 @@ def block_step_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tens
     c, hkv = ctx_k.shape[1], ctx_k.shape[2]
     group = h // hkv
     f32 = torch.promote_types(q.dtype, torch.float32)  # float32 at least (float64 stays)
-    ctx_pad, blk_pad = -c % KV_CHUNK, -nq % KV_CHUNK
-    if nq > KV_CHUNK:
-        raise ValueError(f"a block of {nq} slots does not fit one key chunk of {KV_CHUNK}")
+    # Request b's block keys follow its own context, at positions ctx_lens[b] …: where a request's keys
+    # sit depends on that request alone, and the batch's longest context only adds masked chunks.
+    length = -(-(c + nq) // KV_CHUNK) * KV_CHUNK
+    rows = torch.arange(b, device=q.device)[:, None].expand(b, nq)
+    slots = ctx_lens.long()[:, None] + torch.arange(nq, device=q.device)[None, :]  # [B, Q]
 
-    def keys_of(ctx: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:  # [Hkv, B, C' + KV_CHUNK, D]
-        both = torch.cat((F.pad(ctx.to(f32), (0, 0, 0, 0, 0, ctx_pad)),
-                          F.pad(blk.to(f32), (0, 0, 0, 0, 0, blk_pad))), dim=1)
+    def keys_of(ctx: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:  # [Hkv, B, length, D]
+        both = ctx.new_zeros(b, length, hkv, d, dtype=f32)
+        both[:, :c] = ctx
+        both[rows, slots] = blk.to(f32)
         return both.permute(2, 0, 1, 3).contiguous()
 
     # Pairs (block slot, query head of the KV group), row-major: [Hkv, B, Q * group, D].
     qg = (q.to(f32) * scale).view(b, nq, hkv, group, d).permute(2, 0, 1, 3, 4).reshape(hkv, b, nq * group, d)
-    pos = torch.arange(c + ctx_pad + KV_CHUNK, device=q.device)
-    in_ctx = pos < c + ctx_pad
-    in_block = (pos - c - ctx_pad < nq)[None, :]
-    visible = torch.where(in_ctx[None, :], pos[None, :] < ctx_lens[:, None], in_block)  # B, C' + KV_CHUNK
-    hidden = (~visible)[:, None, :].expand(b, nq * group, pos.numel())
+    visible = torch.arange(length, device=q.device)[None, :] < (ctx_lens.long() + nq)[:, None]  # B, length
+    hidden = (~visible)[:, None, :].expand(b, nq * group, length)
     out = ops.chunked_attention(qg, keys_of(ctx_k, blk_k), keys_of(ctx_v, blk_v), hidden)
     out = out.reshape(hkv, b, nq, group, d).permute(1, 2, 0, 3, 4)
     return out.reshape(b, nq, h, d).to(q.dtype)
