@@ -24,7 +24,7 @@ SELECTIONS = {
                                   "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "2"},
     "sse4-blas-1-thread": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41",
                            "OMP_NUM_THREADS": "1"},
-    "mkl-no-cbwr-3-threads": {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"},
+    "3-threads": {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"},
 }
 
 

@@ -8,8 +8,8 @@ elementwise loops run a scalar tail and split work across threads by the tensor'
 CPU every call that reduces, or that evaluates a transcendental, has a shape fixed by the model and
 never by the step:
 
-- `linear`: rows in tiles of `ROW_TILE`, one `torch.mm` call per tile, every call `[ROW_TILE, in] @
-  [in, out]` with the same strides;
+- `linear`: rows in tiles of `ROW_TILE`, one `torch.mm` call per tile, every call `weight @ tileᵀ`
+  with the same strides (the tile's rows are the product's vector lanes);
 - `bmm`: batched products in calls of exactly `PROBLEMS_PER_CALL` problems of one shape;
 - `ordered_product`: a product with few outputs (a head's gate, the confidence logit) as exact
   products and a fixed pairwise tree of adds, with no BLAS at all;
@@ -170,23 +170,29 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out[:problems]
 
 
+def _element_tiles(apply: Callable[[torch.Tensor, torch.Tensor], object], src: torch.Tensor,
+                   dst: torch.Tensor) -> None:
+    """`apply(tile, out_tile)` over flat `src` in tiles of `ELEMENT_TILE`, the last zero-padded to one."""
+    count = src.numel()
+    full = count // ELEMENT_TILE * ELEMENT_TILE
+    for start in range(0, full, ELEMENT_TILE):
+        apply(src[start:start + ELEMENT_TILE], dst[start:start + ELEMENT_TILE])
+    if full < count:
+        tail = src.new_zeros(ELEMENT_TILE)
+        tail[:count - full] = src[full:]
+        apply(tail, tail)
+        dst[full:count] = tail[:count - full]
+
+
 def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """`fn(x)` for an elementwise transcendental (exp, sigmoid, tanh, silu, cos); on the CPU over
     fixed tiles of `ELEMENT_TILE` elements, so every element runs in a full vector iteration of one
     unsplit loop whatever the tensor's size (a vector lane and the scalar tail round differently)."""
     if x.device.type != "cpu":
         return fn(x)
-    count = x.numel()
-    flat = x.reshape(-1)  # a view when x is contiguous
-    out = x.new_empty(_tiles(count, ELEMENT_TILE) * ELEMENT_TILE)
-    full = count // ELEMENT_TILE * ELEMENT_TILE
-    for start in range(0, full, ELEMENT_TILE):
-        out[start:start + ELEMENT_TILE] = fn(flat[start:start + ELEMENT_TILE])
-    if full < count:
-        tail = x.new_zeros(ELEMENT_TILE)
-        tail[:count - full] = flat[full:]
-        out[full:] = fn(tail)
-    return out[:count].view(x.shape)
+    out = x.new_empty(x.numel())
+    _element_tiles(lambda tile, dst: dst.copy_(fn(tile)), x.reshape(-1), out)
+    return out.view(x.shape)
 
 
 def lanewise_(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -194,15 +200,7 @@ def lanewise_(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
         return fn(x, out=x)
     flat = x.view(-1)
-    count = flat.numel()
-    full = count // ELEMENT_TILE * ELEMENT_TILE
-    for start in range(0, full, ELEMENT_TILE):
-        tile = flat[start:start + ELEMENT_TILE]
-        fn(tile, out=tile)
-    if full < count:
-        tail = x.new_zeros(ELEMENT_TILE)
-        tail[:count - full] = flat[full:]
-        flat[full:] = fn(tail, out=tail)[:count - full]
+    _element_tiles(lambda tile, dst: fn(tile, out=dst), flat, flat)
     return x
 
 
