@@ -188,7 +188,7 @@ def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     """`fn(x)` for an elementwise transcendental (exp, sigmoid, tanh, silu, cos); on the CPU over
     fixed tiles of `ELEMENT_TILE` elements, so every element runs in a full vector iteration of one
     unsplit loop whatever the tensor's size (a vector lane and the scalar tail round differently)."""
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or _training(x):
         return fn(x)
     out = x.new_empty(x.numel())
     _element_tiles(lambda tile, dst: dst.copy_(fn(tile)), x.reshape(-1), out)
