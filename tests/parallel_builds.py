@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -56,10 +57,17 @@ def prompt_args(prompts: tuple[str, ...] = PROMPTS) -> list[str]:
     return [arg for p in prompts for arg in ("--prompt", p)]
 
 
+@functools.cache
+def _reference(build_name: str, prompts: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    result = run([sys.executable, "-m", f"generated.{build_name}", "run", *prompt_args(prompts),
+                  "--max-new-tokens", str(NEW_TOKENS), "--target-only", "--json"], REPO)
+    return tuple(map(tuple, completions(result)))
+
+
 def reference(build_name: str, prompts: tuple[str, ...] = PROMPTS) -> list[list[int]]:
-    """One process's greedy target-only decoding of `prompts` with the repository's `build_name`."""
-    return completions(run([sys.executable, "-m", f"generated.{build_name}", "run", *prompt_args(prompts),
-                            "--max-new-tokens", str(NEW_TOKENS), "--target-only", "--json"], REPO))
+    """One process's greedy target-only decoding of `prompts` with the repository's `build_name` (run once
+    per session: the repository's builds do not change under the tests)."""
+    return [list(c) for c in _reference(build_name, prompts)]
 
 
 def torchrun(name: str, processes: int, cwd: Path, port: int, prompts: tuple[str, ...] = PROMPTS,

@@ -256,3 +256,23 @@ def test_a_config_as_transformers_writes_it_for_deepspec_is_read(tmp_path: Path)
         setattr(draft, name, value)
     draft.save_pretrained(tmp_path / "d")
     assert BlockDraftConfig.from_file(tmp_path / "d") == BlockDraftConfig.from_hf(released_config("gated"))
+
+
+def test_loading_a_package_leaves_parameter_initialisation_and_torch_dynamo_alone() -> None:
+    """Loading builds the models as shapes only and assigns the checkpoint's tensors: no initialiser
+    runs (on meta tensors, one imports torch._dynamo, seconds of every process's start)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path\n"
+            "from dspark.runtime.package import load_package\n"
+            "from dspark.runtime.engine.runtime import Runtime\n"
+            "Runtime(load_package(Path('generated/tiny_cpu_static')))\n"
+            "import torch.nn as nn\n"
+            "assert nn.init.normal_.__module__ == 'torch.nn.init'\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))\n")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

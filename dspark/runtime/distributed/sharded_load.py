@@ -46,6 +46,7 @@ from dspark.runtime.distributed.tensor_parallel import (
 from dspark.runtime.models.checkpoint import DTYPES, CheckpointError, resolve_checkpoint, target_config
 from dspark.runtime.models.families import build_target
 from dspark.runtime.models.llama import LlamaForCausalLM
+from dspark.runtime.models.skeleton import skeleton
 
 # HF checkpoints may carry buffers such as rotary inv_freq that the model recomputes (as `_load_into`).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -139,7 +140,7 @@ def load_sharded_target(ref: str, dtype: str, base_dir: Path | None, family: str
     """
     path = resolve_checkpoint(ref, "target", base_dir)
     family, cfg = target_config(path, family)
-    with torch.device("meta"):  # the structure and shapes only: no rank allocates the whole model
+    with skeleton():  # the structure and shapes only: no rank allocates the whole model
         model = dense_target(build_target(family, cfg))
     dense_shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
     tied = model.tied_weights

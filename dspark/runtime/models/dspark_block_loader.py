@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from dspark.checkpoints.dspark_block_config import IGNORED_FIELDS, BlockDraftConfig
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
+from dspark.runtime.models.skeleton import skeleton
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight")
@@ -139,7 +140,7 @@ def load_block_draft(path: str | Path, dtype: torch.dtype = torch.float32,
                         f"{path}: the target's {name} has shape {tuple(t.shape)}, the draft's config.json "
                         f"implies {expected_shapes(cfg)[name]}")
                 tensors[name] = t
-    with torch.device("meta"):
+    with skeleton():
         model = DSparkBlockDraft(cfg)
     state = {n: t for n, t in tensors.items() if not n.endswith("rotary_emb.inv_freq")}
     model.load_state_dict(state, strict=True, assign=True)
