@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import time
@@ -12,6 +13,12 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+# Ranks fork from one server process that has imported torch and the runtime once, instead of each
+# spawned rank importing them anew (seconds per rank). The server itself runs nothing: no thread pool
+# is forked.
+multiprocessing.set_forkserver_preload(["torch", "dspark.runtime.engine.runtime", "dspark.runtime.package",
+                                        "dspark.runtime.distributed.tensor_parallel", "tests.gloo_ranks"])
 
 
 def free_port() -> int:
@@ -24,7 +31,8 @@ def spawn_ranks(main: Callable[..., None], size: int, args: tuple[Any, ...], out
                 what: str) -> list[dict[str, Any]]:
     """Run `main(rank, size, port, *args, out_dir)` on `size` processes and load each rank's
     `out_dir/rank<r>.pt`; a rank that raises, or a run past `timeout_s`, fails the test."""
-    context = mp.spawn(main, args=(size, free_port(), *args, str(out_dir)), nprocs=size, join=False)
+    context = mp.start_processes(main, args=(size, free_port(), *args, str(out_dir)), nprocs=size, join=False,
+                                 start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1):  # raises ProcessRaisedException / ProcessExitedException
         if time.monotonic() > deadline:

@@ -38,18 +38,15 @@ class TorchPagedAttention:
             return q.new_zeros(q.shape)
         return torch.cat(outs)[blocks.scatter]
 
-    def _read_kv(self, layer_id: int, block: QueryBlock,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block's requests' first `kv_bound` keys and values, head-major `[Hkv, B, kv_bound, D]`
-        each in `dtype`, read a whole page at a time in one copy."""
+    def _read_kv(self, layer_id: int, block: QueryBlock) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's requests' first `kv_bound` keys and values `[B, kv_bound, Hkv, D]` each, read a
+        whole page (contiguous rows of the cache) at a time in one copy."""
         k_cache, v_cache = self.cache.k[layer_id], self.cache.v[layer_id]
         num_kv, head_dim = k_cache.shape[1:]
 
         def read(cache: torch.Tensor) -> torch.Tensor:
-            # Whole pages (contiguous rows of the cache) first, then the head-major copy.
             paged = cache.view(-1, self.page_size * num_kv * head_dim).index_select(0, block.pages)
-            paged = paged.view(block.num_requests, -1, num_kv, head_dim)[:, :block.kv_bound]
-            return paged.to(dtype).permute(2, 0, 1, 3).contiguous()
+            return paged.view(block.num_requests, -1, num_kv, head_dim)[:, :block.kv_bound]
 
         return read(k_cache), read(v_cache)
 
@@ -62,7 +59,7 @@ class TorchPagedAttention:
         # Pairs (query row, query head of the KV group), row-major: [Hkv, b, width * group, D].
         q = (q_padded[block.gather].to(f32) * self.scale).view(num_reqs, width, num_kv, group, head_dim)
         q = q.permute(2, 0, 1, 3, 4).reshape(num_kv, num_reqs, width * group, head_dim)
-        keys, vals = self._read_kv(layer_id, block, f32)
+        keys, vals = self._read_kv(layer_id, block)
         hidden = block.hidden[:, :, 0].transpose(1, 2).repeat_interleave(group, dim=1)  # b, pairs, kv_bound
         out = ops.chunked_attention(q, keys, vals, hidden)  # Hkv, b, pairs, D
         out = out.reshape(num_kv, num_reqs, width, group, head_dim).permute(1, 2, 0, 3, 4)

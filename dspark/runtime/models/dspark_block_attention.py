@@ -36,11 +36,11 @@ def block_step_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tens
     rows = torch.arange(b, device=q.device)[:, None].expand(b, nq)
     slots = ctx_lens.long()[:, None] + torch.arange(nq, device=q.device)[None, :]  # [B, Q]
 
-    def keys_of(ctx: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:  # [Hkv, B, length, D]
-        both = ctx.new_zeros(b, length, hkv, d, dtype=f32)
+    def keys_of(ctx: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:  # [B, length, Hkv, D]
+        both = ctx.new_zeros(b, length, hkv, d)
         both[:, :c] = ctx
-        both[rows, slots] = blk.to(f32)
-        return both.permute(2, 0, 1, 3).contiguous()
+        both[rows, slots] = blk
+        return both
 
     # Pairs (block slot, query head of the KV group), row-major: [Hkv, B, Q * group, D].
     qg = (q.to(f32) * scale).view(b, nq, hkv, group, d).permute(2, 0, 1, 3, 4).reshape(hkv, b, nq * group, d)

@@ -30,6 +30,7 @@ functions there are the plain operations, and the device tests check tolerance a
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -59,6 +60,23 @@ def _tiles(count: int, tile: int) -> int:
     return -(-count // tile)
 
 
+_WORKSPACE = threading.local()
+
+
+def _scratch(role: str, like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous `shape` operand buffer in `like`'s dtype, the one every call for `role` on this
+    thread reuses (allocated once, so always with the same alignment; no fresh pages to fault in).
+    What a call does not overwrite holds an earlier call's values (zeros at first): only the padding
+    problems or lanes of a product, independent of the others, whose results are dropped."""
+    key = (role, like.dtype, like.device)
+    numel = math.prod(shape)
+    buf = _WORKSPACE.__dict__.get(key)
+    if buf is None or buf.numel() < numel:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+            buf = _WORKSPACE.__dict__[key] = like.new_zeros(numel)
+    return buf[:numel].view(shape)
+
+
 def _training(*tensors: torch.Tensor) -> bool:
     """Training a draft (autograd, or bf16 autocast): plain operations, no exactness to keep."""
     return torch.is_autocast_enabled("cpu") or (
@@ -79,8 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out + bias if bias is not None else out
     rows, width = x.shape
     tiles = _tiles(rows, ROW_TILE)
-    # A fresh buffer, so every call's operands have one alignment and one set of strides.
-    padded = x.new_zeros(tiles, ROW_TILE, width)
+    padded = _scratch("linear.rows", x, tiles, ROW_TILE, width)
     padded.view(-1, width)[:rows] = x
     # `weight @ tileᵀ`: the tile's rows are the vector lanes of the product (the dimension a BLAS
     # kernel vectorises), not its register-blocked columns, whose remainder blocks (and the split
@@ -195,58 +212,86 @@ def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     return out.view(x.shape)
 
 
-def lanewise_(fn: Callable[..., torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """`lanewise` in place, for a contiguous `x` and an `fn` that takes `out=` (torch.exp, say)."""
+def lanewise_(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> torch.Tensor:
+    """`fn(tile)`, elementwise operations that update `tile` in place, over a contiguous `x` in the
+    tiles of `lanewise` (every operation of `fn` runs on a tile while it is in cache)."""
     if x.device.type != "cpu":
-        return fn(x, out=x)
+        fn(x)
+        return x
     flat = x.view(-1)
-    _element_tiles(lambda tile, dst: fn(tile, out=dst), flat, flat)
+    _element_tiles(lambda tile, _: fn(tile), flat, flat)
     return x
+
+
+# Below exp(-87) (float32's smallest normal numbers, and -inf) exp's vector code takes a slow path,
+# several times the cost of the rest; a softmax weight there is under 1.7e-38 of the largest.
+EXP_FLOOR = -87.0
+_EXP_AT_FLOOR: dict[torch.dtype, float] = {}
+
+
+def _softmax_weights_(shifted: torch.Tensor) -> None:
+    """`exp` in place of shifted scores (<= 0; -inf for a hidden key), floored at `EXP_FLOOR` and less
+    `exp(EXP_FLOOR)`: exactly 0 for a hidden key and for one at or below the floor, and all on the fast
+    path. Elementwise, so a row's weights depend on its own scores alone."""
+    at_floor = _EXP_AT_FLOOR.get(shifted.dtype)
+    if at_floor is None:  # as the tiles compute it, vector code included
+        full = torch.full((ELEMENT_TILE,), EXP_FLOOR, dtype=shifted.dtype, device=shifted.device)
+        at_floor = _EXP_AT_FLOOR[shifted.dtype] = float(torch.exp(full)[0])
+    shifted.clamp_min_(EXP_FLOOR)
+    torch.exp(shifted, out=shifted)
+    shifted.sub_(at_floor)
 
 
 def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       hidden: torch.Tensor) -> torch.Tensor:
     """Softmax attention `[Hkv, N, pairs, D]` of pre-scaled queries `q [Hkv, N, pairs, D]` over
-    `keys`/`values [Hkv, N, L, D]` (`L` a multiple of `KV_CHUNK`), where `hidden [N, pairs, L]` is True
-    for a key a pair must not see; float32 (or float64) throughout. A pair is one (query row, query head
-    of the KV group), row-major; a pair that sees no key gets zeros.
+    `keys`/`values [N, L, Hkv, D]` (token-major, as a cache holds them; `L` a multiple of `KV_CHUNK`),
+    where `hidden [N, pairs, L]` is True for a key a pair must not see; computed in `q`'s dtype (float32
+    or float64). A pair is one (query row, query head of the KV group), row-major; a pair that sees no
+    key gets zeros.
 
     Every product is a `bmm` problem of one shape: one chunk of keys against a tile of `PAIR_TILE`
     pairs, then the chunk's values, with a row of ones (the softmax normaliser accumulates in the same
     product), against their probabilities; the pairs are the products' vector lanes. The shift is each
     pair's maximum score (exact in any order), and the chunks' partial sums are added in key order."""
     hkv, seqs, pairs, dim = q.shape
-    chunks = keys.shape[2] // KV_CHUNK
+    chunks = keys.shape[1] // KV_CHUNK
     tiles = _tiles(pairs, PAIR_TILE)
     width = tiles * PAIR_TILE
-    q = F.pad(q, (0, 0, 0, width - pairs)).view(hkv, seqs, tiles, PAIR_TILE, dim)
-    hidden = F.pad(hidden, (0, 0, 0, width - pairs), value=True)
-    # Problems are (KV head, sequence, key chunk) for each pair tile in turn, so a chunk's keys and
-    # values are read in place (one view for every tile) and only the small query tiles are repeated.
-    shape = (hkv, seqs, chunks)
-    k = keys.reshape(-1, KV_CHUNK, dim)  # [P, KV_CHUNK, D], a view of contiguous keys
-    v_t = values.new_empty(*shape, dim + 1, KV_CHUNK)
-    v_t[..., :dim, :] = values.reshape(*shape, KV_CHUNK, dim).transpose(-1, -2)
-    v_t[..., dim, :] = 1
-    v_t = v_t.view(-1, dim + 1, KV_CHUNK)  # [P, D + 1, KV_CHUNK]
-    scores = q.new_empty(tiles, *shape, KV_CHUNK, PAIR_TILE)
-    for t in range(tiles):
-        a = q[:, :, t, None].expand(*shape, PAIR_TILE, dim).reshape(-1, PAIR_TILE, dim)
-        scores[t] = bmm(k, a.transpose(1, 2)).view(*shape, KV_CHUNK, PAIR_TILE)
+    # Problems are (pair tile, KV head, sequence, key chunk), laid out once in buffers of whole
+    # `bmm` calls: the problems past the last make every call the same call.
+    shape = (tiles, hkv, seqs, chunks)
+    count = math.prod(shape)
+    padded = _tiles(count, PROBLEMS_PER_CALL) * PROBLEMS_PER_CALL
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # [N, L, Hkv, D] -> [tiles, Hkv, N, chunks, KV_CHUNK, D]
+        return t.unflatten(1, (chunks, KV_CHUNK)).permute(3, 0, 1, 2, 4)[None].expand(*shape, KV_CHUNK, dim)
+
+    k = _scratch("attention.keys", q, padded, KV_CHUNK, dim)
+    k[:count].view(*shape, KV_CHUNK, dim).copy_(chunked(keys))
+    # Values with a column of ones, key-major as they are read (the product reads them transposed).
+    v = _scratch("attention.values", q, padded, KV_CHUNK, dim + 1)
+    v[:count, :, :dim].view(*shape, KV_CHUNK, dim).copy_(chunked(values))
+    v[:count, :, dim] = 1
+    a = _scratch("attention.queries", q, padded, PAIR_TILE, dim)
+    tiled = F.pad(q, (0, 0, 0, width - pairs)).view(hkv, seqs, tiles, PAIR_TILE, dim)
+    a[:count].view(*shape, PAIR_TILE, dim).copy_(
+        tiled.permute(2, 0, 1, 3, 4)[:, :, :, None].expand(*shape, PAIR_TILE, dim))
+    scores = bmm(k, a.transpose(1, 2))  # [padded, KV_CHUNK, PAIR_TILE]
+    real = scores[:count].view(*shape, KV_CHUNK, PAIR_TILE)
     # hidden [N, tiles * PAIR_TILE, chunks * KV_CHUNK] -> [tiles, 1, N, chunks, KV_CHUNK, PAIR_TILE]
+    hidden = F.pad(hidden, (0, 0, 0, width - pairs), value=True)
     mask = hidden.view(seqs, tiles, PAIR_TILE, chunks, KV_CHUNK).permute(1, 0, 3, 4, 2)
-    scores.masked_fill_(mask[:, None], float("-inf"))
-    top = scores.amax(dim=(3, 4), keepdim=True)
-    scores -= torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    probs = lanewise_(torch.exp, scores).view(tiles, -1, KV_CHUNK, PAIR_TILE)
-    part = q.new_empty(tiles, *shape, dim + 1, PAIR_TILE)
-    for t in range(tiles):
-        part[t] = bmm(v_t, probs[t]).view(*shape, dim + 1, PAIR_TILE)
+    real.masked_fill_(mask[:, None], float("-inf"))
+    top = real.amax(dim=(3, 4), keepdim=True)
+    real -= torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    lanewise_(_softmax_weights_, scores[:count])  # the padding problems' scores are never read
+    part = bmm(v.transpose(1, 2), scores)[:count].view(*shape, dim + 1, PAIR_TILE)
     acc = part[:, :, :, 0]
     for chunk in range(1, chunks):  # in key order; a chunk past every pair's keys adds exact zeros
         acc = acc + part[:, :, :, chunk]
     weighted, total = acc[:, :, :, :dim], acc[:, :, :, dim:]
-    out = torch.where(total > 0, weighted / total.clamp_min(1e-30), torch.zeros_like(weighted))
+    out = weighted / total.clamp_min(1e-30)  # a pair that sees no key: 0 / 1e-30
     # [tiles, Hkv, N, D, PAIR_TILE] -> [Hkv, N, pairs, D]
     return out.permute(1, 2, 0, 4, 3).reshape(hkv, seqs, width, dim)[:, :, :pairs]
 
