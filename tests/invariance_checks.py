@@ -116,10 +116,11 @@ def check_lanewise() -> None:
     torch.manual_seed(1)
     x = torch.randn(70, 704) * 4
     for fn in (torch.exp, torch.sigmoid, torch.tanh, F.silu):
-        full = ops.lanewise(fn, x)
-        for rows in (1, 3, 47):
-            assert torch.equal(ops.lanewise(fn, x[:rows]), full[:rows]), (fn, rows)
-        assert torch.equal(ops.lanewise(fn, x[5:9, 1:300]), full[5:9, 1:300]), fn
+        for tile in (ops.ELEMENT_TILE, ops.SMALL_ELEMENT_TILE):
+            full = ops.lanewise(fn, x, tile)
+            for rows in (1, 3, 47):
+                assert torch.equal(ops.lanewise(fn, x[:rows], tile), full[:rows]), (fn, tile, rows)
+            assert torch.equal(ops.lanewise(fn, x[5:9, 1:300], tile), full[5:9, 1:300]), (fn, tile)
 
 
 def _paged_step(heads: int, kv_heads: int, dim: int) -> None:

@@ -38,7 +38,7 @@ from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.runtime.models import ops
 from dspark.runtime.models.dspark_block_attention import block_step_attention
 from dspark.runtime.models.llama import RMSNorm  # the targets' (ops.rms_norm), Qwen3's order of casts
-from dspark.runtime.models.ops import lanewise
+from dspark.runtime.models.ops import SMALL_ELEMENT_TILE, lanewise
 
 # Picks one token per row from `[B, V]` step logits (argmax, or a sampler under each request's policy).
 TokenPicker = Callable[[torch.Tensor], torch.Tensor]
@@ -55,6 +55,11 @@ class Visibility:
 
     ctx_lens: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+
+
+def _small(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """`lanewise` for a Markov head's `[B, rank]` tensors, in tiles of their size."""
+    return lanewise(fn, x, SMALL_ELEMENT_TILE)
 
 
 def dense(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -171,12 +176,12 @@ class MarkovHead(nn.Module):
         if self.kind == "vanilla":
             return dense(e, self.markov_w2), state
         if self.kind == "gated":
-            gate = lanewise(torch.sigmoid, dense(torch.cat((hidden, e), dim=-1), self.gate_proj))
+            gate = _small(torch.sigmoid, dense(torch.cat((hidden, e), dim=-1), self.gate_proj))
             return dense(gate * e, self.markov_w2), state
         g, cand, o = dense(torch.cat((state, e, hidden), dim=-1), self.joint_proj).chunk(3, dim=-1)
-        g = lanewise(torch.sigmoid, g)
-        new_state = g * state + (1.0 - g) * lanewise(torch.tanh, cand)
-        return dense(lanewise(torch.tanh, o), self.markov_w2), new_state
+        g = _small(torch.sigmoid, g)
+        new_state = g * state + (1.0 - g) * _small(torch.tanh, cand)
+        return dense(_small(torch.tanh, o), self.markov_w2), new_state
 
 
 class ConfidenceHead(nn.Module):

@@ -54,6 +54,9 @@ PAIR_TILE = 16
 # Elements of every elementwise transcendental call: a multiple of 2 x 16 float32 lanes (AVX-512's
 # loop step; AVX2's is half) and below torch's parallel grain (32768), so it never splits.
 ELEMENT_TILE = 16384
+# The tile of call sites whose tensors stay small (a Markov head's [B, rank] state), which a tile of
+# ELEMENT_TILE would mostly pad: a multiple of the same loop steps, below every threading grain.
+SMALL_ELEMENT_TILE = 2048
 
 
 def _tiles(count: int, tile: int) -> int:
@@ -188,27 +191,29 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _element_tiles(apply: Callable[[torch.Tensor, torch.Tensor], object], src: torch.Tensor,
-                   dst: torch.Tensor) -> None:
-    """`apply(tile, out_tile)` over flat `src` in tiles of `ELEMENT_TILE`, the last zero-padded to one."""
+                   dst: torch.Tensor, tile: int = ELEMENT_TILE) -> None:
+    """`apply(tile, out_tile)` over flat `src` in tiles of `tile` elements, the last zero-padded to one."""
     count = src.numel()
-    full = count // ELEMENT_TILE * ELEMENT_TILE
-    for start in range(0, full, ELEMENT_TILE):
-        apply(src[start:start + ELEMENT_TILE], dst[start:start + ELEMENT_TILE])
+    full = count // tile * tile
+    for start in range(0, full, tile):
+        apply(src[start:start + tile], dst[start:start + tile])
     if full < count:
-        tail = src.new_zeros(ELEMENT_TILE)
+        tail = src.new_zeros(tile)
         tail[:count - full] = src[full:]
         apply(tail, tail)
         dst[full:count] = tail[:count - full]
 
 
-def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def lanewise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+             tile: int = ELEMENT_TILE) -> torch.Tensor:
     """`fn(x)` for an elementwise transcendental (exp, sigmoid, tanh, silu, cos); on the CPU over
-    fixed tiles of `ELEMENT_TILE` elements, so every element runs in a full vector iteration of one
-    unsplit loop whatever the tensor's size (a vector lane and the scalar tail round differently)."""
+    fixed tiles of `tile` elements, so every element runs in a full vector iteration of one unsplit
+    loop whatever the tensor's size (a vector lane and the scalar tail round differently). A call
+    site passes one `tile` for all its calls (`SMALL_ELEMENT_TILE` where its tensors stay small)."""
     if x.device.type != "cpu" or _training(x):
         return fn(x)
     out = x.new_empty(x.numel())
-    _element_tiles(lambda tile, dst: dst.copy_(fn(tile)), x.reshape(-1), out)
+    _element_tiles(lambda part, dst: dst.copy_(fn(part)), x.reshape(-1), out, tile)
     return out.view(x.shape)
 
 
