@@ -10,7 +10,8 @@ never by the step:
 
 - `linear`: rows in tiles of `ROW_TILE`, one `torch.mm` call per tile, every call `weight @ tileᵀ`
   with the same strides (the tile's rows are the product's vector lanes);
-- `bmm`: batched products in calls of exactly `PROBLEMS_PER_CALL` problems of one shape;
+- `bmm`: batched products in calls of exactly `PROBLEMS_PER_CALL` problems of one shape (callers pad
+  to whole calls);
 - `ordered_product`: a product with few outputs (a head's gate, the confidence logit) as exact
   products and a fixed pairwise tree of adds, with no BLAS at all;
 - `chunked_attention`: (query row, head) pairs in tiles of `PAIR_TILE`, the vector lanes of products
@@ -159,35 +160,20 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() or t.transpose(1, 2).is_contiguous() else t.contiguous()
 
 
-def _zero_problems(like: torch.Tensor, count: int) -> torch.Tensor:
-    """`count` zero problems laid out as the canonical `like` is."""
-    _, m, k = like.shape
-    if like.is_contiguous():
-        return like.new_zeros(count, m, k)
-    return like.new_zeros(count, k, m).transpose(1, 2)
-
-
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a[P, m, k] @ b[P, k, n]` -> `[P, m, n]`; on the CPU as calls of exactly `PROBLEMS_PER_CALL`
-    problems of one shape (the last call's missing problems are zeros), so a problem's bits do not
-    depend on how many problems the step has."""
+    """`a[P, m, k] @ b[P, k, n]` -> `[P, m, n]` for `P` a multiple of `PROBLEMS_PER_CALL` (the caller
+    lays out padding problems); on the CPU as calls of exactly that many problems of one shape, so a
+    problem's bits do not depend on how many problems the step has."""
     if a.device.type != "cpu" or _training(a, b):
         return torch.bmm(a, b)
     problems, m, _ = a.shape
-    n = b.shape[2]
+    assert problems % PROBLEMS_PER_CALL == 0, f"{problems} problems: not whole calls"
     a, b = _canonical(a), _canonical(b)
-    full = problems // PROBLEMS_PER_CALL * PROBLEMS_PER_CALL
-    out = a.new_empty(_tiles(problems, PROBLEMS_PER_CALL) * PROBLEMS_PER_CALL, m, n)
-    for start in range(0, full, PROBLEMS_PER_CALL):
+    out = a.new_empty(problems, m, b.shape[2])
+    for start in range(0, problems, PROBLEMS_PER_CALL):
         call = slice(start, start + PROBLEMS_PER_CALL)
         torch.bmm(a[call], b[call], out=out[call])
-    if full < problems:
-        rest = problems - full
-        # Zero problems laid out as `a` and `b` are, so the last call is the same call as the others.
-        a_tail, b_tail = _zero_problems(a, PROBLEMS_PER_CALL), _zero_problems(b, PROBLEMS_PER_CALL)
-        a_tail[:rest], b_tail[:rest] = a[full:], b[full:]
-        torch.bmm(a_tail, b_tail, out=out[full:])
-    return out[:problems]
+    return out
 
 
 def _element_tiles(apply: Callable[[torch.Tensor, torch.Tensor], object], src: torch.Tensor,
