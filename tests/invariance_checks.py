@@ -121,6 +121,15 @@ def check_lanewise() -> None:
             for rows in (1, 3, 47):
                 assert torch.equal(ops.lanewise(fn, x[:rows], tile), full[:rows]), (fn, tile, rows)
             assert torch.equal(ops.lanewise(fn, x[5:9, 1:300], tile), full[5:9, 1:300]), (fn, tile)
+    # RoPE's rows come from a table of every position so far (grown past its end): each equals the
+    # row computed for that position alone or among any others
+    ops._ROPE_TABLES.clear()
+    for positions in (torch.tensor([3]), torch.arange(40, 48), torch.tensor([[5, 1500], [2047, 0]])):
+        table = ops.rope_cos_sin(positions, 32, 10000.0)
+        for i, p in enumerate(positions.flatten().tolist()):
+            alone = ops._rope_cos_sin(torch.tensor([p]), 32, 10000.0, None)
+            for got, want in zip(table, alone, strict=True):
+                assert torch.equal(got.reshape(-1, 32)[i], want[0]), p
 
 
 def _paged_step(heads: int, kv_heads: int, dim: int) -> None:

@@ -44,12 +44,14 @@ def compile_parallel(spec: str, root: Path, **parallelism: Any) -> str:
 
 
 def run(args: list[str], cwd: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": f"{cwd}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1", **env_vars}
+    # PYTHONFAULTHANDLER: a rank that aborts in native code prints where each of its threads was
+    env = {**os.environ, "PYTHONPATH": f"{cwd}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1",
+           "PYTHONFAULTHANDLER": "1", **env_vars}
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def completions(result: subprocess.CompletedProcess[str]) -> list[list[int]]:
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-8000:]
     return [c["token_ids"] for c in json.loads(result.stdout)["completions"]]
 
 

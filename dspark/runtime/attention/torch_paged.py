@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attention.metadata import QueryBlock, TorchPagedMetadata
+from dspark.runtime.attention.metadata import QueryBlock, QueryBlocks, TorchPagedMetadata
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.models import ops
 
@@ -26,6 +26,10 @@ class TorchPagedAttention:
         self.page_size = page_size
         self.num_heads = num_heads
         self.scale = scale
+        # The step whose blocks the masks were laid out for, and each block's mask: a step's layers
+        # share them (the metadata is built once per step, so its identity marks the step).
+        self._masks_of: QueryBlocks | None = None
+        self._masks: dict[int, ops.PairMask] = {}
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: TorchPagedMetadata) -> torch.Tensor:
@@ -33,7 +37,9 @@ class TorchPagedAttention:
         blocks = meta.blocks
         assert blocks is not None  # TorchPagedMetadata checks it
         q_padded = torch.cat((q, q.new_zeros(1, *q.shape[1:])))  # the zero row padding gathers
-        outs = [self._attend_block(layer_id, q_padded, block) for block in blocks.blocks]
+        if self._masks_of is not blocks:
+            self._masks_of, self._masks = blocks, {}
+        outs = [self._attend_block(layer_id, q_padded, block, i) for i, block in enumerate(blocks.blocks)]
         if not outs:
             return q.new_zeros(q.shape)
         return torch.cat(outs)[blocks.scatter]
@@ -50,7 +56,16 @@ class TorchPagedAttention:
 
         return read(k_cache), read(v_cache)
 
-    def _attend_block(self, layer_id: int, q_padded: torch.Tensor, block: QueryBlock) -> torch.Tensor:
+    def _mask(self, i: int, block: QueryBlock, group: int, dtype: torch.dtype) -> ops.PairMask:
+        mask = self._masks.get(i)
+        if mask is None:
+            # [b, pairs, kv_bound]
+            hidden = block.hidden[:, :, 0].transpose(1, 2).repeat_interleave(group, dim=1)
+            mask = self._masks[i] = ops.PairMask(hidden, dtype)
+        return mask
+
+    def _attend_block(self, layer_id: int, q_padded: torch.Tensor, block: QueryBlock,
+                      i: int) -> torch.Tensor:
         """`[b * width, H, D]`: the block's padded query rows attended over their requests' keys."""
         num_reqs, width = block.gather.shape
         num_kv, head_dim = self.cache.k.shape[-2:]
@@ -60,7 +75,6 @@ class TorchPagedAttention:
         q = (q_padded[block.gather].to(f32) * self.scale).view(num_reqs, width, num_kv, group, head_dim)
         q = q.permute(2, 0, 1, 3, 4).reshape(num_kv, num_reqs, width * group, head_dim)
         keys, vals = self._read_kv(layer_id, block)
-        hidden = block.hidden[:, :, 0].transpose(1, 2).repeat_interleave(group, dim=1)  # b, pairs, kv_bound
-        out = ops.chunked_attention(q, keys, vals, hidden)  # Hkv, b, pairs, D
+        out = ops.chunked_attention(q, keys, vals, self._mask(i, block, group, f32))  # Hkv, b, pairs, D
         out = out.reshape(num_kv, num_reqs, width, group, head_dim).permute(1, 2, 0, 3, 4)
         return out.reshape(num_reqs * width, self.num_heads, head_dim).to(q_padded.dtype)

@@ -45,7 +45,7 @@ def block_step_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tens
     # Pairs (block slot, query head of the KV group), row-major: [Hkv, B, Q * group, D].
     qg = (q.to(f32) * scale).view(b, nq, hkv, group, d).permute(2, 0, 1, 3, 4).reshape(hkv, b, nq * group, d)
     visible = torch.arange(length, device=q.device)[None, :] < (ctx_lens.long() + nq)[:, None]  # B, length
-    hidden = (~visible)[:, None, :].expand(b, nq * group, length)
-    out = ops.chunked_attention(qg, keys_of(ctx_k, blk_k), keys_of(ctx_v, blk_v), hidden)
+    mask = ops.PairMask((~visible)[:, None, :].expand(b, nq * group, length), f32)
+    out = ops.chunked_attention(qg, keys_of(ctx_k, blk_k), keys_of(ctx_v, blk_v), mask)
     out = out.reshape(hkv, b, nq, group, d).permute(1, 2, 0, 3, 4)
     return out.reshape(b, nq, h, d).to(q.dtype)

@@ -48,9 +48,11 @@ ROW_TILE = 16
 # A product with fewer outputs per row than this is summed by `ordered_product` instead: a BLAS
 # call with few columns takes a small-matrix path that can round a row by its place in the call.
 BLAS_MIN_OUT = 64
-# Problems in every CPU batched-product call, and the (query row, query head) pairs of one attention
-# problem: the products' vector lanes, a whole number of AVX-512 registers.
-PROBLEMS_PER_CALL = 64
+# Problems in every CPU batched-product call: a call costs about 6 us plus 0.9 us a problem here, so 32
+# keeps a small step's padding problems cheap and a large step's calls few.
+PROBLEMS_PER_CALL = 32
+# The (query row, query head) pairs of one attention problem: the products' vector lanes, a whole
+# number of AVX-512 registers.
 PAIR_TILE = 16
 # Elements of every elementwise transcendental call: a multiple of 2 x 16 float32 lanes (AVX-512's
 # loop step; AVX2's is half) and below torch's parallel grain (32768), so it never splits.
@@ -107,8 +109,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # kernel vectorises), not its register-blocked columns, whose remainder blocks (and the split
     # between threads) round a row by its place in the tile on some CPUs.
     out_t = x.new_empty(tiles, weight.shape[0], ROW_TILE)
-    for t in range(tiles):
-        torch.mm(weight, padded[t].t(), out=out_t[t])
+    # each operand's tile views made in one call
+    for tile, dst in zip(padded.transpose(1, 2).unbind(0), out_t.unbind(0), strict=True):
+        torch.mm(weight, tile, out=dst)
     out = out_t.transpose(1, 2).reshape(-1, weight.shape[0])[:rows]
     return out + bias if bias is not None else out
 
@@ -178,13 +181,14 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _element_tiles(apply: Callable[[torch.Tensor, torch.Tensor], object], src: torch.Tensor,
                    dst: torch.Tensor, tile: int = ELEMENT_TILE) -> None:
-    """`apply(tile, out_tile)` over flat `src` in tiles of `tile` elements, the last zero-padded to one."""
+    """`apply(tile, out_tile)` over flat `src` in tiles of `tile` elements, the last padded to one."""
     count = src.numel()
     full = count // tile * tile
     for start in range(0, full, tile):
         apply(src[start:start + tile], dst[start:start + tile])
     if full < count:
-        tail = src.new_zeros(tile)
+        # The lanes past the end hold an earlier call's values: elementwise, they touch no other lane.
+        tail = _scratch(f"lanewise.{tile}", src, tile)
         tail[:count - full] = src[full:]
         apply(tail, tail)
         dst[full:count] = tail[:count - full]
@@ -220,32 +224,71 @@ EXP_FLOOR = -87.0
 _EXP_AT_FLOOR: dict[torch.dtype, float] = {}
 
 
+def _exp_(tile: torch.Tensor) -> None:
+    torch.exp(tile, out=tile)
+
+
 def _softmax_weights_(shifted: torch.Tensor) -> None:
     """`exp` in place of shifted scores (<= 0; -inf for a hidden key), floored at `EXP_FLOOR` and less
     `exp(EXP_FLOOR)`: exactly 0 for a hidden key and for one at or below the floor, and all on the fast
-    path. Elementwise, so a row's weights depend on its own scores alone."""
+    path. Elementwise, so a row's weights depend on its own scores alone: the floor and the subtraction
+    are correctly rounded in vector and scalar code alike and run over the whole tensor; only `exp`
+    runs in `lanewise` tiles."""
     at_floor = _EXP_AT_FLOOR.get(shifted.dtype)
     if at_floor is None:  # as the tiles compute it, vector code included
         full = torch.full((ELEMENT_TILE,), EXP_FLOOR, dtype=shifted.dtype, device=shifted.device)
         at_floor = _EXP_AT_FLOOR[shifted.dtype] = float(torch.exp(full)[0])
     shifted.clamp_min_(EXP_FLOOR)
-    torch.exp(shifted, out=shifted)
+    lanewise_(_exp_, shifted)
     shifted.sub_(at_floor)
 
 
+class PairMask:
+    """Which keys each (query row, query head) pair of `chunked_attention` must not see, laid out once
+    (a step's layers share it) as its problems read it: `bias [tiles, 1, N, chunks, KV_CHUNK,
+    PAIR_TILE]`, contiguous, 0 for a key the pair sees and -inf for one it does not, the pairs past the
+    last hidden from every key. Added to the scores (finite: a cache starts zeroed and holds finite
+    keys), it leaves a seen score unchanged and makes a hidden one -inf, several times faster than
+    `masked_fill` of the same layout."""
+
+    def __init__(self, hidden: torch.Tensor, dtype: torch.dtype) -> None:
+        """`hidden [N, pairs, L]`: True for a key the pair must not see (`L` a multiple of `KV_CHUNK`);
+        `dtype`: the scores'."""
+        seqs, pairs, length = hidden.shape
+        tiles = _tiles(pairs, PAIR_TILE)
+        padded = F.pad(hidden, (0, 0, 0, tiles * PAIR_TILE - pairs), value=True)
+        layout = padded.view(seqs, tiles, PAIR_TILE, length // KV_CHUNK, KV_CHUNK).permute(1, 0, 3, 4, 2)
+        self.pairs = pairs
+        self.bias = torch.zeros(layout.shape, dtype=dtype, device=hidden.device).masked_fill_(
+            layout, float("-inf"))[:, None]
+
+
+def _pair_maximum(scores: torch.Tensor) -> torch.Tensor:
+    """`scores [T, chunks * KV_CHUNK, PAIR_TILE]` -> each pair's maximum `[T, 1, PAIR_TILE]`: the chunks
+    folded in turn, then the chunk's keys by halves (elementwise maxima, exact in any order, are
+    several times faster than `amax` over the strided dimension)."""
+    top = scores[:, :KV_CHUNK]
+    for start in range(KV_CHUNK, scores.shape[1], KV_CHUNK):
+        top = torch.maximum(top, scores[:, start:start + KV_CHUNK])
+    while top.shape[1] > 1:
+        half = top.shape[1] // 2
+        top = torch.maximum(top[:, :half], top[:, half:])
+    return top
+
+
 def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      hidden: torch.Tensor) -> torch.Tensor:
+                      mask: PairMask) -> torch.Tensor:
     """Softmax attention `[Hkv, N, pairs, D]` of pre-scaled queries `q [Hkv, N, pairs, D]` over
     `keys`/`values [N, L, Hkv, D]` (token-major, as a cache holds them; `L` a multiple of `KV_CHUNK`),
-    where `hidden [N, pairs, L]` is True for a key a pair must not see; computed in `q`'s dtype (float32
-    or float64). A pair is one (query row, query head of the KV group), row-major; a pair that sees no
-    key gets zeros.
+    where `mask` says which keys a pair must not see; computed in `q`'s dtype (float32 or float64). A
+    pair is one (query row, query head of the KV group), row-major; a pair that sees no key gets zeros.
 
     Every product is a `bmm` problem of one shape: one chunk of keys against a tile of `PAIR_TILE`
     pairs, then the chunk's values, with a row of ones (the softmax normaliser accumulates in the same
     product), against their probabilities; the pairs are the products' vector lanes. The shift is each
     pair's maximum score (exact in any order), and the chunks' partial sums are added in key order."""
     hkv, seqs, pairs, dim = q.shape
+    assert mask.pairs == pairs, f"a mask of {mask.pairs} pairs for {pairs}"
     chunks = keys.shape[1] // KV_CHUNK
     tiles = _tiles(pairs, PAIR_TILE)
     width = tiles * PAIR_TILE
@@ -269,14 +312,13 @@ def chunked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     a[:count].view(*shape, PAIR_TILE, dim).copy_(
         tiled.permute(2, 0, 1, 3, 4)[:, :, :, None].expand(*shape, PAIR_TILE, dim))
     scores = bmm(k, a.transpose(1, 2))  # [padded, KV_CHUNK, PAIR_TILE]
-    real = scores[:count].view(*shape, KV_CHUNK, PAIR_TILE)
-    # hidden [N, tiles * PAIR_TILE, chunks * KV_CHUNK] -> [tiles, 1, N, chunks, KV_CHUNK, PAIR_TILE]
-    hidden = F.pad(hidden, (0, 0, 0, width - pairs), value=True)
-    mask = hidden.view(seqs, tiles, PAIR_TILE, chunks, KV_CHUNK).permute(1, 0, 3, 4, 2)
-    real.masked_fill_(mask[:, None], float("-inf"))
-    top = real.amax(dim=(3, 4), keepdim=True)
-    real -= torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    lanewise_(_softmax_weights_, scores[:count])  # the padding problems' scores are never read
+    real = scores[:count]
+    real.view(*shape, KV_CHUNK, PAIR_TILE).add_(mask.bias)
+    # [tiles * Hkv * N, chunks * KV_CHUNK, PAIR_TILE]: a pair's keys are one dimension
+    by_pair = real.view(-1, chunks * KV_CHUNK, PAIR_TILE)
+    # A pair that sees no key has the maximum -inf; clamped, its scores stay -inf (weights 0).
+    by_pair -= _pair_maximum(by_pair).clamp_min_(torch.finfo(q.dtype).min)
+    _softmax_weights_(real)  # the padding problems' scores are never read
     part = bmm(v.transpose(1, 2), scores)[:count].view(*shape, dim + 1, PAIR_TILE)
     acc = part[:, :, :, 0]
     for chunk in range(1, chunks):  # in key order; a chunk past every pair's keys adds exact zeros
@@ -353,10 +395,36 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     return interpolated * (1 - extrapolation) + inv_freq * extrapolation, scaling.attention_factor
 
 
+# Per (head_dim, theta, scaling): cos and sin of positions 0 … n - 1 on the CPU, grown as positions do.
+_ROPE_TABLES: dict[tuple[int, float, RopeScaling | None], tuple[torch.Tensor, torch.Tensor]] = {}
+ROPE_TABLE_MIN = 1024
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables `[..., T, head_dim]` in the Hugging Face layout (halves, not interleaved
-    pairs). Each position's row depends on that position only, so the tables are batch-invariant."""
+    pairs). Each position's row depends on that position only, so the tables are batch-invariant.
+
+    On the CPU the rows are read from a table of every position so far, computed (`lanewise`, as
+    here) when a position first passes its end: a step evaluates no cos or sin, where a few rows
+    would otherwise cost a whole tile of each."""
+    if (positions.device.type != "cpu" or torch.is_autocast_enabled("cpu") or not positions.numel()
+            or positions.is_floating_point() or int(positions.min()) < 0):
+        return _rope_cos_sin(positions, head_dim, theta, scaling)
+    key = (head_dim, theta, scaling)
+    table = _ROPE_TABLES.get(key)
+    need = int(positions.max()) + 1
+    if table is None or table[0].shape[0] < need:
+        size = max(ROPE_TABLE_MIN, 1 << (need - 1).bit_length())
+        # a normal tensor, read in and out of inference mode (training saves cos and sin for backward)
+        with torch.inference_mode(False), torch.no_grad():
+            table = _ROPE_TABLES[key] = _rope_cos_sin(torch.arange(size), head_dim, theta, scaling)
+    index = positions.long()
+    return table[0][index], table[1][index]
+
+
+def _rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                  scaling: RopeScaling | None) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, positions.device)
     freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
