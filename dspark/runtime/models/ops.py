@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dspark.formats.hf_config import RopeScaling
@@ -407,9 +408,11 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
     On the CPU the rows are read from a table of every position so far, computed (`lanewise`, as
     here) when a position first passes its end: a step evaluates no cos or sin, where a few rows
-    would otherwise cost a whole tile of each."""
+    would otherwise cost a whole tile of each. Under a dispatch mode (a graph being captured, fake
+    tensors) they are computed directly, to the same bits: the table's growth reads the positions."""
     if (positions.device.type != "cpu" or torch.is_autocast_enabled("cpu") or not positions.numel()
-            or positions.is_floating_point() or int(positions.min()) < 0):
+            or positions.is_floating_point() or _get_current_dispatch_mode() is not None
+            or int(positions.min()) < 0):
         return _rope_cos_sin(positions, head_dim, theta, scaling)
     key = (head_dim, theta, scaling)
     table = _ROPE_TABLES.get(key)
