@@ -103,18 +103,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = ordered_product(x, weight)
         return out + bias if bias is not None else out
     rows, width = x.shape
+    out_features = weight.shape[0]
     tiles = _tiles(rows, ROW_TILE)
-    padded = _scratch("linear.rows", x, tiles, ROW_TILE, width)
-    padded.view(-1, width)[:rows] = x
+    rows_in, products, calls = _linear_operands(x, out_features, tiles)
+    rows_in.view(-1, width)[:rows] = x
     # `weight @ tileᵀ`: the tile's rows are the vector lanes of the product (the dimension a BLAS
     # kernel vectorises), not its register-blocked columns, whose remainder blocks (and the split
     # between threads) round a row by its place in the tile on some CPUs.
-    out_t = x.new_empty(tiles, weight.shape[0], ROW_TILE)
-    # each operand's tile views made in one call
-    for tile, dst in zip(padded.transpose(1, 2).unbind(0), out_t.unbind(0), strict=True):
+    for tile, dst in calls[:tiles]:
         torch.mm(weight, tile, out=dst)
-    out = out_t.transpose(1, 2).reshape(-1, weight.shape[0])[:rows]
+    out = x.new_empty(tiles * ROW_TILE, out_features)
+    out.view(tiles, ROW_TILE, out_features).copy_(products[:tiles].transpose(1, 2))
+    out = out[:rows]
     return out + bias if bias is not None else out
+
+
+def _linear_operands(x: torch.Tensor, out_features: int, tiles: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """This thread's operand buffers of a `linear` from `x`'s width to `out_features`, for at least
+    `tiles` tiles: the rows `[cap, ROW_TILE, width]`, the products `[cap, out_features, ROW_TILE]`,
+    and each call's (tileᵀ, product) views, made once (a step runs dozens of linears)."""
+    key = ("linear", x.dtype, x.device, x.shape[1], out_features)
+    entry = _WORKSPACE.__dict__.get(key)
+    if entry is None or len(entry[2]) < tiles:
+        cap = max(tiles, 2 * len(entry[2]) if entry else 1)
+        with torch.inference_mode(False):  # normal tensors and views: written in and out of inference mode
+            rows_in = x.new_zeros(cap, ROW_TILE, x.shape[1])
+            products = x.new_zeros(cap, out_features, ROW_TILE)
+            calls = list(zip(rows_in.transpose(1, 2).unbind(0), products.unbind(0), strict=True))
+        entry = _WORKSPACE.__dict__[key] = (rows_in, products, calls)
+    return entry
 
 
 # Keyed by the first weight's identity (a tensor's `==` is elementwise), dropped with it.
