@@ -41,12 +41,17 @@ def _dot_in_k_order() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+SHARD = "DSPARK_INTERP_SHARD"  # "i/n": run the checks at positions i, i + n, … of the script's list
+
+
 def run_checks(checks: dict[str, Callable[[], None]]) -> int:
-    """Run every check and print the JSON result (a check script's `main`)."""
+    """Run every check (or this process's share, `SHARD`) and print the JSON result (a check
+    script's `main`)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         _dot_in_k_order()
+    index, count = (int(part) for part in os.environ.get(SHARD, "0/1").split("/"))
     results: dict[str, str] = {}
-    for name, check in checks.items():
+    for name, check in list(checks.items())[index::count]:
         try:
             check()
             results[name] = "ok"
@@ -56,11 +61,23 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> int:
     return 0
 
 
-def interpreter_results(script: str) -> dict[str, str]:
-    """The results of `tests/<script>` run under `TRITON_INTERPRET=1` in a fresh process."""
+def interpreter_results(script: str, processes: int = 2) -> dict[str, str]:
+    """The results of `tests/<script>` run under `TRITON_INTERPRET=1` in fresh processes, its checks
+    shared between `processes` of them that run at once (the interpreter is one core's work; CI has
+    two)."""
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / script)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / script)], cwd=REPO,
+                              env={**env, SHARD: f"{i}/{processes}"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(processes)]
+    results: dict[str, str] = {}
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, err[-4000:]
+        results.update(json.loads(out.strip().splitlines()[-1]))
+    return results
