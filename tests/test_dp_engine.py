@@ -139,9 +139,13 @@ def test_the_dp_ranks_counters_merge_into_one_run() -> None:
     merged = merge_stats([a, b])
     assert (merged.requests, merged.steps, merged.request_steps, merged.committed_tokens) == (2, 7, 15, 34)
     assert merged.decode_seconds == 1.5 and merged.drafts_verified == [15, 13]
-    step = StepInfo(2, 9, 12, 12, 4, 16, 5, 7.5, 0.1)
-    other = StepInfo(1, 3, 6, 6, 10, 16, None, None, 0.2)
-    assert merge_steps([step, None, other]) == StepInfo(3, 12, 18, 18, 14, 16, None, None, 0.2)
+    step = StepInfo(num_reqs=2, committed=9, rows=12, planned_rows=12, padding_rows=4, tier=16, budget=5,
+                    tau=7.5, seconds=0.1)
+    other = StepInfo(num_reqs=1, committed=3, rows=6, planned_rows=6, padding_rows=10, tier=16, budget=None,
+                     tau=None, seconds=0.2)
+    assert merge_steps([step, None, other]) == StepInfo(
+        num_reqs=3, committed=12, rows=18, planned_rows=18, padding_rows=14, tier=16, budget=None, tau=None,
+        seconds=0.2)
     assert merge_steps([None, None]) is None
 
 

@@ -101,5 +101,6 @@ class ExtendSteps:
         stats.request_steps += num_reqs
         stats.committed_tokens += num_reqs
         stats.verify_rows += num_reqs
-        return StepInfo(num_reqs, num_reqs, num_reqs, num_reqs, 0, num_reqs, None, None,
-                        time.perf_counter() - start)
+        return StepInfo(num_reqs=num_reqs, committed=num_reqs, rows=num_reqs, planned_rows=num_reqs,
+                        padding_rows=0, tier=num_reqs, budget=None, tau=None,
+                        seconds=time.perf_counter() - start)

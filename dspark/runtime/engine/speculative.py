@@ -139,12 +139,14 @@ class SpeculativeStep:
             self.recorder.sts.add(proposal.conf_logits, raw_correct, fully_verified & same_policy,
                                   proposal.conf_inputs)
             self.recorder.steps.append(step_record(
-                handles, plan, layout, list(plan.verify_lens), correct, raw_correct.tolist(),
-                proposal.conf_logits, seconds, self.plan.lag_steps, self.plan.mode))
+                handles, step=plan, layout=layout, lens=list(plan.verify_lens), correct=correct,
+                raw=raw_correct.tolist(), conf_logits=proposal.conf_logits, seconds=seconds,
+                lag_steps=self.plan.lag_steps, mode=self.plan.mode))
         decision = plan.decision
-        return StepInfo(num_reqs, sum(correct) + num_reqs, layout.total_rows, sum(plan.verify_lens),
-                        layout.num_padding_rows, layout.tier, decision.budget if decision else None, plan.tau,
-                        seconds)
+        return StepInfo(num_reqs=num_reqs, committed=sum(correct) + num_reqs, rows=layout.total_rows,
+                        planned_rows=sum(plan.verify_lens), padding_rows=layout.num_padding_rows,
+                        tier=layout.tier, budget=decision.budget if decision else None, tau=plan.tau,
+                        seconds=seconds)
 
     def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle]
               ) -> tuple[StepPlan, int | None, int | None]:

@@ -9,7 +9,7 @@ from dspark.runtime.layout import VerifyLayout
 from dspark.runtime.planner.verify_plan import StepPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepInfo:
     """The last decode step, for serving metrics."""
 

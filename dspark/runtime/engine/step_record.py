@@ -17,7 +17,7 @@ from dspark.runtime.layout import VerifyLayout
 from dspark.runtime.planner.verify_plan import StepPlan
 
 
-def step_record(handles: Sequence[SlotHandle], step: StepPlan, layout: VerifyLayout, lens: Sequence[int],
+def step_record(handles: Sequence[SlotHandle], *, step: StepPlan, layout: VerifyLayout, lens: Sequence[int],
                 correct: Sequence[int], raw: Sequence[int], conf_logits: torch.Tensor | None, seconds: float,
                 lag_steps: int, mode: VerifyMode) -> StepRecord:
     """The step's record: `lens` the planned verify_lens, `correct` the accepted drafts, `raw` the uncapped
