@@ -69,6 +69,7 @@ def test_prompts_files_that_cannot_be_read(tmp_path: Path, capsys: pytest.Captur
     (["--top-k", "-1"], "--top-k must be 0 (off) or more"),
     (["--record-steps", "0"], "--record-steps must be a positive integer"),
     (["--record-features"], "--record-features needs --record DIR"),
+    (["--target-only", "--compare-target-only"], "leave out --target-only"),
 ])
 def test_out_of_range_run_options(capsys: pytest.CaptureFixture[str], options: list[str], says: str) -> None:
     _fails(["run", str(STATIC), "--prompt", "x", *options], capsys, says)

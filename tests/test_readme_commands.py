@@ -169,8 +169,8 @@ def test_the_readme_blocks_parse_into_commands() -> None:
     blocks = readme_blocks((REPO / "README.md").read_text(encoding="utf-8"))
     commands = [c for b in blocks for c in b.commands]
     assert blocks[0].line == 3  # the README opens with the two commands, right under its title
-    assert blocks[0].commands == ["./dev demo    # compile specs/tiny_cpu_static.yaml and run the "
-                                  "generated runtime on fixed prompts",
+    assert blocks[0].commands == ["./dev demo    # compile specs/tiny_cpu_compact.yaml, run it on fixed "
+                                  "prompts, compare with target-only",
                                   "./dev test    # run the test suite (ruff + pytest, slow tests included)"]
     unused = [p for p in EXCLUDED if not any(re.search(p, c.strip()) for c in commands)]
     assert not unused, f"exclusions that match no README command (remove them): {unused}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,27 @@ def test_cli_json_and_generated_entry_point_agree(tmp_path: Path) -> None:
     assert a["stats"]["mean_commit_len"] > 1.0 and b["stats"]["mean_commit_len"] == 1.0
     assert len(a["stats"]["acceptance_by_position"]) == 7
     assert all(len(c["token_ids"]) <= 24 for c in a["completions"])
+
+
+def test_a_run_compared_with_target_only_prints_both_speeds_and_checks_the_outputs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`dspark run --compare-target-only` (what `./dev demo` runs): the same prompts decoded target-only
+    after the speculative run; greedy outputs compared token for token, sampled ones not."""
+    from dspark.cli.main import main
+
+    pkg = str(REPO / "generated" / "tiny_cpu_compact")
+    args = ["run", pkg, "--prompt", "def parse(text):\n", "--prompt", "import re\n", "--max-new-tokens", "24",
+            "--compare-target-only"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = out["target_only_reference"]
+    assert ref["identical"] is True
+    assert ref["stats"]["mean_commit_len"] == 1.0 and out["stats"]["mean_commit_len"] > 1.0
+    assert ref["stats"]["generated_tokens"] == out["stats"]["generated_tokens"]
+    assert ref["speedup"] > 0 and ref["decode_speedup"] > 0
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"\[tiny_cpu_compact · target-only\] \d+ tokens in .* · outputs identical", lines[-2])
+    assert lines[-1].startswith("speculative / target-only: ")
+    assert main([*args, "--temperature", "0.8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target_only_reference"]["identical"] is None

@@ -44,6 +44,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="tokens to generate per prompt (default: the deployment's serving.max_new_tokens)")
     p.add_argument("--target-only", action="store_true",
                    help="decode with the target model alone, without speculation (the reference output)")
+    p.add_argument("--compare-target-only", action="store_true",
+                   help="then decode the same prompts target-only and print both speeds (and, greedy, "
+                        "whether the outputs are identical, as they must be)")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
     p.add_argument("--record", type=Path, default=None, metavar="DIR",
                    help="write calibration shards (sts/), the step ring (steps.jsonl) and run.json "
@@ -73,6 +76,9 @@ def check_run_args(args: argparse.Namespace) -> None:
     """Refuse out-of-range options before any model is loaded."""
     require_positive("--max-new-tokens", args.max_new_tokens)
     require_positive("--record-steps", args.record_steps)
+    if args.compare_target_only and args.target_only:
+        raise CliError("--compare-target-only compares a speculative run with a target-only one; "
+                       "leave out --target-only")
     if args.budget_fraction is not None and not 0 <= args.budget_fraction <= 1:
         raise CliError(f"--budget-fraction must be between 0 and 1, got {args.budget_fraction}")
     if args.temperature is not None and not args.temperature >= 0:
@@ -187,36 +193,71 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
 
 
 def _run(runtime: Any, pkg: Any, prompts: list[str], max_new: int, args: argparse.Namespace) -> int:
-    from dspark.runtime.engine.requests import RequestError
-
     try:
         requests = [pkg.tokenizer.encode(p) for p in prompts]
     except ValueError as err:  # a prompt the tokenizer cannot encode
         raise CliError(str(err)) from None
+    if args.compare_target_only:  # both timed runs start warm (first calls allocate and build tables)
+        for target_only in (False, True):
+            _generate(runtime, requests[:1], min(4, max_new), target_only)
     recorder = runtime.recorder = open_recorder(runtime, args)
     if recorder is not None:
         flush_on_sigterm()
     stats = None
     try:
-        outputs, stats = runtime.generate(requests, max_new, target_only=args.target_only)
-    except RequestError as err:  # a prompt over the context length or the KV pool
-        raise CliError(str(err).replace("max_new_tokens", "--max-new-tokens")) from None
+        outputs, stats = _generate(runtime, requests, max_new, args.target_only)
     finally:
         if recorder is not None:  # flush what was recorded even when the run failed
             recorder.close(run_info(runtime, args.target_only, stats))
-    print_run(pkg, prompts, outputs, stats, args)
+    reference = None
+    if args.compare_target_only:
+        runtime.recorder = None  # the recording (if any) is of the speculative run alone
+        reference = Reference(*_generate(runtime, requests, max_new, True), greedy=runtime.sampling.greedy)
+    print_run(pkg, prompts, outputs, stats, args, reference)
     return 0
 
 
+def _generate(runtime: Any, requests: list[list[int]], max_new: int, target_only: bool) -> Any:
+    from dspark.runtime.engine.requests import RequestError
+
+    try:
+        return runtime.generate(requests, max_new, target_only=target_only)
+    except RequestError as err:  # a prompt over the context length or the KV pool
+        raise CliError(str(err).replace("max_new_tokens", "--max-new-tokens")) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The target-only run of the same prompts (`--compare-target-only`)."""
+
+    outputs: list[list[int]]
+    stats: Any
+    greedy: bool  # greedy outputs must be identical; sampled ones are draws of the same distribution
+
+    def to_json(self, stats: Any, outputs: list[list[int]]) -> dict[str, Any]:
+        ref = self.stats.to_json()
+        return {"stats": ref, "identical": outputs == self.outputs if self.greedy else None,
+                "speedup": round(stats.generated_tokens / max(stats.wall_seconds, 1e-9)
+                                 / max(ref["tokens_per_second"], 1e-9), 3),
+                "decode_speedup": round(_decode_rate(stats) / max(_decode_rate(self.stats), 1e-9), 3)}
+
+
+def _decode_rate(stats: Any) -> float:
+    return stats.generated_tokens / max(stats.decode_seconds, 1e-9)
+
+
 def print_run(pkg: Any, prompts: list[str], outputs: list[list[int]], stats: Any,
-              args: argparse.Namespace) -> None:
+              args: argparse.Namespace, reference: Reference | None = None) -> None:
     texts = [pkg.tokenizer.decode(o) for o in outputs]
     summary = stats.to_json()
     if args.json:
-        json.dump({"deployment": pkg.deployment.name, "target_only": args.target_only,
-                   "completions": [{"prompt": p, "token_ids": o, "text": t}
-                                   for p, o, t in zip(prompts, outputs, texts, strict=True)],
-                   "stats": summary}, sys.stdout, indent=2)
+        out = {"deployment": pkg.deployment.name, "target_only": args.target_only,
+               "completions": [{"prompt": p, "token_ids": o, "text": t}
+                               for p, o, t in zip(prompts, outputs, texts, strict=True)],
+               "stats": summary}
+        if reference is not None:
+            out["target_only_reference"] = reference.to_json(stats, outputs)
+        json.dump(out, sys.stdout, indent=2)
         print()
         return
     for p, t in zip(prompts, texts, strict=True):
@@ -236,3 +277,12 @@ def print_run(pkg: Any, prompts: list[str], outputs: list[list[int]], stats: Any
     if not args.target_only:
         acc = " ".join("-" if a is None else f"{a:.2f}" for a in summary["acceptance_by_position"])
         print(f"acceptance by draft position: {acc}")
+    if reference is not None:
+        ref = reference.to_json(stats, outputs)
+        same = {True: "identical", False: "DIFFERENT (a defect: greedy output must equal target-only)",
+                None: "sampled, so not compared token for token"}[ref["identical"]]
+        print(f"[{pkg.deployment.name} · target-only] {ref['stats']['generated_tokens']} tokens in "
+              f"{ref['stats']['wall_seconds']:.2f} s = {ref['stats']['tokens_per_second']:.1f} tokens/s · "
+              f"outputs {same}")
+        print(f"speculative / target-only: {ref['speedup']:.2f}x tokens/s, {ref['decode_speedup']:.2f}x "
+              f"decode tokens/s (prefill left out)")
