@@ -235,15 +235,15 @@ class Reference:
     greedy: bool  # greedy outputs must be identical; sampled ones are draws of the same distribution
 
     def to_json(self, stats: Any, outputs: list[list[int]]) -> dict[str, Any]:
-        ref = self.stats.to_json()
-        return {"stats": ref, "identical": outputs == self.outputs if self.greedy else None,
-                "speedup": round(stats.generated_tokens / max(stats.wall_seconds, 1e-9)
-                                 / max(ref["tokens_per_second"], 1e-9), 3),
-                "decode_speedup": round(_decode_rate(stats) / max(_decode_rate(self.stats), 1e-9), 3)}
+        """Beside the speculative run's `stats` and `outputs`: this run's stats and the two ratios."""
+        def rate(s: Any, seconds: float) -> float:
+            return s.generated_tokens / max(seconds, 1e-9)
 
-
-def _decode_rate(stats: Any) -> float:
-    return stats.generated_tokens / max(stats.decode_seconds, 1e-9)
+        return {"stats": self.stats.to_json(), "identical": outputs == self.outputs if self.greedy else None,
+                "speedup": round(rate(stats, stats.wall_seconds)
+                                 / rate(self.stats, self.stats.wall_seconds), 3),
+                "decode_speedup": round(rate(stats, stats.decode_seconds)
+                                        / rate(self.stats, self.stats.decode_seconds), 3)}
 
 
 def print_run(pkg: Any, prompts: list[str], outputs: list[list[int]], stats: Any,

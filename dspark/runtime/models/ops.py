@@ -429,12 +429,14 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     would otherwise cost a whole tile of each. Under a dispatch mode (a graph being captured, fake
     tensors) they are computed directly, to the same bits: the table's growth reads the positions."""
     if (positions.device.type != "cpu" or torch.is_autocast_enabled("cpu") or not positions.numel()
-            or positions.is_floating_point() or _get_current_dispatch_mode() is not None
-            or int(positions.min()) < 0):
+            or positions.is_floating_point() or _get_current_dispatch_mode() is not None):
+        return _rope_cos_sin(positions, head_dim, theta, scaling)
+    lowest, highest = (int(v) for v in torch.aminmax(positions))
+    if lowest < 0:
         return _rope_cos_sin(positions, head_dim, theta, scaling)
     key = (head_dim, theta, scaling)
     table = _ROPE_TABLES.get(key)
-    need = int(positions.max()) + 1
+    need = highest + 1
     if table is None or table[0].shape[0] < need:
         size = max(ROPE_TABLE_MIN, 1 << (need - 1).bit_length())
         # a normal tensor, read in and out of inference mode (training saves cos and sin for backward)
