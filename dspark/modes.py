@@ -15,6 +15,21 @@ def num_draft_tokens(gamma: int) -> int:
     return gamma + 1
 
 
+class SpeculationOff(str, Enum):
+    """Whether the planner may switch speculation off (`verify.off`).
+
+    - `auto`: when the cost table prices a target-only decode step and it pays more than drafting and
+      verifying, the planner decodes without speculation for a while (docs/planner.md, "Speculation off").
+    - `never`: every decode step drafts and verifies.
+    """
+
+    AUTO = "auto"
+    NEVER = "never"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class VerifyMode(str, Enum):
     """How the target verifies the drafts of a step.
 

@@ -373,6 +373,39 @@ def check_triton_attention_lossless() -> None:
         assert got == want, f"prompt {i}: speculative output differs from target-only"
 
 
+def check_draft_block_through_the_triton_kernel() -> None:
+    """The draft's block attention over its paged cache (`PagedDraftBlock`) through the CUDA kernel: every
+    block row sees its request's context and whole block (its mask position is the block's last), as the
+    batch-invariant torch attention computes it."""
+    from pathlib import Path
+
+    from dspark.runtime.attention.triton_paged import TritonPagedAttention
+    from dspark.runtime.engine.forward import PagedDraftBlock
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+
+    runtime = Runtime(load_package(Path(__file__).resolve().parents[1] / "generated" / "tiny_cpu_compact"))
+    m, draft = runtime.models, runtime.draft
+    prefix_host = [3, 70, 17, 130]
+    handles = [runtime.slots.admit() for _ in prefix_host]
+    for h, p in zip(handles, prefix_host, strict=True):
+        runtime.slots.reserve(h.slot, p + 16)
+    table = runtime.slots.page_table[[h.slot for h in handles]]
+    torch.manual_seed(0)
+    for layer in range(draft.cfg.num_layers):
+        m.draft_kv.k[layer].normal_()
+        m.draft_kv.v[layer].normal_()
+    roots = torch.randint(draft.cfg.vocab_size, (len(prefix_host),))
+    prefix = torch.tensor(prefix_host)
+    cfg = draft.cfg
+    triton = TritonPagedAttention(m.draft_kv, m.page_size, cfg.num_heads, cfg.head_dim ** -0.5, impl="triton")
+    want = draft.propose_paged(roots, prefix, PagedDraftBlock.plan(m.draft_attn, prefix_host, 7, table,
+                                                                   m.page_size), None, gamma=7)
+    got = draft.propose_paged(roots, prefix, PagedDraftBlock.plan(triton, prefix_host, 7, table, m.page_size),
+                              None, gamma=7)
+    _close("draft block hidden", got.hidden, want.hidden, tol=1e-4)
+
+
 def check_rms_norm_random() -> None:
     """Widths that are not powers of two, strided rows and 3-D inputs, against the reference; each
     row written alone into a sentinel-padded buffer has the bits it has among the others."""
@@ -407,6 +440,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "paged_attention_sentinels": check_paged_attention_sentinels,
     "paged_attention_rows_independent": check_paged_attention_rows_independent,
     "triton_attention_lossless": check_triton_attention_lossless,
+    "draft_block_through_the_triton_kernel": check_draft_block_through_the_triton_kernel,
     "rms_norm_random": check_rms_norm_random,
 }
 

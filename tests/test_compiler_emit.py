@@ -151,7 +151,17 @@ def test_static_and_adaptive_planner_config(write_spec, tmp_path):
         "SURVIVAL_EPS": 1e-4, "ALIGN_TO_GRAPH_TIER": False, "LAG_STEPS": 0,
         "STS_TEMPERATURES": (1.0, 1.5, 2.0),
         "COST_MODEL": {"type": "sps-1d", "sample_batch_tokens": (4, 64),
-                       "sample_steps_per_sec": (100.0, 50.0), "max_batch_tokens": 64}}
+                       "sample_steps_per_sec": (100.0, 50.0), "max_batch_tokens": 64},
+        "SPECULATION_OFF": "never"}  # the table has no decode term
+    assert b"# Every step speculates: the cost table has no decode term" in adaptive
+    # with it, the planner may switch speculation off, with the spec's hysteresis
+    priced = {**SPS, "decode_bs_probes": [1, 32], "decode_seconds": [0.002, 0.004]}
+    spec = write_spec({"verify": {"mode": "compact", "off_patience": 5}, "cost_model": priced})
+    off = compile_spec(spec, tmp_path / "demo").files["planner_config.py"]
+    assert {k: v for k, v in constants(off).items() if k in ("SPECULATION_OFF", "OFF_MARGIN", "OFF_PATIENCE",
+                                                             "PROBE_EVERY")} == {
+        "SPECULATION_OFF": "auto", "OFF_MARGIN": 0.05, "OFF_PATIENCE": 5, "PROBE_EVERY": 16}
+    assert keywords(off, "AdaptiveVerifyPlan")["probe_every"] == "PROBE_EVERY"
     assert {k: v for k, v in constants(files["deployment.py"]).items() if k in SHARED} == {
         "VERIFY_MODE": "VerifyMode.COMPACT", "GAMMA": 3, "NUM_DRAFT_TOKENS": 4, "MIN_VERIFY_LEN": 2,
         "MAX_VERIFY_LEN": 4, "PAGE_SIZE": 16, "MAX_CONTEXT_LEN": 1024, "PAGES_PER_REQUEST": 64,

@@ -35,6 +35,7 @@ from dspark.runtime.layout import tier_for
 
 from .gloo_ranks import as_rank, free_port, spawn_ranks
 from .parallel_builds import (
+    NEW_TOKENS,
     PROMPTS,
     REPO,
     compile_parallel,
@@ -98,6 +99,36 @@ def test_a_dp_attention_build_profiles_its_own_step_costs(tmp_path: Path) -> Non
     data["cost_model"] = {"type": "additive", "file": str(out / "additive.json")}
     spec.write_text(yaml.safe_dump(data, sort_keys=False))
     build(spec, tmp_path / "generated" / name)  # not stale: profiled on this very launch
+
+
+@pytest.mark.slow
+def test_the_dp_ranks_switch_speculation_off_together(tmp_path: Path) -> None:
+    """A table whose target-only decode step is nearly free: the planner switches speculation off, every DP
+    rank with it (one decision from every DP rank's prediction; the check mode compares each step's rows),
+    and probes; greedy output stays one process's."""
+    name = compile_parallel("tiny_cpu_compact", tmp_path, tp=2, dp=2, **DP_ATTENTION)
+    spec = tmp_path / f"{name}.yaml"
+    data = yaml.safe_load(spec.read_text())
+    table = json.loads((REPO / "specs" / "tables" / "tiny_cpu" / "additive.json").read_text())
+    table.pop("fingerprint", None)
+    probes = table["bs_probes"]
+    cheap = {**table, "type": "additive", "decode_bs_probes": probes,
+             "decode_seconds": [1e-6 * (1 + i) for i in range(len(probes))]}
+    data["cost_model"] = cheap
+    data["verify"] = {**data["verify"], "off": "auto", "off_patience": 2, "probe_every": 4}
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    build(spec, tmp_path / "generated" / name)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+              "127.0.0.1", "--master-port", str(free_port())]
+    command = ["-m", f"generated.{name}", "run", *prompt_args(PROMPTS), "--max-new-tokens", str(NEW_TOKENS),
+               "--json"]
+    result = run(launch + command, tmp_path, DSPARK_TP_CHECK="1")
+    assert result.returncode == 0, result.stderr[-8000:]
+    out = json.loads(result.stdout)
+    assert [c["token_ids"] for c in out["completions"]] == reference("tiny_cpu_compact")
+    stats = out["stats"]
+    assert stats["speculation_off_steps"] > 0 and stats["speculation_switches"] >= 1
+    assert stats["mean_predicted_tau_per_step"] is not None  # the drafted steps before, and the probes
 
 
 @pytest.mark.slow

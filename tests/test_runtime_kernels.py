@@ -26,7 +26,8 @@ from .interp_runner import interpreter_results
 REPO = Path(__file__).resolve().parents[1]
 INTERP_CHECKS = ["layout_worked_example", "layout_random", "accept_cap_example", "accept_random",
                  "pack_random", "scatter_random", "paged_attention_random", "paged_attention_sentinels",
-                 "paged_attention_rows_independent", "triton_attention_lossless", "rms_norm_random"]
+                 "paged_attention_rows_independent", "triton_attention_lossless", "rms_norm_random",
+                 "draft_block_through_the_triton_kernel"]
 
 
 # -- independent oracles: the semantics spelled out one row at a time -------------------------

@@ -383,7 +383,7 @@ def test_refitting_the_committed_profiles_reproduces_the_committed_tables(tmp_pa
         tables = fit_tables(result, result.tiers)
         if "draft_seconds" in sps_json:  # profiled with --no-draft-time, a table has no draft term
             probes, seconds = tuple(sps_json["draft_bs_probes"]), tuple(sps_json["draft_seconds"])
-            tables = tables.with_draft_time(probes, seconds)
+            tables = tables.with_term("draft", probes, seconds)
         out = tmp_path / committed.name
         written = write_tables(out, tables.sps, tables.additive, result, tables.tier, sps_json["fingerprint"])
         tables = {"sps_1d.json", "additive.json", "tier.json"}

@@ -68,10 +68,12 @@ def test_every_policy_commits_and_costs_what_the_hand_arithmetic_says() -> None:
     # Concurrency 4 over a trace of 4 request-steps draws all of them each step (without replacement).
     trace, adaptive_plan = hand_trace(), plan()
     pricer = StepPricer(adaptive_plan.table)
+    policies = policies_for(adaptive_plan, pricer.decode_time)
     results = {(r.policy, r.verify_len): r
-               for r in simulate_concurrency(trace, policies_for(adaptive_plan), pricer, 4, steps=3, seed=1)}
+               for r in simulate_concurrency(trace, policies, pricer, 4, steps=3, seed=1)}
     # Per request: min(raw, verify_len - 1) + 1 tokens.
-    expected = {("static", None): (10, 16), ("fixed", 1): (4, 4), ("fixed", 2): (7, 8), ("fixed", 3): (9, 12),
+    expected = {("target-only", None): (4, 4), ("static", None): (10, 16), ("fixed", 1): (4, 4),
+                ("fixed", 2): (7, 8), ("fixed", 3): (9, 12),
                 ("fixed", 4): (10, 16), ("oracle", None): (10, 10)}
     for key, (tokens, rows) in expected.items():
         r = results[key]
@@ -134,8 +136,9 @@ def test_oracle_beats_every_fixed_k_and_static_is_fixed_n_on_a_random_trace(seed
     concave = {"bias_seconds": 0.004, "bs_probes": [1, 64], "alpha_seconds": [0.0, 0.002],
                "m_probes": [1, 64, 256], "theta_seconds": [0.0, 0.006, 0.015]}
     adaptive_plan = plan(concave)
-    results = simulate(trace, policies_for(adaptive_plan), StepPricer(adaptive_plan.table), [1, 8, 32],
-                       steps=50, seed=seed)
+    pricer = StepPricer(adaptive_plan.table)
+    results = simulate(trace, policies_for(adaptive_plan, pricer.decode_time), pricer, [1, 8, 32], steps=50,
+                       seed=seed)
     for c in (1, 8, 32):
         at = [r for r in results if r.concurrency == c]
         by = {(r.policy, r.verify_len): r for r in at}

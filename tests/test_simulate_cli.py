@@ -17,7 +17,8 @@ from .test_simulate import _write_recording
 REPO = Path(__file__).resolve().parents[1]
 STATIC = REPO / "generated" / "tiny_cpu_static"
 COMPACT = REPO / "generated" / "tiny_cpu_compact"
-RESULT_KEYS = {"concurrency", "policy", "verify_len", "tokens_per_s", "tokens_per_step", "rows_per_step"}
+RESULT_KEYS = {"concurrency", "policy", "verify_len", "tokens_per_s", "tokens_per_step", "rows_per_step",
+               "off_share"}
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,10 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert main(["run", str(STATIC), "--prompt", "def main(argv):", "--prompt", "import os\nimport sys\n",
                  "--prompt", "class Queue:", "--max-new-tokens", "32", "--record", str(out)]) == 0
     return out
+
+
+def by_policy(results: list[dict], policy: str) -> dict:
+    return next(r for r in results if r["policy"] == policy)
 
 
 def test_simulate_prints_every_policy_as_json_and_draws_the_plot(recording: Path, tmp_path: Path,
@@ -39,7 +44,10 @@ def test_simulate_prints_every_policy_as_json_and_draws_the_plot(recording: Path
     assert all(set(r) == RESULT_KEYS for r in results)
     for c in (1, 8):
         at = [r for r in results if r["concurrency"] == c]
-        assert [r["policy"] for r in at] == ["static"] + ["fixed"] * 8 + ["adaptive", "oracle"]
+        assert [r["policy"] for r in at] == (["target-only", "static"] + ["fixed"] * 8
+                                             + ["adaptive-on", "adaptive", "oracle"])
+        assert by_policy(at, "target-only")["tokens_per_step"] == c  # one token per request
+        assert by_policy(at, "target-only")["off_share"] == 1.0 and by_policy(at, "static")["off_share"] == 0
         assert [r["verify_len"] for r in at if r["policy"] == "fixed"] == list(range(1, 9))
         assert all(r["verify_len"] is None for r in at if r["policy"] != "fixed")
         by = {(r["policy"], r["verify_len"]): r for r in at}
@@ -50,7 +58,8 @@ def test_simulate_prints_every_policy_as_json_and_draws_the_plot(recording: Path
     comparisons = doc["comparisons"]
     assert [c["concurrency"] for c in comparisons] == [1, 8]
     assert set(comparisons[0]) == {"concurrency", "best_fixed_verify_len", "adaptive_over_best_fixed",
-                                   "adaptive_over_oracle", "adaptive_over_static", "adaptive_dropped_drafts"}
+                                   "adaptive_over_oracle", "adaptive_over_static", "adaptive_dropped_drafts",
+                                   "adaptive_over_target_only", "adaptive_over_best", "adaptive_off_share"}
     dropped = comparisons[1]["adaptive_dropped_drafts"]
     assert 0 <= dropped["mean_survival"] <= 1 and 0 <= dropped["reach_rate"] <= 1
     adaptive_8 = next(r for r in results if r["concurrency"] == 8 and r["policy"] == "adaptive")

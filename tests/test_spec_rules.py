@@ -194,6 +194,26 @@ def test_compact_needs_a_cost_model_unless_allowed(write_spec):
     load_spec(write_spec({"verify": {"mode": "compact"}, "cost_model": SPS}))
 
 
+def test_speculation_off_written_out_needs_a_planner_and_a_decode_priced_table(write_spec):
+    priced = {**SPS, "decode_bs_probes": [1, 8], "decode_seconds": [0.002, 0.003]}
+    issue = only_issue(write_spec, {"verify": {"off": "auto"}, "cost_model": priced})
+    assert issue.path == ("verify", "off") and "static mode" in issue.message
+    issue = only_issue(write_spec, {"verify": {"mode": "compact", "off": "auto"}, "cost_model": SPS})
+    assert issue.path == ("verify", "off") and "decode term" in issue.message and "profile" in issue.hint
+    no_table = {"mode": "compact", "off": "auto", "allow_no_cost_model": True}
+    issue = only_issue(write_spec, {"verify": no_table})
+    assert issue.path == ("verify", "off") and "without a cost model" in issue.message
+    # left at its default, auto has nothing to decide with and resolves to never; with the term, auto
+    unpriced = load_spec(write_spec({"verify": {"mode": "compact"}, "cost_model": SPS}))
+    assert unpriced.speculation_off == "never"
+    spec = load_spec(write_spec({"verify": {"mode": "compact"}, "cost_model": priced}))
+    assert spec.speculation_off == "auto"
+    pinned = load_spec(write_spec({"verify": {"mode": "compact", "off": "never"}, "cost_model": priced}))
+    assert pinned.speculation_off == "never"
+    issue = only_issue(write_spec, {"verify": {"off": "sometimes"}})
+    assert issue.path == ("verify", "off")
+
+
 def test_context_fits_the_model(write_spec):
     issue = only_issue(write_spec, {"serving": {"max_context_len": 4096}})
     assert issue.path == ("serving", "max_context_len") and "2048" in issue.hint

@@ -47,6 +47,10 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-draft-time", action="store_true",
                    help="leave the draft's step time out of the tables (by default it is measured per "
                         "batch size and the planner adds it to the verify time)")
+    p.add_argument("--no-decode-time", action="store_true",
+                   help="leave the target-only decode step's time out of the tables (by default it is "
+                        "measured per batch size, so the planner can switch speculation off where it "
+                        "does not pay)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=profile_package)
     return p
@@ -115,15 +119,20 @@ def profile_package(args: argparse.Namespace) -> int:
                 "context_len": str(args.context_len)}
         result = run_profile(timer, plan, progress=not args.no_progress, meta=meta)
         tables = fit_tables(result, tiers)
+        probes = plan.batch_sizes
         if not args.no_draft_time:
-            probes = plan.batch_sizes
             draft = tuple(median_seconds(lambda b=b: timer.draft_seconds(b), args.warmup, args.repeats)
                           for b in probes)
-            fitted = fit_draft_seconds(draft)
-            tables = tables.with_draft_time(probes, fitted)
-            print("\ndraft step (added to the verify time by the planner; measured→fitted where it dipped)\n"
-                  + "  ".join(f"B={b}:{s * 1e3:.4f}" + ("" if f == s else f"→{f * 1e3:.4f}")
-                              for b, s, f in zip(probes, draft, fitted, strict=True)) + "  (ms)")
+            tables = tables.with_term("draft", probes, fit_draft_seconds(draft))
+            print(term_report("draft step (added to the verify time by the planner; measured→fitted where "
+                              "it dipped)", probes, draft, tables.sps.draft_seconds))
+        if not args.no_decode_time:
+            decode = tuple(median_seconds(lambda b=b: timer.decode_seconds(b), args.warmup, args.repeats)
+                           for b in probes)
+            tables = tables.with_term("decode", probes, fit_draft_seconds(decode))
+            print(term_report("target-only decode step (the planner's price of a step without "
+                              "speculation; measured→fitted where it dipped)", probes, decode,
+                              tables.sps.decode_seconds))
         if tables.tier_note:
             print(f"\n{tables.tier_note}")
         fingerprint = fingerprint_of_deployment(dep, tiers).to_json()
@@ -141,11 +150,19 @@ class FittedTables:
     tier: TierCostTable | None = None
     tier_note: str = ""  # the tier fit's quality, or why no tier table was written
 
-    def with_draft_time(self, probes: tuple[int, ...], seconds: tuple[float, ...]) -> FittedTables:
+    def with_term(self, term: str, probes: tuple[int, ...], seconds: tuple[float, ...]) -> FittedTables:
+        """Every table with the per-batch-size `term` ("draft" or "decode") measured at `probes`."""
         def add(table: Any) -> Any:
-            return None if table is None else dataclasses.replace(table, draft_bs_probes=probes,
-                                                                  draft_seconds=seconds)
+            return None if table is None else dataclasses.replace(
+                table, **{f"{term}_bs_probes": probes, f"{term}_seconds": seconds})
         return dataclasses.replace(self, sps=add(self.sps), additive=add(self.additive), tier=add(self.tier))
+
+
+def term_report(title: str, probes: tuple[int, ...], measured: tuple[float, ...],
+                fitted: tuple[float, ...]) -> str:
+    """A per-batch-size term's line: each probe's time, `measured→fitted` where the fit changed it."""
+    return f"\n{title}\n" + "  ".join(f"B={b}:{s * 1e3:.4f}" + ("" if f == s else f"→{f * 1e3:.4f}")
+                                     for b, s, f in zip(probes, measured, fitted, strict=True)) + "  (ms)"
 
 
 def fit_tables(result: ProfileResult, tiers: tuple[int, ...]) -> FittedTables:

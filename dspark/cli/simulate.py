@@ -93,14 +93,16 @@ def run_simulate(args: argparse.Namespace) -> int:
                 raise CliError(f"--concurrency {c} does not fit the cost model ({setup.cost_model_source}): "
                                f"{reason}; profile larger steps or drop it")
         concurrencies = requested
-    results = simulate(trace, policies_for(setup.plan), setup.pricer, concurrencies, args.steps, args.seed,
+    policies = policies_for(setup.plan, setup.pricer.decode_time)
+    results = simulate(trace, policies, setup.pricer, concurrencies, args.steps, args.seed,
                        setup.plan.lag_steps)
     report = SimulationReport(
         package=pkg.deployment.name, trace=str(args.trace), trace_policy=trace.policy,
         request_steps=trace.size, cost_model_kind=setup.pricer.table.kind,
         cost_model_source=setup.cost_model_source, step_overhead_ms=args.step_overhead_ms,
         tiers=setup.pricer.tiers, lag_steps=setup.plan.lag_steps,
-        num_draft_tokens=n, steps=args.steps, seed=args.seed, results=tuple(results))
+        num_draft_tokens=n, steps=args.steps, seed=args.seed, results=tuple(results),
+        decode_source=setup.pricer.decode_source)
     if args.plot is not None:
         from dspark.simulate.plot import plot_report
 

@@ -11,7 +11,7 @@ from typing import Any
 from dspark import __version__
 from dspark.compiler.literals import py_literal
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4CacheLayout, Dsv4Geometry, dsv4_cache_layout
-from dspark.modes import VerifyMode
+from dspark.modes import SpeculationOff, VerifyMode
 from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
 
@@ -324,6 +324,8 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "temperatures_source": (_source("STS temperatures", calibration_file) if resolved.temperatures
                                 else "no calibration: survival = cumprod(sigmoid(z))"),
         "cost_model": resolved.cost_model.model_dump(exclude_defaults=True) if resolved.cost_model else None,
+        "speculation_off": resolved.speculation_off.value,
+        "speculation_off_doc": _speculation_off_doc(resolved),
         "cost_model_source": (_source(f"{resolved.cost_model.type} step-cost table", cost_file)
                               if resolved.cost_model else "no cost model: every candidate is verified"),
         "widest_request": widest,
@@ -361,3 +363,15 @@ def _geometry_fields(resolved: ResolvedSpec) -> str:
         values["rope_scaling"] = scaling.model_dump(exclude_none=True) if scaling else None
     return "\n".join(f"{pad}{name}={py_literal(value, GEOMETRY_INDENT, lead=len(name) + 1)},"
                      for name, value in values.items())
+
+
+def _speculation_off_doc(resolved: ResolvedSpec) -> str:
+    """Why the planner may, or may not, switch speculation off (the generated comment)."""
+    verify = resolved.spec.verify
+    if resolved.speculation_off is SpeculationOff.AUTO:
+        return "Decode without speculation while the cost table prices a target-only step faster."
+    if verify.off is SpeculationOff.NEVER:
+        return "Every step speculates: pinned by verify.off."
+    if resolved.cost_model is None:
+        return "Every step speculates: without a cost model nothing prices a step without speculation."
+    return "Every step speculates: the cost table has no decode term (dspark profile measures it)."

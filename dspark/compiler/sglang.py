@@ -67,6 +67,10 @@ NO_SGLANG_EQUIVALENT: dict[str, str] = {
     "verify.survival_eps": "SGLang's DSpark planner has no survival threshold setting",
     "verify.allow_no_cost_model": "dspark's compile-time check; without "
                                   "--speculative-dspark-sps-table-path SGLang uses a flat table",
+    "verify.off": "SGLang's DSpark speculates at every step; it has no state without speculation",
+    "verify.off_margin": "SGLang's DSpark speculates at every step; it has no state without speculation",
+    "verify.off_patience": "SGLang's DSpark speculates at every step; it has no state without speculation",
+    "verify.probe_every": "SGLang's DSpark speculates at every step; it has no state without speculation",
     "cost_model.fingerprint": "dspark's compile-time staleness check; SGLang does not read it",
     "calibration.policy": "dspark's compile-time check that the calibration fits serving.generation",
     "serving.generation.max_new_tokens": _REQUEST_PARAMETER + " max_new_tokens",

@@ -56,8 +56,8 @@ def never_cheaper(values: tuple[float, ...], probes: tuple[int, ...] | None, wha
                                   f"but it is {a:.6g} at {at(i - 1)} and {b:.6g} at {at(i)}", REFIT_HINT)
 
 
-def _draft_probes_field() -> Any:
-    return Field(default=(), description="Optional: batch sizes at which the draft's step time was "
+def _probes_field(term: str) -> Any:
+    return Field(default=(), description=f"Optional: batch sizes at which the {term} step time was "
                                          "measured, strictly increasing.")
 
 
@@ -66,38 +66,57 @@ def _draft_seconds_field() -> Any:
                                          "entry (≥ 0); the planner adds them to the verify step time.")
 
 
-class _DraftCostTerm(Section):
-    """Validators of the optional draft-cost term every cost table may carry (fields declared per
-    table, after its own, so that dumps and the generated code list the table's fields first)."""
+def _decode_seconds_field() -> Any:
+    return Field(default=(), description="Optional: seconds of one target-only decode step (one row per "
+                                         "request, the draft's context appended) at each "
+                                         "decode_bs_probes entry (> 0); the planner prices the step "
+                                         "without speculation by it.")
 
-    @field_validator("draft_bs_probes", check_fields=False)
-    @classmethod
-    def _draft_increasing(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        return strictly_increasing(value, "draft_bs_probes")
 
-    @field_validator("draft_seconds", check_fields=False)
+# The per-batch-size terms any table may carry: (probes, seconds, what the seconds time, the law).
+BATCH_TERMS = (
+    ("draft_bs_probes", "draft_seconds", "the draft step",
+     "drafting for more requests never takes less time"),
+    ("decode_bs_probes", "decode_seconds", "the target-only decode step",
+     "decoding more requests never takes less time"),
+)
+
+
+class _BatchTerms(Section):
+    """Validators of the optional per-batch-size terms every cost table may carry: the draft's step
+    time and the target-only decode step time (fields declared per table, after its own, so that dumps
+    and the generated code list the table's fields first)."""
+
+    @field_validator("draft_bs_probes", "decode_bs_probes", check_fields=False)
     @classmethod
-    def _draft_non_negative(cls, value: tuple[float, ...], info: ValidationInfo) -> tuple[float, ...]:
-        same_length(value, info, "draft_bs_probes")
-        if any(seconds < 0 for seconds in value):
-            raise FieldValueError("draft times must be ≥ 0", "re-measure the draft step")
-        never_cheaper(value, info.data.get("draft_bs_probes"), "draft_seconds", "draft_bs_probes",
-                      "drafting for more requests never takes less time")
+    def _probes_increasing(cls, value: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        return strictly_increasing(value, str(info.field_name))
+
+    @field_validator("draft_seconds", "decode_seconds", check_fields=False)
+    @classmethod
+    def _seconds_valid(cls, value: tuple[float, ...], info: ValidationInfo) -> tuple[float, ...]:
+        probes, _, what, law = next(t for t in BATCH_TERMS if t[1] == info.field_name)
+        same_length(value, info, probes)
+        decode = info.field_name == "decode_seconds"
+        if any(seconds < 0 or (decode and seconds == 0) for seconds in value):
+            term = str(info.field_name).removesuffix("_seconds")
+            raise FieldValueError(f"{term} times must be {'> 0' if decode else '≥ 0'}", f"re-measure {what}")
+        never_cheaper(value, info.data.get(probes), str(info.field_name), probes, law)
         return value
 
     @model_validator(mode="after")
-    def _draft_both_or_neither(self) -> _DraftCostTerm:
+    def _terms_both_or_neither(self) -> _BatchTerms:
         # A default is not validated field by field, so one list given without the other lands here.
-        probes, seconds = getattr(self, "draft_bs_probes", ()), getattr(self, "draft_seconds", ())
-        if bool(probes) != bool(seconds):
-            given, missing = (("draft_bs_probes", "draft_seconds") if probes
-                              else ("draft_seconds", "draft_bs_probes"))
-            raise FieldValueError(f"{given} is given but {missing} is empty",
-                                  "give both draft lists (one time per probe) or neither")
+        for probes_name, seconds_name, what, _ in BATCH_TERMS:
+            probes, seconds = getattr(self, probes_name, ()), getattr(self, seconds_name, ())
+            if bool(probes) != bool(seconds):
+                given, missing = (probes_name, seconds_name) if probes else (seconds_name, probes_name)
+                raise FieldValueError(f"{given} is given but {missing} is empty",
+                                      f"give both lists of {what} (one time per probe) or neither")
         return self
 
 
-class Sps1dCostModel(_DraftCostTerm):
+class Sps1dCostModel(_BatchTerms):
     """Steps-per-second table over the step's token count, looked up by floor."""
 
     type: Literal["sps-1d"] = Field(description="Cost model kind.")
@@ -136,11 +155,13 @@ class Sps1dCostModel(_DraftCostTerm):
                                   "the probes above it")
         return value
 
-    draft_bs_probes: IntTuple = _draft_probes_field()
+    draft_bs_probes: IntTuple = _probes_field("draft's")
     draft_seconds: FloatTuple = _draft_seconds_field()
+    decode_bs_probes: IntTuple = _probes_field("target-only decode")
+    decode_seconds: FloatTuple = _decode_seconds_field()
 
 
-class AdditiveCostModel(_DraftCostTerm):
+class AdditiveCostModel(_BatchTerms):
     """Step time T(B, M) = bias + alpha(B) + theta(M), theta linearly interpolated."""
 
     type: Literal["additive"] = Field(description="Cost model kind.")
@@ -181,11 +202,13 @@ class AdditiveCostModel(_DraftCostTerm):
                                   "steps would be predicted to take no time", "re-fit the table")
         return self
 
-    draft_bs_probes: IntTuple = _draft_probes_field()
+    draft_bs_probes: IntTuple = _probes_field("draft's")
     draft_seconds: FloatTuple = _draft_seconds_field()
+    decode_bs_probes: IntTuple = _probes_field("target-only decode")
+    decode_seconds: FloatTuple = _decode_seconds_field()
 
 
-class TierCostModel(_DraftCostTerm):
+class TierCostModel(_BatchTerms):
     """Step time measured per (batch size, graph tier); M rows cost what the smallest tier >= M costs."""
 
     type: Literal["tier"] = Field(description="Cost model kind.")
@@ -224,8 +247,10 @@ class TierCostModel(_DraftCostTerm):
                           "more requests never make a step cheaper")
         return value
 
-    draft_bs_probes: IntTuple = _draft_probes_field()
+    draft_bs_probes: IntTuple = _probes_field("draft's")
     draft_seconds: FloatTuple = _draft_seconds_field()
+    decode_bs_probes: IntTuple = _probes_field("target-only decode")
+    decode_seconds: FloatTuple = _decode_seconds_field()
 
 
 CostTable = Sps1dCostModel | AdditiveCostModel | TierCostModel
@@ -236,9 +261,11 @@ COST_TABLE_MODELS: dict[str, type[Sps1dCostModel] | type[AdditiveCostModel] | ty
 }
 
 DRAFT_KEYS = ("draft_bs_probes", "draft_seconds")
-# Each kind's own fields, in file order (the draft term and the fingerprint follow them).
+DECODE_KEYS = ("decode_bs_probes", "decode_seconds")
+# Each kind's own fields, in file order (the per-batch terms and the fingerprint follow them).
 TABLE_KEYS: dict[str, tuple[str, ...]] = {
-    kind: tuple(name for name in model.model_fields if name not in ("type", "fingerprint", *DRAFT_KEYS))
+    kind: tuple(name for name in model.model_fields
+                if name not in ("type", "fingerprint", *DRAFT_KEYS, *DECODE_KEYS))
     for kind, model in COST_TABLE_MODELS.items()
 }
 # A key two kinds share (bs_probes) says nothing about which kind a table is; only these do.
@@ -287,12 +314,13 @@ def read_cost_table(path: str | os.PathLike[str]) -> CostTable:
 
 
 def cost_table_json(table: CostTable, fingerprint: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The file's object: the table's own fields (SGLang's names), the draft term when there is one,
-    then `fingerprint` when given. `type` is left out, as SGLang's files do."""
+    """The file's object: the table's own fields (SGLang's names), the draft and decode terms where
+    there are, then `fingerprint` when given. `type` is left out, as SGLang's files do."""
     data = table.model_dump(include=set(TABLE_KEYS[table.type]))
     out: dict[str, Any] = {key: _as_json(data[key]) for key in TABLE_KEYS[table.type]}
-    if table.draft_bs_probes:
-        out.update({key: _as_json(getattr(table, key)) for key in DRAFT_KEYS})
+    for keys in (DRAFT_KEYS, DECODE_KEYS):
+        if getattr(table, keys[0]):
+            out.update({key: _as_json(getattr(table, key)) for key in keys})
     if fingerprint is not None:
         out["fingerprint"] = dict(fingerprint)
     return out

@@ -88,7 +88,7 @@ class RequestRecord:
 
 _STEP_KEYS = ("step", "num_reqs", "lag", "mode", "budget", "aligned_budget", "decision_tau", "planned_rows",
               "rows", "tier", "padding_rows", "tau", "committed", "predicted_step_seconds", "step_seconds",
-              "requests")
+              "requests", "probe", "off_steps", "off_seconds")
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,11 @@ class StepRecord:
     step_seconds: float  # measured wall time of the step
     requests: tuple[RequestRecord, ...]
     step: int | None = None  # index among the run's decode steps, given by the ring that records it
+    # The planner's off state: the step drafted while speculation was off (a probe), and the steps
+    # decoded without speculation since the previous drafted step, with their seconds.
+    probe: bool = False
+    off_steps: int = 0
+    off_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         if self.step is None:
@@ -121,7 +126,8 @@ class StepRecord:
                 "planned_rows": self.planned_rows, "rows": self.rows, "tier": self.tier,
                 "padding_rows": self.padding_rows, "tau": self.tau, "committed": self.committed,
                 "predicted_step_seconds": self.predicted_step_seconds, "step_seconds": self.step_seconds,
-                "requests": [r.to_json() for r in self.requests]}
+                "requests": [r.to_json() for r in self.requests], "probe": self.probe,
+                "off_steps": self.off_steps, "off_seconds": self.off_seconds}
 
     @classmethod
     @errors_as(StepRecordError)
@@ -147,7 +153,19 @@ class StepRecord:
             tau=number_field(data, "tau", where, nullable=True),
             committed=int_field(data, "committed", where),
             predicted_step_seconds=number_field(data, "predicted_step_seconds", where, nullable=True),
-            step_seconds=step_seconds, requests=requests)
+            step_seconds=step_seconds, requests=requests, **_off_state(data, where))
+
+
+def _off_state(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The off-state fields, absent from recordings made before the planner could switch speculation off."""
+    probe = data.get("probe", False)
+    if not isinstance(probe, bool):
+        raise StepRecordError(f"{where}: probe must be true or false, got {probe!r}")
+    off_steps = int_field(data, "off_steps", where, minimum=0) if "off_steps" in data else 0
+    off_seconds = number_field(data, "off_seconds", where) if "off_seconds" in data else 0.0
+    if off_seconds < 0:
+        raise StepRecordError(f"{where}: off_seconds must be >= 0, got {off_seconds}")
+    return {"probe": probe, "off_steps": off_steps, "off_seconds": off_seconds}
 
 
 class StepRing:

@@ -129,8 +129,8 @@ def _check_samples(samples: Iterable[Sample]) -> list[Sample]:
 
 
 def fit_draft_seconds(seconds: Iterable[float]) -> tuple[float, ...]:
-    """The draft's per-B step times made non-decreasing in B (isotonic): drafting for more requests
-    never takes less time, whatever one noisy median says."""
+    """Per-B step times (the draft's, a target-only decode step's) made non-decreasing in B (isotonic):
+    more requests never take less time, whatever one noisy median says."""
     return tuple(float(s) for s in isotonic(list(seconds)))
 
 

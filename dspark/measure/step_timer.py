@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark.runtime.engine.runtime import Runtime
-from dspark.runtime.engine.step_forward import LogitsForward, VerifyForward
+from dspark.runtime.engine.step_forward import ExtendForward, LogitsForward, VerifyForward
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 from dspark.runtime.sampling import sample, warp
 
@@ -109,16 +109,33 @@ class VerifyStepTimer:
         return tuple(sorted(sizes | {self.max_reqs}))
 
     def draft_seconds(self, num_reqs: int) -> float:
-        """Wall seconds of one synchronised draft step (context gather + propose) for B requests:
+        """Wall seconds of one synchronised draft step (its attention's layout, then propose) for B requests:
         the draft-cost term the planner adds to the verify step time."""
         rt = self.runtime
         roots = torch.randint(rt.target.cfg.vocab_size, (num_reqs,), generator=self.generator).to(rt.device)
-        prefix = torch.full((num_reqs,), self.context_len, dtype=torch.long, device=rt.device)
         _synchronize(rt.device)
         start = time.perf_counter()
-        context = rt.models.draft_context(self.page_table[:num_reqs], prefix)
-        rt.draft.propose(roots, prefix, context, prefix, None if rt.sampling.greedy else self._pick_token,
-                         gamma=rt.plan.gamma)
+        rt.models.propose(roots, (self.context_len,) * num_reqs, self.page_table[:num_reqs],
+                          None if rt.sampling.greedy else self._pick_token, gamma=rt.plan.gamma)
+        _synchronize(rt.device)
+        return time.perf_counter() - start
+
+    def decode_seconds(self, num_reqs: int) -> float:
+        """Wall seconds of one synchronised target-only decode step for B requests, as a speculative run
+        decodes with speculation off: one row per request, the draft's context appended, the next token
+        picked. The decode term the planner prices a step without speculation by."""
+        rt = self.runtime
+        roots = torch.randint(rt.target.cfg.vocab_size, (num_reqs,), generator=self.generator).to(rt.device)
+        host_pages = rt.slots.page_table[self.slots[:num_reqs]]
+        step = ExtendForward((self.context_len,) * num_reqs, (1,) * num_reqs, host_pages,
+                             tuple(self.slots[:num_reqs]), 0, roots, rt.models.capture)
+        _synchronize(rt.device)
+        start = time.perf_counter()
+        _, states, layout = rt.forward.extend(step)
+        assert states is not None
+        rt.models.append_draft_context(states, layout.positions, layout.row_req, layout.page_table)
+        logits = rt.forward.logits(LogitsForward(None))
+        (logits.argmax(-1) if rt.sampling.greedy else self._pick_token(logits)).tolist()
         _synchronize(rt.device)
         return time.perf_counter() - start
 

@@ -122,10 +122,13 @@ class _Renderer:
         lines = ["## Runs", ""]
         lines += _table(
             ["run", "deployment", "mode", "policy", "lag_steps", "B range", "steps", "tokens/s",
-             "mean commit_len"],
+             "mean commit_len", "steps off", "decode time off"],
             [[s.run, s.deployment, s.mode, s.policy, s.lag_steps,
               "-" if s.batch_range is None else f"{s.batch_range[0]}–{s.batch_range[1]}", s.steps,
-              _fmt(s.tokens_per_second, 1), s.mean_commit_len] for s in summaries])
+              _fmt(s.tokens_per_second, 1), s.mean_commit_len, s.off_steps,
+              "-" if s.off_share is None else f"{100 * s.off_share:.1f} %"] for s in summaries])
+        lines += ["Steps off: decode steps the planner ran without speculation (its off state, "
+                  "docs/planner.md); decode time off: their share of the decode seconds.", ""]
         lines += ["Per draft position 1…gamma: drafts the target verified, drafts accepted, and accepted / "
                   "verified drafts.", ""]
         lines += _table(["run", "verified drafts", "accepted drafts", "accepted / verified drafts"],

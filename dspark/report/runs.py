@@ -23,6 +23,9 @@ class RunSummary:
     mean_commit_len: float | None
     verified: tuple[int, ...]  # drafts the target verified, per position
     accepted: tuple[int, ...]  # drafts accepted, per position
+    # the planner's off state: decode steps without speculation, and their share of the decode seconds
+    off_steps: int | None = None
+    off_share: float | None = None
 
     @property
     def accepted_over_verified(self) -> tuple[float | None, ...]:
@@ -61,8 +64,25 @@ def run_summaries(runs: Sequence[RunData], labels: Sequence[str] | None = None) 
             steps=steps if isinstance(steps := run.stats.get("steps"), int) else len(run.steps),
             tokens_per_second=_opt_float(run.stats.get("tokens_per_second")),
             mean_commit_len=_opt_float(run.stats.get("mean_commit_len")),
-            verified=tuple(int(v) for v in verified), accepted=tuple(int(a) for a in accepted)))
+            verified=tuple(int(v) for v in verified), accepted=tuple(int(a) for a in accepted),
+            **_off_state(run)))
     return out
+
+
+def _off_state(run: RunData) -> dict[str, Any]:
+    """Steps and share of the decode time without speculation: from the run's stats, else counted from its
+    step records (which carry the off steps since each drafted one)."""
+    stats = run.stats
+    off_steps, off, on = (stats.get(k) for k in ("speculation_off_steps", "speculation_off_seconds",
+                                                 "speculation_on_seconds"))
+    if not isinstance(off_steps, int) or _opt_float(off) is None or _opt_float(on) is None:
+        if not run.steps:
+            return {}
+        off_steps = sum(s.off_steps for s in run.steps)
+        off = sum(s.off_seconds for s in run.steps)
+        on = sum(s.step_seconds for s in run.steps)
+    total = float(off) + float(on)
+    return {"off_steps": off_steps, "off_share": float(off) / total if total > 0 else None}
 
 
 def missing_figures(runs: Sequence[RunData], labels: Sequence[str] | None = None) -> list[str]:

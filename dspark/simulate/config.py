@@ -20,6 +20,7 @@ from dspark.fingerprint import (
 )
 from dspark.formats.cost_tables import cost_table_json, read_cost_table
 from dspark.formats.run_info import RunInfo
+from dspark.modes import SpeculationOff
 from dspark.runtime.package import GeneratedPackage
 from dspark.runtime.planner.cost_models import TierCostTable
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
@@ -62,18 +63,20 @@ def simulation_setup(package: GeneratedPackage, cost_model: str | os.PathLike[st
         source = f"{package.deployment.name}'s own table"
     else:
         # A malformed file raises CostTableError naming the file and the field.
-        table_json = cost_table_json(read_cost_table(cost_model))
-        plan = plan.with_overrides(cost_model=table_json)
+        table = read_cost_table(cost_model)
+        # the simulation prices steps without speculation itself where the table has no decode term
+        off = plan.speculation_off if table.decode_bs_probes else SpeculationOff.NEVER
+        plan = plan.with_overrides(cost_model=cost_table_json(table), speculation_off=off)
         source = str(cost_model)
-    table = plan.table
-    assert table is not None
+    runtime_table = plan.table
+    assert runtime_table is not None
     tiers = plan.token_tiers if plan.mode.packs_rows else ()
-    if isinstance(table, TierCostTable):
-        tiers = table.tiers
+    if isinstance(runtime_table, TierCostTable):
+        tiers = runtime_table.tiers
         # The table's tiers bound the plan's step (its largest tier) and are what alignment fills when
         # the package aligns; whether it aligns stays the package's setting.
         plan = plan.with_overrides(token_tiers=tiers)
-    return SimulationSetup(plan, StepPricer(table, tiers, step_overhead), source)
+    return SimulationSetup(plan, StepPricer(runtime_table, tiers, step_overhead), source)
 
 
 def check_trace_matches(package: GeneratedPackage, run: RunInfo, where: str) -> None:

@@ -35,7 +35,9 @@ def plot_report(report: SimulationReport, path: str | Path) -> Path:
         ax_abs.plot(concurrencies, series("fixed", k), color="0.75", lw=0.8, marker=".",
                     label="fixed k = 1..N" if k == 1 else None)
     # Best fixed is dashed: where it is static (k = N) the two lines coincide.
-    lines = (("static", static, "tab:blue", "-"), ("best fixed", best, "tab:green", "--"),
+    lines = (("target-only", series("target-only"), "tab:purple", ":"), ("static", static, "tab:blue", "-"),
+             ("best fixed", best, "tab:green", "--"),
+             ("adaptive-on", series("adaptive-on"), "tab:orange", "-."),
              ("adaptive", series("adaptive"), "tab:red", "-"), ("oracle", series("oracle"), "black", "-"))
     for name, values, color, style in lines:
         ax_abs.plot(concurrencies, values, color=color, ls=style, marker="o", label=name)

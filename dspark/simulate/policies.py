@@ -5,7 +5,11 @@
 - `oracle`: each request verifies exactly the rows that commit a token, `raw_correct_len + 1` capped at
   N: the most tokens at the fewest rows, knowing the outcome in advance.
 - `adaptive`: the deployment's own plan (`AdaptiveVerifyPlan.plan_step`: survival from the confidence
-  with its temperatures, lag, floor and cap, survival_eps, budget under its cost model, tier alignment).
+  with its temperatures, lag, floor and cap, survival_eps, budget under its cost model, tier alignment),
+  and its off state (`SpeculationSwitch`, with the plan's hysteresis): steps without speculation where
+  the table says they pay.
+- `adaptive-on`: the same plan with speculation pinned on (`verify.off: never`).
+- `target-only`: no speculation; every request commits one token per step, priced as a decode step.
 
 Committed tokens of a request follow from the trace's uncapped match: `min(raw_correct_len, verify_len
 - 1) + 1`, exact because the trace's steps ran every row.
@@ -13,6 +17,7 @@ Committed tokens of a request follow from the trace's uncapped match: `min(raw_c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +25,7 @@ import numpy as np
 import torch
 
 from dspark.runtime.planner.survival import LaggedSurvival, survival_from_logits
+from dspark.runtime.planner.switch import SpeculationSwitch
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
 
@@ -45,6 +51,7 @@ class StepLens:
     verify_lens: np.ndarray  # int [B]
     run_rows: int  # rows run for the real requests (before tier padding)
     survival: np.ndarray | None = None  # [B, gamma]: what a planner allocated the rows by
+    drafted: bool = True  # False: a target-only decode step (one row per request, no draft)
 
 
 def dropped_drafts(lens: StepLens, raw_correct_len: np.ndarray) -> tuple[float, int, int] | None:
@@ -78,6 +85,10 @@ class Policy(Protocol):
 
     def lens(self, batch: Batch) -> StepLens: ...
 
+    def reset(self) -> None:
+        """Forget what earlier steps taught the policy (a new concurrency, a new run)."""
+        ...
+
 
 @dataclass(frozen=True)
 class StaticPolicy:
@@ -88,6 +99,21 @@ class StaticPolicy:
     def lens(self, batch: Batch) -> StepLens:
         n = self.num_draft_tokens
         return StepLens(np.full(batch.num_reqs, n), batch.num_reqs * n)
+
+    def reset(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class TargetOnlyPolicy:
+    name: str = "target-only"
+    verify_len: int | None = None
+
+    def lens(self, batch: Batch) -> StepLens:
+        return StepLens(np.ones(batch.num_reqs, dtype=np.int64), batch.num_reqs, drafted=False)
+
+    def reset(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -102,6 +128,9 @@ class FixedPolicy:
     def lens(self, batch: Batch) -> StepLens:
         return StepLens(np.full(batch.num_reqs, self.k), batch.num_reqs * self.k)
 
+    def reset(self) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class OraclePolicy:
@@ -113,16 +142,36 @@ class OraclePolicy:
         lens = np.minimum(batch.raw_correct_len + 1, self.num_draft_tokens)
         return StepLens(lens, int(lens.sum()))
 
+    def reset(self) -> None:
+        pass
 
-@dataclass(frozen=True)
+
 class AdaptivePolicy:
-    """The deployment's planner, called as the engine calls it, on the batch's recorded confidence."""
+    """The deployment's planner, called as the engine calls it, on the batch's recorded confidence; with
+    `decode_time` (seconds of a target-only decode step of B requests) its off state too, stepped as the
+    runtime steps it, with the plan's hysteresis."""
 
-    plan: AdaptiveVerifyPlan
-    name: str = "adaptive"
     verify_len: int | None = None
 
+    def __init__(self, plan: AdaptiveVerifyPlan, decode_time: Callable[[int], float] | None = None) -> None:
+        self.plan = plan
+        self.decode_time = decode_time
+        self.name = "adaptive" if decode_time is not None else "adaptive-on"
+        self.reset()
+
+    def reset(self) -> None:
+        plan = self.plan
+        self.switch: SpeculationSwitch | None = None
+        if self.decode_time is not None:
+            assert plan.table is not None  # a simulated plan prices its steps
+            max_rows = plan.token_tiers[-1] if plan.token_tiers and plan.mode.packs_rows else None
+            self.switch = SpeculationSwitch(plan.table, plan.off_switch, plan.schedule.cap, max_rows,
+                                            self.decode_time)
+
     def lens(self, batch: Batch) -> StepLens:
+        switch = self.switch
+        if switch is not None and not switch.speculates(switch.predict(batch.num_reqs)):
+            return StepLens(np.ones(batch.num_reqs, dtype=np.int64), batch.num_reqs, drafted=False)
         num_reqs, plan = batch.num_reqs, self.plan
         slots, generations = list(range(num_reqs)), [0] * num_reqs
         history = None
@@ -139,12 +188,16 @@ class AdaptivePolicy:
             for _ in range(plan.lag_steps - 1):
                 history.record([], [], torch.empty((0, plan.gamma)))
         step = plan.plan_step(torch.from_numpy(batch.confidence), num_reqs, slots, generations, history)
+        if switch is not None:
+            switch.observe(step)
         survival = None if step.survival is None else step.survival.detach().cpu().numpy()
         return StepLens(np.array(step.verify_lens, dtype=np.int64), int(sum(step.run_lens)), survival)
 
 
-def policies_for(plan: AdaptiveVerifyPlan) -> list[Policy]:
-    """Every policy a simulation compares: static, fixed k = 1..N, adaptive, oracle."""
+def policies_for(plan: AdaptiveVerifyPlan, decode_time: Callable[[int], float]) -> list[Policy]:
+    """Every policy a simulation compares: target-only, static, fixed k = 1..N, adaptive with speculation
+    pinned on and with its off state, oracle. `decode_time(B)` prices a target-only step for the planner."""
     n = plan.num_draft_tokens
     fixed = [FixedPolicy(k) for k in range(1, n + 1)]
-    return [StaticPolicy(n), *fixed, AdaptivePolicy(plan), OraclePolicy(n)]
+    return [TargetOnlyPolicy(), StaticPolicy(n), *fixed, AdaptivePolicy(plan),
+            AdaptivePolicy(plan, decode_time), OraclePolicy(n)]

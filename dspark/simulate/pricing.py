@@ -48,6 +48,30 @@ class StepPricer:
             return float(1.0 / self.table.lookup_many(ran)[0]) + draft + self.step_overhead
         return float(self.table.step_time_many(num_reqs, ran)[0]) + draft + self.step_overhead
 
+    @property
+    def decode_source(self) -> str:
+        """What prices a target-only decode step: the table's decode term, or its verify step of one row
+        per request without the draft (a table profiled before the decode term was measured)."""
+        return ("the table's decode term" if self.table.prices_decode
+                else "the table's verify step at one row per request, no draft (it has no decode term)")
+
+    def decode_seconds(self, num_reqs: int) -> float:
+        """Predicted seconds of a target-only decode step of `num_reqs` requests (one row each)."""
+        if self.table.prices_decode:
+            return self.table.decode_time(num_reqs) + self.step_overhead
+        ran = np.array([self.padded_rows(num_reqs)])
+        if isinstance(self.table, SpsTable):
+            return float(1.0 / self.table.lookup_many(ran)[0]) + self.step_overhead
+        return float(self.table.step_time_many(num_reqs, ran)[0]) + self.step_overhead
+
+    def decode_time(self, num_reqs: int) -> float:
+        """`decode_seconds` as the planner prices it: without the overhead the planner never sees."""
+        return self.decode_seconds(num_reqs) - self.step_overhead
+
+    def step_seconds(self, num_reqs: int, rows: int, drafted: bool) -> float:
+        """A simulated step's price: drafted and verified, or a target-only decode step."""
+        return self.seconds(num_reqs, rows) if drafted else self.decode_seconds(num_reqs)
+
     def misfit(self, num_reqs: int, num_draft_tokens: int) -> str | None:
         """Why the table cannot price steps of `num_reqs` requests of up to N rows each (None: it can).
 
@@ -70,6 +94,9 @@ class StepPricer:
         if isinstance(table, TierCostTable) and most > table.tiers[-1]:
             return (f"a static step of B = {num_reqs} requests runs {most} rows, above the tier table's "
                     f"last tier {table.tiers[-1]}")
+        if table.decode_bs_probes and num_reqs > table.decode_bs_probes[-1]:
+            return (f"B = {num_reqs} is above the decode term's largest batch probe "
+                    f"{table.decode_bs_probes[-1]}")
         if table.draft_bs_probes and num_reqs > table.draft_bs_probes[-1]:
             return (f"B = {num_reqs} is above the draft term's largest batch probe "
                     f"{table.draft_bs_probes[-1]}")

@@ -69,6 +69,7 @@ def replay_run(trace: Trace, policy: Policy, pricer: StepPricer, lag_steps: int 
     recent: deque[dict[int, int]] = deque(maxlen=max(lag_steps, 1))  # request -> trace row, per step
     steps = request_steps = tokens = rows_run = 0
     seconds = 0.0
+    policy.reset()
     step = 0
     while not done.all():
         if step >= max_steps:
@@ -94,6 +95,6 @@ def replay_run(trace: Trace, policy: Policy, pricer: StepPricer, lag_steps: int 
             done[i] = position[i] >= requests[i].length
         steps += 1
         request_steps += len(running)
-        rows_run += pricer.padded_rows(lens.run_rows)
-        seconds += pricer.seconds(len(running), lens.run_rows)
+        rows_run += pricer.padded_rows(lens.run_rows) if lens.drafted else lens.run_rows
+        seconds += pricer.step_seconds(len(running), lens.run_rows, lens.drafted)
     return RunReplay(policy.name, policy.verify_len, steps, request_steps, tokens, rows_run, seconds)

@@ -52,11 +52,12 @@ class PolicyResult:
     tokens_per_step: float  # committed tokens per step, summed over the batch
     rows_per_step: float  # rows the target runs per step, tier padding included
     dropped: DroppedDrafts | None = None  # a planner's left-out drafts (not in the JSON results entries)
+    off_share: float = 0.0  # share of the steps decoded without speculation
 
     def to_json(self) -> dict[str, object]:
         return {"concurrency": self.concurrency, "policy": self.policy, "verify_len": self.verify_len,
                 "tokens_per_s": self.tokens_per_s, "tokens_per_step": self.tokens_per_step,
-                "rows_per_step": self.rows_per_step}
+                "rows_per_step": self.rows_per_step, "off_share": self.off_share}
 
 
 @dataclass
@@ -68,10 +69,12 @@ class Tally:
     rows: int = 0
     seconds: float = 0.0
     dropped: DroppedDrafts | None = None
+    off_steps: int = 0
 
     def add(self, tokens: int, rows: int, seconds: float,
-            dropped: tuple[float, int, int] | None = None) -> None:
+            dropped: tuple[float, int, int] | None = None, drafted: bool = True) -> None:
         self.steps += 1
+        self.off_steps += not drafted
         self.tokens += tokens
         self.rows += rows
         self.seconds += seconds
@@ -84,7 +87,7 @@ class Tally:
     def result(self, concurrency: int, policy: Policy) -> PolicyResult:
         steps = max(self.steps, 1)
         return PolicyResult(concurrency, policy.name, policy.verify_len, self.tokens / self.seconds,
-                            self.tokens / steps, self.rows / steps, self.dropped)
+                            self.tokens / steps, self.rows / steps, self.dropped, self.off_steps / steps)
 
 
 def trace_batch(trace: Trace, rows: np.ndarray, source: np.ndarray | None) -> Batch:
@@ -109,14 +112,17 @@ def simulate_concurrency(trace: Trace, policies: Sequence[Policy], pricer: StepP
     rng = np.random.default_rng((seed, concurrency))
     lag_source = trace.lag_source(lag_steps) if lag_steps else None
     tallies = [Tally() for _ in policies]
+    for policy in policies:
+        policy.reset()
     for _ in range(steps):
         rows = draw(rng, trace.size, concurrency)
         batch = trace_batch(trace, rows, None if lag_source is None else lag_source[rows])
         for policy, tally in zip(policies, tallies, strict=True):
             lens = policy.lens(batch)
-            ran = pricer.padded_rows(lens.run_rows)
+            ran = pricer.padded_rows(lens.run_rows) if lens.drafted else lens.run_rows
             tally.add(committed_tokens(batch.raw_correct_len, lens.verify_lens), ran,
-                      pricer.seconds(concurrency, lens.run_rows), dropped_drafts(lens, batch.raw_correct_len))
+                      pricer.step_seconds(concurrency, lens.run_rows, lens.drafted),
+                      dropped_drafts(lens, batch.raw_correct_len), lens.drafted)
     return [tally.result(concurrency, policy) for policy, tally in zip(policies, tallies, strict=True)]
 
 
@@ -129,14 +135,22 @@ def simulate(trace: Trace, policies: Sequence[Policy], pricer: StepPricer, concu
 
 @dataclass(frozen=True)
 class Comparison:
-    """Adaptive against the best fixed verify length, the oracle and static at one concurrency."""
+    """Adaptive (with its off state) against target-only, the best fixed verify length, the oracle and
+    static at one concurrency."""
 
     concurrency: int
     best_fixed_verify_len: int
     adaptive_over_best_fixed: float
     adaptive_over_oracle: float
     adaptive_over_static: float
+    adaptive_over_target_only: float
+    adaptive_off_share: float  # share of adaptive's steps without speculation
     adaptive_dropped: DroppedDrafts | None = None
+
+    @property
+    def adaptive_over_best(self) -> float:
+        """Adaptive over the better of target-only and the best fixed verify length."""
+        return min(self.adaptive_over_best_fixed, self.adaptive_over_target_only)
 
     def to_json(self) -> dict[str, object]:
         dropped = self.adaptive_dropped
@@ -144,6 +158,9 @@ class Comparison:
                 "adaptive_over_best_fixed": self.adaptive_over_best_fixed,
                 "adaptive_over_oracle": self.adaptive_over_oracle,
                 "adaptive_over_static": self.adaptive_over_static,
+                "adaptive_over_target_only": self.adaptive_over_target_only,
+                "adaptive_over_best": self.adaptive_over_best,
+                "adaptive_off_share": self.adaptive_off_share,
                 "adaptive_dropped_drafts": None if dropped is None else {
                     "count": dropped.count, "mean_survival": dropped.mean_survival,
                     "reach_rate": dropped.reach_rate}}
@@ -156,9 +173,10 @@ def compare(results: Sequence[PolicyResult]) -> list[Comparison]:
         at = [r for r in results if r.concurrency == c]
         one = {r.policy: r for r in at if r.policy != "fixed"}
         best = max((r for r in at if r.policy == "fixed"), key=lambda r: r.tokens_per_s)
-        adaptive = one["adaptive"].tokens_per_s
+        adaptive = one["adaptive"]
+        rate = adaptive.tokens_per_s
         assert best.verify_len is not None
-        out.append(Comparison(c, best.verify_len, adaptive / best.tokens_per_s,
-                              adaptive / one["oracle"].tokens_per_s, adaptive / one["static"].tokens_per_s,
-                              one["adaptive"].dropped))
+        out.append(Comparison(c, best.verify_len, rate / best.tokens_per_s, rate / one["oracle"].tokens_per_s,
+                              rate / one["static"].tokens_per_s, rate / one["target-only"].tokens_per_s,
+                              adaptive.off_share, adaptive.dropped))
     return out

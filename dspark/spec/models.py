@@ -26,7 +26,7 @@ from dspark.backends import ATTENTION_BY_BACKEND, default_attention
 from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_GEOMETRY_KEYS, Dsv4Geometry
 from dspark.formats.fields import FieldValueError, IntTuple, Section, strictly_increasing
 from dspark.formats.hf_config import FAMILIES, ConfigFieldError, RopeScaling
-from dspark.modes import VerifyMode
+from dspark.modes import SpeculationOff, VerifyMode
 from dspark.spec.tables import CalibrationSpec, CostModelSpec
 
 NAME_PATTERN = r"^[a-z][a-z0-9_]{0,63}$"
@@ -408,6 +408,23 @@ class VerifySpec(Section):
         default=False,
         description="Allow compact mode without a cost model; the planner then verifies every "
                     "row (no budget), which only exercises the ragged layout.")
+    off: SpeculationOff = Field(
+        default=SpeculationOff.AUTO, strict=False,
+        description="auto: the planner decodes without speculation while the cost table says a "
+                    "target-only step pays more (needs the table's decode term, which dspark profile "
+                    "measures; without it, or in static mode, every step speculates); never: every "
+                    "step drafts and verifies.")
+    off_margin: float = Field(
+        default=0.05, ge=0, lt=1,
+        description="Speculation is switched off (or on again) only when the other state is predicted "
+                    "this share faster.")
+    off_patience: int = Field(
+        default=3, ge=1,
+        description="... at this many consecutive decode steps (hysteresis).")
+    probe_every: int = Field(
+        default=16, ge=1,
+        description="While speculation is off, one drafted step every this many steps refreshes the "
+                    "confidence the decision reads.")
 
 
 class GraphSpec(Section):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dspark.fingerprint import Fingerprint
 from dspark.formats.cost_tables import CostTable
+from dspark.modes import SpeculationOff
 from dspark.spec.checkpoints import CheckpointRef
 from dspark.spec.errors import FieldPath, Location, format_path
 from dspark.spec.models import DeploymentSpec, TargetGeometry
@@ -42,6 +43,15 @@ class ResolvedSpec:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def speculation_off(self) -> SpeculationOff:
+        """`verify.off` as the planner runs it: auto only with a planner and a table pricing decode steps
+        (`check_speculation_off` refuses an explicit auto without them)."""
+        priced = self.cost_model is not None and bool(self.cost_model.decode_bs_probes)
+        if self.spec.verify.off is SpeculationOff.AUTO and self.spec.verify.mode.plans and priced:
+            return SpeculationOff.AUTO
+        return SpeculationOff.NEVER
 
     def location_of(self, path: str | FieldPath) -> Location | None:
         """Where a field is written in the spec, or None for a default value."""

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 from dspark.fingerprint import sampling_policy
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.modes import SpeculationOff
 from dspark.spec.derived import num_draft_tokens, resolved_max_verify_len
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
@@ -177,6 +178,27 @@ def check_compact_cost_model(facts: SpecFacts) -> Iterator[SpecIssue]:
                         "verify.allow_no_cost_model: true to verify every row")
 
 
+def check_speculation_off(facts: SpecFacts) -> Iterator[SpecIssue]:
+    """`verify.off: auto` written out must have something to decide with: a planner and a table that
+    prices a target-only decode step (left at its default it simply resolves to never without one)."""
+    spec = facts.spec
+    if "off" not in spec.verify.model_fields_set or spec.verify.off is not SpeculationOff.AUTO:
+        return
+    if not spec.verify.mode.plans:
+        yield SpecIssue(("verify", "off"), "static mode has no planner to switch speculation off",
+                        "use verify.mode: compact (or cap-accept) with a profiled cost model, or drop "
+                        "verify.off")
+    elif facts.cost_model is not None and not facts.cost_model.decode_bs_probes:
+        yield SpecIssue(("verify", "off"),
+                        "the cost model has no decode term (decode_bs_probes, decode_seconds), so no "
+                        "step without speculation can be priced",
+                        "profile the deployment again with `dspark profile` (it measures the decode "
+                        "step), or set verify.off: never")
+    elif spec.cost_model is None:
+        yield SpecIssue(("verify", "off"), "without a cost model no step without speculation can be priced",
+                        "add a cost_model profiled by `dspark profile`, or set verify.off: never")
+
+
 def check_context_len(facts: SpecFacts) -> Iterator[SpecIssue]:
     geometry, serving = facts.geometry, facts.spec.serving
     if geometry is None or isinstance(geometry, Dsv4Geometry):
@@ -255,6 +277,7 @@ RULES: tuple[Rule, ...] = (
     check_dummy_weights,
     check_flashinfer,
     check_compact_cost_model,
+    check_speculation_off,
     check_context_len,
     check_context_holds_a_request,
     check_kv_pool,

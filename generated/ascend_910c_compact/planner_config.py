@@ -12,6 +12,8 @@ ALIGN_TO_GRAPH_TIER = False  # fill the chosen tier's padding rows with drafts
 LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
 STS_TEMPERATURES = None  # no calibration: survival = cumprod(sigmoid(z))
 COST_MODEL = None  # no cost model: every candidate is verified
+# Every step speculates: without a cost model nothing prices a step without speculation.
+SPECULATION_OFF = 'never'
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -24,4 +26,5 @@ PLAN = AdaptiveVerifyPlan(
     temperatures=STS_TEMPERATURES,
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
+    speculation_off=SPECULATION_OFF,
 )

@@ -19,6 +19,8 @@ COST_MODEL = {
     'm_probes': (1, 256),
     'theta_seconds': (0.0, 0.02),
 }  # additive step-cost table, inline in the spec
+# Every step speculates: the cost table has no decode term (dspark profile measures it).
+SPECULATION_OFF = 'never'
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -31,4 +33,5 @@ PLAN = AdaptiveVerifyPlan(
     temperatures=STS_TEMPERATURES,
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
+    speculation_off=SPECULATION_OFF,
 )

@@ -34,6 +34,8 @@ COST_MODEL = {
         0.011375812002370367, 0.025936554000509204,
     ),
 }  # additive step-cost table from tables/tiny_cpu_sampled/additive.json
+# Every step speculates: the cost table has no decode term (dspark profile measures it).
+SPECULATION_OFF = 'never'
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -46,4 +48,5 @@ PLAN = AdaptiveVerifyPlan(
     temperatures=STS_TEMPERATURES,
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
+    speculation_off=SPECULATION_OFF,
 )

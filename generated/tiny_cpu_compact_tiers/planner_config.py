@@ -35,6 +35,8 @@ COST_MODEL = {
         0.007287229000212392, 0.010860979000426596,
     ),
 }  # additive step-cost table from tables/tiny_cpu_tiers/additive.json
+# Every step speculates: the cost table has no decode term (dspark profile measures it).
+SPECULATION_OFF = 'never'
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -47,4 +49,5 @@ PLAN = AdaptiveVerifyPlan(
     temperatures=STS_TEMPERATURES,
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
+    speculation_off=SPECULATION_OFF,
 )

@@ -27,6 +27,8 @@ COST_MODEL = {
         0.004885153999993008, 0.00492942799999696,
     ),
 }  # additive step-cost table from tables/tiny_h200/additive.json
+# Every step speculates: the cost table has no decode term (dspark profile measures it).
+SPECULATION_OFF = 'never'
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -39,4 +41,5 @@ PLAN = AdaptiveVerifyPlan(
     temperatures=STS_TEMPERATURES,
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
+    speculation_off=SPECULATION_OFF,
 )

@@ -17,6 +17,9 @@ an all-gather of a few integers over the engines):
    the same rows (`VerifyPlan.uniform_rows`), whatever its confidence.
 3. Logits: every engine projects the same number of rows (its real rows, padded).
 
+Where the planner may switch speculation off, the engines also agree before each decode step on whether
+it speculates (`agree_prediction`): every engine's forward must be a verify step or every one an extend.
+
 Rank 0 also owns the HTTP server and the dispatch (`DPDispatch`): a request goes to the DP rank with
 the fewest unfinished requests, and each step rank 0 scatters every engine's new requests and aborts
 (`EngineCommand`), every engine runs the step, and the engines' new tokens come back to rank 0
@@ -51,6 +54,7 @@ from dspark.runtime.engine.step_forward import (
 )
 from dspark.runtime.layout import ExtendLayout, VerifyLayout, tier_for
 from dspark.runtime.package import VerifyRunner
+from dspark.runtime.planner.switch import Prediction, combine
 from dspark.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -120,6 +124,16 @@ class DPStepSync:
     def agree_verify(self, report: VerifyReport) -> list[VerifyReport]:
         gathered = self.gather(report.num_requests, report.rows, report.tier, int(report.planned))
         return [VerifyReport(n, rows, tier, bool(planned)) for n, rows, tier, planned in gathered]
+
+    def agree_prediction(self, prediction: Prediction) -> Prediction:
+        """The step's prediction from every engine's (`switch.combine`): whether it speculates is one
+        decision for every DP rank."""
+        mine = torch.tensor((prediction.num_reqs, prediction.tau, prediction.on_seconds,
+                             prediction.off_seconds), dtype=torch.float64, device=self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.engines.size)]
+        with COMM_CLOCK.timed("agreement"):
+            dist.all_gather(parts, mine, group=self.engines.group)
+        return combine([Prediction(int(n), tau, on, off) for n, tau, on, off in (p.tolist() for p in parts)])
 
     def check(self, what: str, *values: int) -> None:
         """In the check mode, fail every engine loudly unless all are about to run the same `values`."""
@@ -273,6 +287,7 @@ def serve_engine(runtime: Runtime) -> None:
             continue
         if command.reset_stats:
             runtime.stats = RunStats(gamma=runtime.plan.gamma)
+            runtime.reset_switch()
         runtime.target_only = command.target_only
         if not command.recording:
             runtime.recorder = None
@@ -460,9 +475,10 @@ def merge_stats(stats: list[RunStats]) -> RunStats:
             setattr(total, name, getattr(total, name) + getattr(s, name))
         total.drafts_verified = [a + b for a, b in zip(total.drafts_verified, s.drafts_verified, strict=True)]
         total.drafts_accepted = [a + b for a, b in zip(total.drafts_accepted, s.drafts_accepted, strict=True)]
-    total.steps = max(s.steps for s in stats)
-    total.prefill_seconds = max(s.prefill_seconds for s in stats)
-    total.decode_seconds = max(s.decode_seconds for s in stats)
+    # the step loop's own counts: every DP rank runs each step, in the same (global) speculation state
+    for name in ("steps", "planned_steps", "off_steps", "switches", "prefill_seconds", "decode_seconds",
+                 "off_seconds", "on_seconds"):
+        setattr(total, name, max(getattr(s, name) for s in stats))
     return total
 
 

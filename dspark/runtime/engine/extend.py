@@ -79,15 +79,23 @@ class ExtendSteps:
             commit_tokens(r, [token], self.eos_ids)
         return ready
 
-    def decode(self, running: list[Request], stats: RunStats) -> StepInfo | None:
-        """One target-only decode step: each request's root is run and the next token picked. None when
-        no request ran (a DP rank without requests, padding the step of the others)."""
+    def decode(self, running: list[Request], stats: RunStats, with_draft: bool = False) -> StepInfo | None:
+        """One target-only decode step: each request's root is run and the next token picked. With
+        `with_draft` (speculation switched off for a while) the root also becomes draft context, so a
+        later step can draft again. None when no request ran (a DP rank without requests, padding the
+        step of the others)."""
         start = time.perf_counter()
         num_reqs = len(running)
         rows, _ = self._agree(num_reqs, num_reqs)
         if not rows:
             return None
-        self._forward(running, [r.seq_len for r in running], [1] * num_reqs, [r.root for r in running], rows)
+        _, states, layout = self._forward(running, [r.seq_len for r in running], [1] * num_reqs,
+                                          [r.root for r in running], rows,
+                                          self.models.capture if with_draft else ())
+        if with_draft and num_reqs:
+            assert states is not None
+            self.models.append_draft_context(states[:num_reqs], layout.positions[:num_reqs],
+                                             layout.row_req[:num_reqs], layout.page_table)
         # every row the step ran (padded to the DP ranks' most), the requests' first
         logits = self.forward.logits(LogitsForward(None))[:num_reqs]
         if not running:
@@ -97,10 +105,7 @@ class ExtendSteps:
             r.seq_len += 1
             r.root = token
             commit_tokens(r, [token], self.eos_ids)
-        stats.steps += 1
-        stats.request_steps += num_reqs
-        stats.committed_tokens += num_reqs
-        stats.verify_rows += num_reqs
+        stats.record_decode_step(num_reqs, speculating_off=with_draft)
         return StepInfo(num_reqs=num_reqs, committed=num_reqs, rows=num_reqs, planned_rows=num_reqs,
                         padding_rows=0, tier=num_reqs, budget=None, tau=None,
-                        seconds=time.perf_counter() - start)
+                        seconds=time.perf_counter() - start, speculating=False)

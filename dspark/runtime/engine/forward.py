@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dspark.runtime.attention.metadata import AttentionBackend
+from dspark.runtime.attention.metadata import (
+    AttentionBackend,
+    PagedAttnMetadata,
+    QueryBlocks,
+    TorchPagedMetadata,
+)
+from dspark.runtime.attention.torch_paged import TorchPagedAttention
+from dspark.runtime.attention.triton_paged import TritonPagedAttention
 from dspark.runtime.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.layout import cache_slots, prefix_slots
-from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
+from dspark.runtime.models.dspark_block_draft import BlockProposal, DSparkBlockDraft, TokenPicker
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.sampling import BatchSampling, Generator, RowGenerators
 
@@ -43,6 +51,8 @@ class EngineModels:
     slots: RequestSlots
     device: torch.device
     generator: torch.Generator  # the runtime's sampling stream (requests with a seed have their own)
+    # the draft's block attention over its paged cache (None: the context is gathered densely)
+    draft_attn: DraftPagedAttention | None = None
 
     @property
     def page_size(self) -> int:
@@ -68,6 +78,19 @@ class EngineModels:
         for layer, (k, v) in enumerate(self.draft.context_kv(features, positions)):
             self.draft_kv.write(layer, loc, k, v)
 
+    def propose(self, roots: torch.Tensor, prefix_host: Sequence[int], page_table: torch.Tensor,
+                pick: TokenPicker | None, gamma: int, keep_conf_inputs: bool = False) -> BlockProposal:
+        """One draft step of the requests whose roots sit at positions `prefix_host` (every position
+        before is draft context): through the draft's paged attention where the device has one, else
+        over the context gathered densely."""
+        prefix = self.tensor(list(prefix_host))
+        if self.draft_attn is None:
+            return self.draft.propose(roots, prefix, self.draft_context(page_table, prefix), prefix, pick,
+                                      gamma=gamma, keep_conf_inputs=keep_conf_inputs)
+        block = PagedDraftBlock.plan(self.draft_attn, prefix_host, gamma, page_table, self.page_size)
+        return self.draft.propose_paged(roots, prefix, block, pick, gamma=gamma,
+                                        keep_conf_inputs=keep_conf_inputs)
+
     def draft_context(self, page_table: torch.Tensor,
                       prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each draft layer's cached context K/V over the requests' first `max(prefix)` slots."""
@@ -81,6 +104,57 @@ class EngineModels:
         if all(r.generator is None for r in requests):
             return self.generator
         return RowGenerators(tuple(r.generator for r in requests), self.generator)
+
+
+DraftPagedAttention = TorchPagedAttention | TritonPagedAttention
+
+
+def draft_attention(draft_kv: PagedKVCache, page_size: int, draft: DSparkBlockDraft,
+                    device: torch.device) -> DraftPagedAttention | None:
+    """The paged attention the draft's block reads its context through: the batch-invariant torch one on
+    the CPU, the Triton kernel on CUDA; None elsewhere (the context is gathered densely)."""
+    cfg = draft.cfg
+    if device.type == "cpu":
+        return TorchPagedAttention(draft_kv, page_size, cfg.num_heads, cfg.head_dim ** -0.5)
+    if device.type == "cuda":
+        return TritonPagedAttention(draft_kv, page_size, cfg.num_heads, cfg.head_dim ** -0.5)
+    return None
+
+
+@dataclass(frozen=True)
+class PagedDraftBlock:
+    """One draft step's block attention, laid out once for every layer: request b's `gamma` block rows
+    at positions `P_b … P_b + gamma - 1` write their keys and values into the draft's cache there (the
+    slots the commit overwrites with context), and every block row sees its request's first
+    `P_b + gamma` keys: the context and the whole block, which has no mask inside it. The attention
+    masks by each row's last visible position, so all of a block's rows carry `P_b + gamma - 1`."""
+
+    backend: DraftPagedAttention
+    meta: PagedAttnMetadata
+
+    @classmethod
+    def plan(cls, backend: DraftPagedAttention, prefix_host: Sequence[int], gamma: int,
+             page_table: torch.Tensor, page_size: int) -> PagedDraftBlock:
+        device = page_table.device
+        num_reqs = len(prefix_host)
+        host_qo_indptr = [gamma * b for b in range(num_reqs + 1)]
+        host_kv_lens = [p + gamma for p in prefix_host]
+        row_req = torch.arange(num_reqs, device=device).repeat_interleave(gamma)
+        prefix = torch.tensor(list(prefix_host), dtype=torch.long, device=device)
+        positions = prefix[row_req] + torch.arange(gamma, device=device).repeat(num_reqs)
+        last_visible = prefix[row_req] + (gamma - 1)
+        fields = dict(
+            qo_indptr=torch.tensor(host_qo_indptr, dtype=torch.int32, device=device),
+            kv_lens=torch.tensor(host_kv_lens, dtype=torch.int32, device=device),
+            page_table=page_table, positions=last_visible,
+            out_cache_loc=cache_slots(page_table, row_req, positions, page_size), max_seqlen_q=gamma)
+        if isinstance(backend, TorchPagedAttention):
+            blocks = QueryBlocks.plan(host_qo_indptr, host_kv_lens, last_visible, page_table, page_size)
+            return cls(backend, TorchPagedMetadata(**fields, blocks=blocks))
+        return cls(backend, PagedAttnMetadata(**fields))
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.attend(layer_id, q, k, v, self.meta)  # type: ignore[arg-type]
 
 
 def batch_sampling(requests: list[Request]) -> BatchSampling:

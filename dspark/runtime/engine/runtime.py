@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dspark.formats.dsv4_config import DSV4_FAMILY
+from dspark.modes import SpeculationOff
 from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
 from dspark.runtime.distributed.dp_engine import DPDispatch, DPStepSync, RequestSpec, serve_engine
@@ -29,7 +30,7 @@ from dspark.runtime.distributed.sharded_load import load_sharded_target, read_em
 from dspark.runtime.distributed.tensor_parallel import shard_dense_target, shard_dsv4_target
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
-from dspark.runtime.engine.forward import EngineModels, backend_device
+from dspark.runtime.engine.forward import EngineModels, backend_device, draft_attention
 from dspark.runtime.engine.requests import Request, RequestError, validate_request
 from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
@@ -41,6 +42,7 @@ from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
+from dspark.runtime.planner.switch import SpeculationSwitch
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams
 
@@ -48,8 +50,9 @@ from dspark.runtime.sampling import SamplingParams
 class Runtime:
     def __init__(self, package: GeneratedPackage, forced_budget_fraction: float | None = None,
                  recorder: StepRecorder | None = None, sampling: SamplingParams | None = None,
-                 seed: int = 0, ranks: Ranks | None = None) -> None:
-        """`ranks`: this process's places when `follows` joined the process group already."""
+                 seed: int = 0, ranks: Ranks | None = None, fixed_verify_len: int | None = None) -> None:
+        """`ranks`: this process's places when `follows` joined the process group already;
+        `fixed_verify_len`: every request verifies exactly this many rows each step (benchmarks)."""
         dep = package.deployment
         self.package = package
         self.deployment = dep
@@ -60,6 +63,18 @@ class Runtime:
                                    "static mode has no planner")
             # An experiment override: verify this share of the candidate drafts every step.
             self.plan = self.plan.with_overrides(forced_budget_fraction=forced_budget_fraction)
+        if fixed_verify_len is not None:
+            n = self.plan.num_draft_tokens
+            if not isinstance(self.plan, AdaptiveVerifyPlan):
+                raise RequestError("a fixed verify length needs a cap-accept or compact deployment; "
+                                   "static mode always verifies all N rows")
+            if not 1 <= fixed_verify_len <= n:
+                raise RequestError(f"the fixed verify length must be in 1..N = {n}, got {fixed_verify_len}")
+            # A benchmark baseline: floor = cap = K, so the planner's budget cannot vary the rows, and
+            # every step speculates (the off state would make it another policy).
+            self.plan = self.plan.with_overrides(min_verify_len=fixed_verify_len,
+                                                 max_verify_len=fixed_verify_len,
+                                                 speculation_off=SpeculationOff.NEVER)
         self.ranks = ranks = ranks or join(dep)
         if not ranks.runs_engine:
             raise RequestError(f"rank {ranks.launch.rank} follows its engine's steps (`follows`), it runs no "
@@ -79,7 +94,8 @@ class Runtime:
         self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
         # each DP rank samples its own requests from its own stream
         self.models = EngineModels(target, draft, draft_kv, attn, self.slots, self.device,
-                                   torch.Generator(device=self.device).manual_seed(seed + ranks.dp_rank))
+                                   torch.Generator(device=self.device).manual_seed(seed + ranks.dp_rank),
+                                   draft_attention(draft_kv, s.page_size, draft, self.device))
         self.verify_runner: VerifyRunner = parts.verify_runner(target, attn, draft.cfg.layers_before_capture)
         forward = StepForward(target, attn, parts.build_extend_metadata, self.verify_runner, self.device)
         # under tensor parallelism every forward is first a step command to this engine's followers
@@ -90,9 +106,12 @@ class Runtime:
         self.scheduler = Scheduler(self.slots, self.plan.num_draft_tokens, s.chunked_prefill_tokens,
                                    attn.max_extend_rows if isinstance(target, Dsv4ForCausalLM) else None)
         dp = DPStepSync(ranks.engines, self.device) if ranks.dp is not None else None
+        self.dp_sync = dp
         self.extend = ExtendSteps(self.models, self.forward, eos, dp)
         self.speculative = SpeculativeStep(self.models, self.plan, self.forward, eos, self.sampling, dp)
         self.speculative.recorder = recorder
+        # the planner's off state: whether the next decode step speculates (None: every step does)
+        self.switch: SpeculationSwitch | None = self.plan.speculation_switch()
         self.stats = RunStats(gamma=self.plan.gamma)
         self.last_step: StepInfo | None = None
         self.target_only = False
@@ -182,6 +201,7 @@ class Runtime:
             raise RequestError("generate needs an idle runtime; requests are still queued or running")
         reqs = [self.new_request(p, max_new_tokens) for p in prompts]
         self.stats = RunStats(gamma=self.plan.gamma, requests=len(reqs))
+        self.reset_switch()
         self.target_only = target_only
         if self.dispatch is not None:
             self.dispatch.reset_stats = True
@@ -236,6 +256,24 @@ class Runtime:
         that got tokens or finished."""
         return self.step_local() if self.dispatch is None else self.dispatch.step()
 
+    def reset_switch(self) -> None:
+        """Start the off state afresh (a new `generate` run: speculating, nothing observed yet)."""
+        self.switch = self.plan.speculation_switch()
+
+    def _speculates(self, num_reqs: int) -> bool:
+        """Whether this decode step drafts: always, unless the planner may switch speculation off;
+        under DP attention one decision for every DP rank."""
+        switch = self.switch
+        if switch is None:
+            return True
+        prediction = switch.predict(num_reqs)
+        if self.dp_sync is not None:
+            prediction = self.dp_sync.agree_prediction(prediction)
+        before = switch.speculating
+        speculates = switch.speculates(prediction)
+        self.stats.switches += int(switch.speculating != before)
+        return speculates
+
     def step_local(self) -> list[Request]:
         """One iteration of this engine: admit and prefill what fits, one decode step for the running
         batch, retire what finished. Under DP attention it runs every forward of the step, with
@@ -254,11 +292,22 @@ class Runtime:
         if sched.running or dp:
             t0 = time.perf_counter()
             decoding = list(sched.running)
-            if self.target_only:
-                self.last_step = self.extend.decode(decoding, stats)
-            else:
+            speculates = not self.target_only and self._speculates(len(decoding))
+            if speculates:
+                self.speculative.probe = self.switch is not None and self.switch.probing
                 self.last_step = self.speculative(decoding, stats)
-            stats.decode_seconds += time.perf_counter() - t0
+                if self.switch is not None and self.speculative.last_plan is not None:
+                    self.switch.observe(self.speculative.last_plan)
+            else:  # a target-only run, or speculation switched off: then the roots become draft context
+                self.last_step = self.extend.decode(decoding, stats, with_draft=not self.target_only)
+            seconds = time.perf_counter() - t0
+            stats.decode_seconds += seconds
+            if self.switch is not None and not self.target_only:
+                if speculates:
+                    stats.on_seconds += seconds
+                else:
+                    stats.off_seconds += seconds
+                    self.speculative.note_off_step(seconds)
             for r in decoding:
                 r.decode_steps += 1
             touched.extend(r for r in decoding if r not in touched)

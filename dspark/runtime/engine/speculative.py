@@ -67,10 +67,16 @@ class SpeculativeStep:
         # The lagged-confidence history belongs to the runtime; a plan is shared, immutable config.
         self.history = LaggedSurvival(plan.lag_steps, plan.gamma) if plan.lag_steps else None
         self.recorder: StepRecorder | None = None
+        self.last_plan: StepPlan | None = None  # the last step's plan (None: it ran no request)
+        # the planner's off state, for the next step's record: is it a probe, and the steps without
+        # speculation since the last drafted one (`note_off_step`)
+        self.probe = False
+        self._off_steps, self._off_seconds = 0, 0.0
 
     def __call__(self, running: list[Request], stats: RunStats) -> StepInfo | None:
         """One step of `running`; None when no request ran (a DP rank without requests, padding the step
         of the others)."""
+        self.last_plan = None
         if not running:
             self._idle()
             return None
@@ -78,14 +84,13 @@ class SpeculativeStep:
         m, n, num_reqs = self.models, self.plan.num_draft_tokens, len(running)
         prefix_host = [r.seq_len for r in running]
         page_table = m.host_page_table(running).to(m.device)
-        prefix = m.tensor(prefix_host)
         roots = m.tensor([r.root for r in running])
         batch = batch_sampling(running)
         generator = m.generators(running)
 
         # 1. Draft: gamma tokens and a confidence logit per position, from the cached draft context.
-        proposal = m.draft.propose(
-            roots, prefix, m.draft_context(page_table, prefix), prefix,
+        proposal = m.propose(
+            roots, prefix_host, page_table,
             None if batch.all_greedy else lambda logits: pick_rows(logits, batch, generator),
             gamma=self.plan.gamma, keep_conf_inputs=self.recorder is not None and self.recorder.sts.features)
         drafts = proposal.drafts
@@ -94,6 +99,7 @@ class SpeculativeStep:
         # 2. Plan: the planner's verify_lens, then the step's layout, once.
         handles = [r.handle for r in running]
         plan, tier, logit_rows = self._plan(proposal.conf_logits, handles)
+        self.last_plan = plan
         self._check(tier, logit_rows)
 
         # 3. Verify: the step's layout, once, and the target's forward of its rows (packed when some
@@ -141,12 +147,19 @@ class SpeculativeStep:
             self.recorder.steps.append(step_record(
                 handles, step=plan, layout=layout, lens=list(plan.verify_lens), correct=correct,
                 raw=raw_correct.tolist(), conf_logits=proposal.conf_logits, seconds=seconds,
-                lag_steps=self.plan.lag_steps, mode=self.plan.mode))
+                lag_steps=self.plan.lag_steps, mode=self.plan.mode, probe=self.probe,
+                off_steps=self._off_steps, off_seconds=self._off_seconds))
+        self._off_steps, self._off_seconds = 0, 0.0
         decision = plan.decision
         return StepInfo(num_reqs=num_reqs, committed=sum(correct) + num_reqs, rows=layout.total_rows,
                         planned_rows=sum(plan.verify_lens), padding_rows=layout.num_padding_rows,
                         tier=layout.tier, budget=decision.budget if decision else None, tau=plan.tau,
                         seconds=seconds)
+
+    def note_off_step(self, seconds: float) -> None:
+        """A decode step without speculation ran (the planner's off state): the next record counts it."""
+        self._off_steps += 1
+        self._off_seconds += seconds
 
     def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle]
               ) -> tuple[StepPlan, int | None, int | None]:

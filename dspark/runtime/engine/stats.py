@@ -22,6 +22,7 @@ class StepInfo:
     budget: int | None
     tau: float | None
     seconds: float
+    speculating: bool = True  # False: a target-only decode step (the run's mode, or speculation off)
 
 
 @dataclass
@@ -41,6 +42,13 @@ class RunStats:
     planned_rows: int = 0  # sum of verify_lens (in cap-accept fewer rows than run)
     predicted_tau: float = 0.0  # sum over planned steps of the planner's tau
     planned_committed: int = 0  # committed tokens of those same steps
+    planned_steps: int = 0
+    # A speculative run's steps with speculation switched off (the planner's off state), their seconds,
+    # the seconds of its drafted steps, and how often the planner switched between the two.
+    off_steps: int = 0
+    off_seconds: float = 0.0
+    on_seconds: float = 0.0
+    switches: int = 0
     drafts_verified: list[int] = field(default_factory=list)
     drafts_accepted: list[int] = field(default_factory=list)
 
@@ -65,6 +73,16 @@ class RunStats:
         if tau is not None:
             self.predicted_tau += tau
             self.planned_committed += committed
+            self.planned_steps += 1
+
+    def record_decode_step(self, num_reqs: int, speculating_off: bool) -> None:
+        """A target-only decode step of `num_reqs` requests: of a target-only run, or of a speculative
+        run with speculation switched off (`speculating_off`)."""
+        self.steps += 1
+        self.request_steps += num_reqs
+        self.committed_tokens += num_reqs
+        self.verify_rows += num_reqs
+        self.off_steps += int(speculating_off)
 
     @property
     def wall_seconds(self) -> float:
@@ -85,10 +103,14 @@ class RunStats:
             "verify_rows": self.verify_rows,
             "padding_rows": self.padding_rows,
             "planned_rows": self.planned_rows,
-            "mean_predicted_tau_per_step": (round(self.predicted_tau / self.steps, 4)
-                                            if self.planned_committed else None),
-            "mean_committed_per_planned_step": (round(self.planned_committed / self.steps, 4)
-                                                if self.planned_committed else None),
+            "mean_predicted_tau_per_step": (round(self.predicted_tau / self.planned_steps, 4)
+                                            if self.planned_steps else None),
+            "mean_committed_per_planned_step": (round(self.planned_committed / self.planned_steps, 4)
+                                                if self.planned_steps else None),
+            "speculation_off_steps": self.off_steps,
+            "speculation_off_seconds": round(self.off_seconds, 4),
+            "speculation_on_seconds": round(self.on_seconds, 4),
+            "speculation_switches": self.switches,
             "drafts_verified_by_position": self.drafts_verified,
             "drafts_accepted_by_position": self.drafts_accepted,
             "acceptance_by_position": [round(a / v, 4) if v else None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,17 +45,29 @@ from dspark.runtime.models.ops import SMALL_ELEMENT_TILE, lanewise
 TokenPicker = Callable[[torch.Tensor], torch.Tensor]
 
 
+class BlockAttention(Protocol):
+    """A serving step's block attention over the draft's paged cache (`dspark.runtime.engine.forward`):
+    it writes the block's keys and values where the commit will write the context's, and attends every
+    block row to its request's context and whole block in one pass of a paged-attention backend."""
+
+    def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`q[B * Q, H, D]`, `k`/`v[B * Q, Hkv, D]` (request-major) -> `[B * Q, H, D]`."""
+        ...
+
+
 @dataclass(frozen=True)
 class Visibility:
     """Which keys a block row sees, besides every slot of its own block.
 
-    Serving (`ctx_lens[B]`): request b's first `ctx_lens[b]` context entries, through the
-    batch-invariant step attention. Training (`mask[B, Q, C + Q]`): an explicit mask over the
-    context and every block of the sequence (True where allowed), through one fused kernel.
+    Serving (`ctx_lens[B]`): request b's first `ctx_lens[b]` context entries, gathered densely, through
+    the batch-invariant step attention; or (`paged`) the same keys read in place from the draft's paged
+    cache. Training (`mask[B, Q, C + Q]`): an explicit mask over the context and every block of the
+    sequence (True where allowed), through one fused kernel.
     """
 
     ctx_lens: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    paged: BlockAttention | None = None
 
 
 def _small(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -96,15 +109,23 @@ class BlockDraftAttention(nn.Module):
         v = dense(x, self.v_proj).unflatten(-1, (c.num_kv_heads, c.head_dim))
         return ops.apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, visible: Visibility) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor | None,
+                ctx_v: torch.Tensor | None, visible: Visibility, layer_id: int) -> torch.Tensor:
         """Block rows `x[B, Q, d]` (already input-normed) attend to the context keys/values
-        `[B, C, Hkv, D]` and to the block's own (`Visibility` says which)."""
+        `[B, C, Hkv, D]` (or, `visible.paged`, the paged cache's) and to the block's own (`Visibility`
+        says which)."""
         c = self.cfg
         q, k_blk, v_blk = dense_many(x, self.q_proj, self.k_proj, self.v_proj)
         q = ops.apply_rope(self.q_norm(q.unflatten(-1, (c.num_heads, c.head_dim))), cos, sin)
         k_blk = ops.apply_rope(self.k_norm(k_blk.unflatten(-1, (c.num_kv_heads, c.head_dim))), cos, sin)
         v_blk = v_blk.unflatten(-1, (c.num_kv_heads, c.head_dim))
+        if visible.paged is not None:
+            rows = q.shape[0] * q.shape[1]
+            out = visible.paged.attend(layer_id, q.reshape(rows, c.num_heads, c.head_dim),
+                                       k_blk.reshape(rows, c.num_kv_heads, c.head_dim),
+                                       v_blk.reshape(rows, c.num_kv_heads, c.head_dim)).view(q.shape)
+            return dense(out.flatten(-2), self.o_proj)
+        assert ctx_k is not None and ctx_v is not None
         ctx_k, ctx_v, scale = ctx_k.to(x.dtype), ctx_v.to(x.dtype), c.head_dim ** -0.5
         if visible.ctx_lens is not None:
             out = block_step_attention(q, ctx_k, ctx_v, visible.ctx_lens, k_blk, v_blk, scale)
@@ -138,9 +159,9 @@ class BlockDraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, visible: Visibility) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, visible)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor | None,
+                ctx_v: torch.Tensor | None, visible: Visibility, layer_id: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, visible, layer_id)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -255,12 +276,14 @@ class DSparkBlockDraft(nn.Module):
         return self.hidden_norm(dense(target_hidden.to(self.fc.weight.dtype), self.fc))
 
     def backbone(self, block_ids: torch.Tensor, block_pos: torch.Tensor,
-                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], visible: Visibility) -> torch.Tensor:
-        """Block rows `[B, Q]` at positions `[B, Q]` -> final normed hidden states `[B, Q, d]`."""
+                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None, visible: Visibility) -> torch.Tensor:
+        """Block rows `[B, Q]` at positions `[B, Q]` -> final normed hidden states `[B, Q, d]`; the
+        context K/V per layer, or none when `visible.paged` reads them from the cache."""
         cos, sin = self._rope(block_pos)
         x = self.embed_tokens(block_ids)
-        for layer, (ck, cv) in zip(self.layers, ctx_kv, strict=True):
-            x = layer(x, cos, sin, ck, cv, visible)
+        for i, layer in enumerate(self.layers):
+            ck, cv = ctx_kv[i] if ctx_kv is not None else (None, None)
+            x = layer(x, cos, sin, ck, cv, visible, i)
         return self.norm(x)
 
     def heads(self, hidden: torch.Tensor, first_prev: torch.Tensor, pick: TokenPicker | None = None,
@@ -328,9 +351,24 @@ class DSparkBlockDraft(nn.Module):
         `anchor_pos[b]`) are valid. `pick` chooses each slot's token from its `[B, V]` corrected
         logits (greedy argmax without it); `gamma` defaults to the checkpoint's block size.
         """
+        return self._propose(anchor_ids, anchor_pos, ctx_kv, Visibility(ctx_lens), pick, gamma,
+                             keep_conf_inputs)
+
+    @torch.inference_mode()
+    def propose_paged(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, attention: BlockAttention,
+                      pick: TokenPicker | None = None, gamma: int | None = None,
+                      keep_conf_inputs: bool = False) -> BlockProposal:
+        """`propose` with the context read in place from the draft's paged cache by `attention`, laid
+        out for these requests' blocks at `anchor_pos[b] …` (no gathered copy of the context)."""
+        return self._propose(anchor_ids, anchor_pos, None, Visibility(paged=attention), pick, gamma,
+                             keep_conf_inputs)
+
+    def _propose(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
+                 ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None, visible: Visibility,
+                 pick: TokenPicker | None, gamma: int | None, keep_conf_inputs: bool) -> BlockProposal:
         gamma = self.resolve_gamma(gamma)
         block_pos = anchor_pos[:, None] + torch.arange(gamma, device=anchor_ids.device)
-        hidden = self.backbone(self.block_ids(anchor_ids, gamma), block_pos, ctx_kv, Visibility(ctx_lens))
+        hidden = self.backbone(self.block_ids(anchor_ids, gamma), block_pos, ctx_kv, visible)
         return self.heads(hidden, anchor_ids, pick, keep_conf_inputs=keep_conf_inputs)
 
     # -- training ------------------------------------------------------------------------

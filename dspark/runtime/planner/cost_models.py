@@ -11,8 +11,9 @@ the JSON, its fields and its rules):
   smallest tier >= M costs (graph replay pads it there), interpolated along B only, never across a tier.
 
 Any of them may carry a draft-cost term (seconds the draft model takes for B requests), which the planner
-adds to the step time. No torch here: the reports and `dspark cost-eval` read these tables without a
-device stack.
+adds to the step time, and a decode term (seconds of a target-only decode step of B requests), the price
+of a step without speculation that the planner weighs speculating against. No torch here: the reports
+and `dspark cost-eval` read these tables without a device stack.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class _FromFormat:
     format_model: ClassVar[type[Any]]
     _draft_probes: np.ndarray
     _draft_seconds: np.ndarray
+    _decode_probes: np.ndarray
+    _decode_seconds: np.ndarray
     _memo: dict[tuple[str, int], Any]
 
     def _fields(self) -> dict[str, Any]:
@@ -66,6 +69,8 @@ class _FromFormat:
             object.__setattr__(self, name, getattr(model, name))
         object.__setattr__(self, "_draft_probes", np.array(model.draft_bs_probes, np.float64))
         object.__setattr__(self, "_draft_seconds", np.array(model.draft_seconds, np.float64))
+        object.__setattr__(self, "_decode_probes", np.array(model.decode_bs_probes, np.float64))
+        object.__setattr__(self, "_decode_seconds", np.array(model.decode_seconds, np.float64))
         # Lookups derived from the (immutable) table: per-B scalars and per-M arrays (_per_batch, _dense).
         object.__setattr__(self, "_memo", {})
 
@@ -88,6 +93,22 @@ class _FromFormat:
             return 0.0
         return self._per_batch("draft", num_reqs,  # type: ignore[no-any-return]
                                lambda b: float(np.interp(b, self._draft_probes, self._draft_seconds)))
+
+    @property
+    def prices_decode(self) -> bool:
+        """Whether the table prices a step without speculation (it has the target-only decode term)."""
+        return self._decode_seconds.size > 0
+
+    def decode_time(self, num_reqs: int) -> float:
+        """Seconds of one target-only decode step of `num_reqs` requests (one row each, the draft's
+        context appended), interpolated along B and clamped at the end probes; the table must have the
+        decode term (`prices_decode`)."""
+        _check_rows("num_reqs", num_reqs)
+        if not self.prices_decode:
+            raise CostModelError("the table has no decode term (decode_bs_probes, decode_seconds), so it "
+                                 "cannot price a step without speculation; profile the deployment again")
+        return self._per_batch("decode", num_reqs,  # type: ignore[no-any-return]
+                               lambda b: float(np.interp(b, self._decode_probes, self._decode_seconds)))
 
     def _per_batch(self, name: str, num_reqs: int, compute: Callable[[int], Any]) -> Any:
         """`compute(num_reqs)`, remembered per batch size: the planner asks about the same few B every
@@ -142,6 +163,8 @@ class SpsTable(_FromFormat):
     max_batch_tokens: int
     draft_bs_probes: tuple[int, ...] = ()
     draft_seconds: tuple[float, ...] = ()
+    decode_bs_probes: tuple[int, ...] = ()
+    decode_seconds: tuple[float, ...] = ()
 
     kind: ClassVar[str] = "sps-1d"
     format_model: ClassVar[type[Sps1dCostModel]] = Sps1dCostModel
@@ -151,6 +174,8 @@ class SpsTable(_FromFormat):
     _rates: np.ndarray = field(init=False, repr=False, compare=False)
     _draft_probes: np.ndarray = field(init=False, repr=False, compare=False)
     _draft_seconds: np.ndarray = field(init=False, repr=False, compare=False)
+    _decode_probes: np.ndarray = field(init=False, repr=False, compare=False)
+    _decode_seconds: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -202,6 +227,8 @@ class AdditiveCostTable(_FromFormat):
     theta_seconds: tuple[float, ...]
     draft_bs_probes: tuple[int, ...] = ()
     draft_seconds: tuple[float, ...] = ()
+    decode_bs_probes: tuple[int, ...] = ()
+    decode_seconds: tuple[float, ...] = ()
 
     kind: ClassVar[str] = "additive"
     format_model: ClassVar[type[AdditiveCostModel]] = AdditiveCostModel
@@ -212,6 +239,8 @@ class AdditiveCostTable(_FromFormat):
     _theta: np.ndarray = field(init=False, repr=False, compare=False)
     _draft_probes: np.ndarray = field(init=False, repr=False, compare=False)
     _draft_seconds: np.ndarray = field(init=False, repr=False, compare=False)
+    _decode_probes: np.ndarray = field(init=False, repr=False, compare=False)
+    _decode_seconds: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -266,6 +295,8 @@ class TierCostTable(_FromFormat):
     step_seconds: tuple[tuple[float, ...], ...]
     draft_bs_probes: tuple[int, ...] = ()
     draft_seconds: tuple[float, ...] = ()
+    decode_bs_probes: tuple[int, ...] = ()
+    decode_seconds: tuple[float, ...] = ()
 
     kind: ClassVar[str] = "tier"
     format_model: ClassVar[type[TierCostModel]] = TierCostModel
@@ -275,6 +306,8 @@ class TierCostTable(_FromFormat):
     _seconds: np.ndarray = field(init=False, repr=False, compare=False)  # [len(bs_probes), len(tiers)]
     _draft_probes: np.ndarray = field(init=False, repr=False, compare=False)
     _draft_seconds: np.ndarray = field(init=False, repr=False, compare=False)
+    _decode_probes: np.ndarray = field(init=False, repr=False, compare=False)
+    _decode_seconds: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()

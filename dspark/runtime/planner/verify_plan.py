@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dspark.modes import VerifyMode, num_draft_tokens
+from dspark.modes import SpeculationOff, VerifyMode, num_draft_tokens
 from dspark.runtime.planner.budget import (
     BudgetDecision,
     Ranking,
@@ -26,6 +26,7 @@ from dspark.runtime.planner.budget import (
 )
 from dspark.runtime.planner.cost_models import CostModel, cost_model_from_dict
 from dspark.runtime.planner.survival import LaggedSurvival, survival_from_logits
+from dspark.runtime.planner.switch import SpeculationSwitch, SwitchConfig
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class VerifyPlan(Protocol):
 
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
                   generations: Sequence[int], history: LaggedSurvival | None) -> StepPlan: ...
+
+    def speculation_switch(self) -> SpeculationSwitch | None:
+        """A runtime's off-state machine, or None where every step speculates."""
+        ...
 
     # -- under DP attention (dspark.runtime.distributed.dp_engine) --------------------------------------
     @property
@@ -118,6 +123,9 @@ class StaticVerifyPlan:
             survival = survival_from_logits(confidence_logits, self.temperatures)
         return StepPlan(full, full, survival)
 
+    def speculation_switch(self) -> None:
+        return None  # no cost model prices the steps
+
     fills_tier = False
 
     def align_to_tier(self, step: StepPlan, tier: int) -> StepPlan:
@@ -151,6 +159,10 @@ class AdaptiveVerifyPlan:
     cost_model: dict[str, Any] | None = None  # the table as the compiler embedded it
     token_tiers: tuple[int, ...] = ()  # graph tiers a packed step is padded to
     forced_budget_fraction: float | None = None  # experiments: verify this share of candidates
+    speculation_off: SpeculationOff = SpeculationOff.NEVER  # may the planner switch speculation off
+    off_margin: float = SwitchConfig.margin  # ... and its hysteresis (`SwitchConfig`)
+    off_patience: int = SwitchConfig.patience
+    probe_every: int = SwitchConfig.probe_every
 
     def __post_init__(self) -> None:
         if not self.mode.plans:
@@ -168,6 +180,12 @@ class AdaptiveVerifyPlan:
                                                            self.max_verify_len, self.survival_eps))
         table = None if self.cost_model is None else cost_model_from_dict(self.cost_model, "PLAN.cost_model")
         object.__setattr__(self, "_table", table)
+        object.__setattr__(self, "speculation_off", SpeculationOff(self.speculation_off))
+        switch = SwitchConfig(self.off_margin, self.off_patience, self.probe_every)
+        object.__setattr__(self, "_off_switch", switch)
+        if self.speculation_off is SpeculationOff.AUTO and (table is None or not table.prices_decode):
+            raise ValueError("speculation_off 'auto' needs a cost model with the decode term "
+                             "(decode_bs_probes, decode_seconds) to price a step without speculation")
 
     @property
     def num_draft_tokens(self) -> int:
@@ -180,6 +198,21 @@ class AdaptiveVerifyPlan:
     @property
     def table(self) -> CostModel | None:
         return self._table  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def off_switch(self) -> SwitchConfig:
+        """The off state's hysteresis."""
+        return self._off_switch  # type: ignore[attr-defined, no-any-return]
+
+    def speculation_switch(self) -> SpeculationSwitch | None:
+        """A runtime's off-state machine, where the planner may switch speculation off."""
+        if self.speculation_off is SpeculationOff.NEVER or self.forced_budget_fraction is not None:
+            return None
+        assert self.table is not None  # __post_init__: 'auto' has a table that prices decoding
+        max_rows = self.token_tiers[-1] if self.token_tiers and self.mode.packs_rows else None
+        if self.table.max_rows is not None:
+            max_rows = min(max_rows or self.table.max_rows, self.table.max_rows)
+        return SpeculationSwitch(self.table, self.off_switch, self.schedule.cap, max_rows)
 
     def with_overrides(self, **changes: Any) -> AdaptiveVerifyPlan:
         """A copy with some fields replaced (e.g. a forced budget fraction for an experiment)."""

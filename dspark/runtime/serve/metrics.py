@@ -62,6 +62,18 @@ class ServingMetrics:
                                      "since start")
         self.tau_bias = gauge("dspark_tau_bias_ratio", "mean(actual - tau) / mean(actual) over planned "
                               "steps, since start")
+        # the planner's off state: whether it speculates now, and the steps and seconds spent in each state
+        self.speculating = gauge("dspark_speculating", "1 while decode steps speculate, 0 while the planner "
+                                 "has switched speculation off (or the server decodes target-only)")
+        self.speculating.set(1)
+        state_steps = counter("dspark_state_decode_steps", "decode steps by speculation state: on (drafted "
+                              "and verified) or off (target-only)", ("state",))
+        state_seconds = counter("dspark_state_decode_seconds", "decode step seconds by speculation state",
+                                ("state",))
+        self.state_steps = {state: state_steps.labels(*values, state) for state in ("on", "off")}
+        self.state_seconds = {state: state_seconds.labels(*values, state) for state in ("on", "off")}
+        self.switches = counter("dspark_speculation_switches", "times the planner switched speculation "
+                                "off or on again").labels(*values)
         self.queue_depth = gauge("dspark_queue_depth", "requests waiting for a slot or KV pages")
         self.running = gauge("dspark_running_requests", "requests holding a slot")
         self.free_pages = gauge("dspark_kv_free_pages", "free KV pages")
@@ -71,6 +83,7 @@ class ServingMetrics:
         self._request_steps = 0
         self._tau = 0.0
         self._planned_committed = 0
+        self._speculating = True
         self.observe_pool(runtime)
 
     def observe_pool(self, runtime: Runtime) -> None:
@@ -91,6 +104,9 @@ class ServingMetrics:
             self.planned_rows.inc(step.planned_rows)
             self.padding_rows.inc(step.padding_rows)
             self.step_seconds.observe(step.seconds)
+            state = "on" if step.speculating else "off"
+            self.state_steps[state].inc()
+            self.state_seconds[state].inc(step.seconds)
             self.batch.set(step.num_reqs)
             self.tier.set(step.tier)
             self._committed += step.committed
@@ -104,6 +120,12 @@ class ServingMetrics:
                 self._tau += step.tau
                 self._planned_committed += step.committed
                 self.tau_bias.set((self._planned_committed - self._tau) / max(self._planned_committed, 1))
+        speculating = not runtime.target_only and (runtime.switch is None or runtime.switch.speculating)
+        if self._speculating != speculating:
+            self._speculating = speculating
+            self.speculating.set(int(speculating))
+            if runtime.switch is not None and not runtime.target_only:
+                self.switches.inc()
         self.observe_pool(runtime)
 
     def render(self) -> tuple[bytes, str]:

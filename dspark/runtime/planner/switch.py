@@ -1,0 +1,152 @@
+"""Whether the next decode step speculates: the planner's off state (docs/planner.md, "Speculation off").
+
+A drafted step's plan says what speculating earns at its batch: the expected committed tokens `tau` of
+the budget it chose and that step's predicted seconds (verify plus draft). The cost table's decode term
+says what a target-only decode step of the same requests costs (one token each). Speculation pays while
+`tau / on_seconds` beats `B / off_seconds`.
+
+The draft runs before its own step's plan, so the choice is for the steps after: the last drafted step's
+per-request figures, scaled to the batch of the coming step, predict both rates. To keep it from
+flapping the switch changes state only after `patience` consecutive predictions favour the other state by
+`margin`. While off no draft runs, so nothing refreshes the prediction but the batch size; every
+`probe_every` steps one drafted step (a probe) measures the confidence again.
+
+Under DP attention every DP rank's forward runs the same kind of step, so the decision is global: each DP
+rank predicts for its own requests, the predictions are combined (tokens summed, seconds the slowest DP
+rank's) and every DP rank runs the same state machine on the same inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dspark.runtime.planner.cost_models import CostModel, SpsTable
+
+if TYPE_CHECKING:
+    from dspark.runtime.planner.verify_plan import StepPlan
+
+
+@dataclass(frozen=True)
+class SwitchConfig:
+    """The hysteresis of the off state (the spec's `verify.off_margin`, `off_patience`, `probe_every`)."""
+
+    margin: float = 0.05  # the other state must be predicted this share faster
+    patience: int = 3  # ... at this many consecutive steps
+    probe_every: int = 16  # while off: one drafted step every this many steps
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"the off state's margin must be in [0, 1), got {self.margin}")
+        if self.patience < 1 or self.probe_every < 1:
+            raise ValueError(f"patience and probe_every must be >= 1, got {self.patience} and "
+                             f"{self.probe_every}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One step's two prices for a set of requests (one DP rank's, or all of them combined)."""
+
+    num_reqs: int
+    tau: float  # expected committed tokens of a drafted step
+    on_seconds: float  # its predicted seconds, draft included
+    off_seconds: float  # predicted seconds of a target-only decode step
+
+    @property
+    def on_rate(self) -> float:
+        return self.tau / self.on_seconds if self.on_seconds > 0 else 0.0
+
+    @property
+    def off_rate(self) -> float:
+        return self.num_reqs / self.off_seconds if self.off_seconds > 0 else 0.0
+
+
+NO_PREDICTION = Prediction(0, 0.0, 0.0, 0.0)
+
+
+def combine(predictions: list[Prediction]) -> Prediction:
+    """The DP ranks' predictions as one step's: every DP rank runs each step, so tokens add up and the
+    step takes the slowest DP rank's time."""
+    return Prediction(sum(p.num_reqs for p in predictions), sum(p.tau for p in predictions),
+                      max((p.on_seconds for p in predictions), default=0.0),
+                      max((p.off_seconds for p in predictions), default=0.0))
+
+
+@dataclass(frozen=True)
+class _PerRequest:
+    """A drafted step's figures per request, to be scaled to another batch size."""
+
+    tau: float  # expected committed tokens
+    rows: float  # verify rows run
+
+
+class SpeculationSwitch:
+    """The off state of one engine: `speculates(prediction)` before each decode step, `observe(plan)`
+    after each drafted one. `prediction` is `predict(B)` of this engine, or under DP attention every DP
+    rank's, combined."""
+
+    def __init__(self, table: CostModel, config: SwitchConfig, cap: int, max_rows: int | None,
+                 decode_time: Callable[[int], float] | None = None) -> None:
+        """`decode_time(B)`: the price of a target-only decode step, by default the table's decode term
+        (a simulation may price it otherwise, `dspark.simulate.pricing`)."""
+        if decode_time is None and not table.prices_decode:
+            raise ValueError("switching speculation off needs a cost table with the decode term "
+                             "(decode_bs_probes, decode_seconds)")
+        self.table = table
+        self.decode_time = decode_time or table.decode_time
+        self.config = config
+        self.cap = cap  # most rows a request verifies
+        self.max_rows = max_rows  # most rows a step may run (the largest tier, the table's range)
+        self.speculating = True
+        self._favour_other = 0  # consecutive predictions for the other state
+        self._since_probe = 0
+        self._last: _PerRequest | None = None  # per-request figures of the last drafted step
+        self.probing = False  # the coming step is a probe (drafted while off)
+
+    def observe(self, plan: StepPlan) -> None:
+        """A drafted step's plan: its per-request tau and rows (steps without a budget say nothing)."""
+        decision, num_reqs = plan.decision, len(plan.verify_lens)
+        if decision is None or not num_reqs:
+            return
+        self._last = _PerRequest(decision.tau / num_reqs, sum(plan.run_lens) / num_reqs)
+
+    def predict(self, num_reqs: int) -> Prediction:
+        """Both prices for a step of `num_reqs` requests, from the last drafted step scaled to it."""
+        if not num_reqs:
+            return NO_PREDICTION
+        off = self.decode_time(num_reqs)
+        last = self._last
+        if last is None:  # nothing drafted yet: speculating is all there is to go by
+            return Prediction(num_reqs, float("inf"), 1.0, off)
+        rows = min(max(round(last.rows * num_reqs), num_reqs), num_reqs * self.cap)
+        if self.max_rows is not None:
+            rows = min(rows, self.max_rows)
+        return Prediction(num_reqs, last.tau * num_reqs, self._on_seconds(num_reqs, rows), off)
+
+    def _on_seconds(self, num_reqs: int, rows: int) -> float:
+        table, draft = self.table, self.table.draft_time(num_reqs)
+        if isinstance(table, SpsTable):
+            return 1.0 / table.lookup(rows) + draft
+        return table.step_time(num_reqs, rows) + draft
+
+    def speculates(self, prediction: Prediction) -> bool:
+        """Whether the coming step drafts; moves the state machine one step."""
+        cfg = self.config
+        if prediction.num_reqs == 0:
+            return self.speculating
+        on, off = prediction.on_rate, prediction.off_rate
+        other_wins = off > on * (1 + cfg.margin) if self.speculating else on > off * (1 + cfg.margin)
+        self._favour_other = self._favour_other + 1 if other_wins else 0
+        if self._favour_other >= cfg.patience:
+            self.speculating = not self.speculating
+            self._favour_other = 0
+            self._since_probe = 0
+        self.probing = False
+        if self.speculating:
+            return True
+        self._since_probe += 1
+        if self._since_probe >= cfg.probe_every:
+            self._since_probe = 0
+            self.probing = True
+        return self.probing
