@@ -90,13 +90,16 @@ def test_the_prediction_scales_the_last_drafted_step_to_the_coming_batch() -> No
     switch = _switch()
     first = switch.predict(4)
     assert first.on_rate == float("inf")  # nothing drafted yet: speculate
-    switch.observe(_plan(verify_lens=(3, 5), tau=6.0))
+    switch.observe(_plan(verify_lens=(3, 5), tau=6.0), committed=6)
     p = switch.predict(4)
     table = AdditiveCostTable(**TABLE)
-    assert p.tau == pytest.approx(12.0)  # 3 expected tokens per request
+    assert p.tau == pytest.approx(12.0)  # 3 committed tokens per request
     assert p.on_seconds == pytest.approx(table.step_time(4, 16) + table.draft_time(4))  # 4 rows each
     assert p.off_seconds == pytest.approx(table.decode_time(4))
     assert switch.predict(0) == NO_PREDICTION
+    # the tokens are what drafted steps committed (a running mean), not what their confidence predicted
+    switch.observe(_plan(verify_lens=(3, 5), tau=6.0), committed=2)
+    assert switch.predict(4).tau == pytest.approx(4 * (0.5 * 1 + 0.5 * 3))
 
 
 def _plan(verify_lens: tuple[int, ...], tau: float) -> StepPlan:
@@ -129,7 +132,7 @@ class ScriptedSwitch:
         self.speculating = next(self.decisions)
         return self.speculating
 
-    def observe(self, plan: StepPlan) -> None:
+    def observe(self, plan: StepPlan, committed: int) -> None:
         self.observed += 1
 
 

@@ -189,7 +189,7 @@ class AdaptivePolicy:
                 history.record([], [], torch.empty((0, plan.gamma)))
         step = plan.plan_step(torch.from_numpy(batch.confidence), num_reqs, slots, generations, history)
         if switch is not None:
-            switch.observe(step)
+            switch.observe(step, committed_tokens(batch.raw_correct_len, np.array(step.verify_lens)))
         survival = None if step.survival is None else step.survival.detach().cpu().numpy()
         return StepLens(np.array(step.verify_lens, dtype=np.int64), int(sum(step.run_lens)), survival)
 

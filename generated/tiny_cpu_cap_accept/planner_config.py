@@ -16,27 +16,35 @@ STS_TEMPERATURES = (
 )  # STS temperatures from tables/tiny_cpu/sts.json
 COST_MODEL = {
     'type': 'additive',
-    'bias_seconds': 0.004490042699702855,
+    'bias_seconds': 0.0035282312158938225,
     'bs_probes': (1, 2, 4, 8, 16, 32),
     'alpha_seconds': (
-        0.0, 6.005492208357187e-05, 6.716754043536207e-05, 0.0009218554008069385,
-        0.0037187930669581415, 0.006684201209183635,
+        0.0, 0.0001932666137850308, 0.0006382567832723423, 0.0009581860973861154,
+        0.0015285342545098418, 0.002615969883290818,
     ),
     'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
     'theta_seconds': (
-        0.0, 0.0006527264047035141, 0.002211340485723466, 0.004059005677952994,
-        0.0058096955324182745, 0.007389050235408704, 0.009180850163205455, 0.010834752187499071,
-        0.010834752187499071, 0.01370232309143313, 0.017036403091491882, 0.02007947009094489,
-        0.02007947009094489,
+        0.0, 0.00021866427245181353, 0.0013495559723686024, 0.002353316300996497,
+        0.0027614417011577203, 0.004159841529922258, 0.004585604215393446, 0.0052893845294011334,
+        0.005690789715303016, 0.008633118900936501, 0.009955792900702767, 0.011261457900720822,
+        0.011970217900900429,
     ),
     'draft_bs_probes': (1, 2, 4, 8, 16, 32),
     'draft_seconds': (
-        0.005323204334369318, 0.005323204334369318, 0.005323204334369318, 0.006762586999684572,
-        0.009113285999774234, 0.01738076000037836,
+        0.0033360890001858934, 0.003505772000153229, 0.004143235000356071, 0.005225013999734074,
+        0.006989810000050056, 0.012245934000020497,
+    ),
+    'decode_bs_probes': (1, 2, 4, 8, 16, 32),
+    'decode_seconds': (
+        0.003945961000226816, 0.004082854999978736, 0.0043349180000404886, 0.0049119769996650575,
+        0.005861655999979121, 0.00832913499971255,
     ),
 }  # additive step-cost table from tables/tiny_cpu/additive.json
-# Every step speculates: the cost table has no decode term (dspark profile measures it).
-SPECULATION_OFF = 'never'
+# Decode without speculation while the cost table prices a target-only step faster.
+SPECULATION_OFF = 'auto'
+OFF_MARGIN = 0.05  # switch only when the other state is predicted this share faster
+OFF_PATIENCE = 3  # ... at this many decode steps in a row
+PROBE_EVERY = 16  # while off, one drafted step every this many refreshes the confidence
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -50,4 +58,7 @@ PLAN = AdaptiveVerifyPlan(
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
     speculation_off=SPECULATION_OFF,
+    off_margin=OFF_MARGIN,
+    off_patience=OFF_PATIENCE,
+    probe_every=PROBE_EVERY,
 )

@@ -297,7 +297,8 @@ class Runtime:
                 self.speculative.probe = self.switch is not None and self.switch.probing
                 self.last_step = self.speculative(decoding, stats)
                 if self.switch is not None and self.speculative.last_plan is not None:
-                    self.switch.observe(self.speculative.last_plan)
+                    assert self.last_step is not None  # a step with a plan ran requests
+                    self.switch.observe(self.speculative.last_plan, self.last_step.committed)
             else:  # a target-only run, or speculation switched off: then the roots become draft context
                 self.last_step = self.extend.decode(decoding, stats, with_draft=not self.target_only)
             seconds = time.perf_counter() - t0

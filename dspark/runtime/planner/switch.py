@@ -1,11 +1,13 @@
 """Whether the next decode step speculates: the planner's off state (docs/planner.md, "Speculation off").
 
-A drafted step's plan says what speculating earns at its batch: the expected committed tokens `tau` of
-the budget it chose and that step's predicted seconds (verify plus draft). The cost table's decode term
-says what a target-only decode step of the same requests costs (one token each). Speculation pays while
-`tau / on_seconds` beats `B / off_seconds`.
+A drafted step says what speculating earns at its batch: the tokens it committed per request (a running
+mean over drafted steps, not the confidence's `tau`: where the calibration is off for the requests at
+hand, say one slow-accepting request decoding alone, the two differ, and what was committed is what
+speculating earned) at the rows its plan ran, priced by the cost table (verify plus draft). The table's
+decode term says what a target-only decode step of the same requests costs (one token each).
+Speculation pays while `tokens / on_seconds` beats `B / off_seconds`.
 
-The draft runs before its own step's plan, so the choice is for the steps after: the last drafted step's
+The draft runs before its own step's plan, so the choice is for the steps after: the drafted steps'
 per-request figures, scaled to the batch of the coming step, predict both rates. To keep it from
 flapping the switch changes state only after `patience` consecutive predictions favour the other state by
 `margin`. While off no draft runs, so nothing refreshes the prediction but the batch size; every
@@ -49,7 +51,7 @@ class Prediction:
     """One step's two prices for a set of requests (one DP rank's, or all of them combined)."""
 
     num_reqs: int
-    tau: float  # expected committed tokens of a drafted step
+    tau: float  # predicted committed tokens of a drafted step
     on_seconds: float  # its predicted seconds, draft included
     off_seconds: float  # predicted seconds of a target-only decode step
 
@@ -75,10 +77,15 @@ def combine(predictions: list[Prediction]) -> Prediction:
 
 @dataclass(frozen=True)
 class _PerRequest:
-    """A drafted step's figures per request, to be scaled to another batch size."""
+    """Drafted steps' figures per request, to be scaled to another batch size."""
 
-    tau: float  # expected committed tokens
-    rows: float  # verify rows run
+    tokens: float  # committed tokens: a running mean over drafted steps (`TOKENS_WEIGHT`)
+    rows: float  # verify rows the last drafted step ran
+
+
+# The weight of a drafted step's committed tokens in the running mean: the last few steps (and, while off,
+# the last few probes) decide.
+TOKENS_WEIGHT = 0.5
 
 
 class SpeculationSwitch:
@@ -104,12 +111,15 @@ class SpeculationSwitch:
         self._last: _PerRequest | None = None  # per-request figures of the last drafted step
         self.probing = False  # the coming step is a probe (drafted while off)
 
-    def observe(self, plan: StepPlan) -> None:
-        """A drafted step's plan: its per-request tau and rows (steps without a budget say nothing)."""
-        decision, num_reqs = plan.decision, len(plan.verify_lens)
-        if decision is None or not num_reqs:
+    def observe(self, plan: StepPlan, committed: int) -> None:
+        """A drafted step: its plan's rows and the tokens it committed, per request."""
+        num_reqs = len(plan.verify_lens)
+        if not num_reqs:
             return
-        self._last = _PerRequest(decision.tau / num_reqs, sum(plan.run_lens) / num_reqs)
+        tokens, last = committed / num_reqs, self._last
+        if last is not None:
+            tokens = TOKENS_WEIGHT * tokens + (1 - TOKENS_WEIGHT) * last.tokens
+        self._last = _PerRequest(tokens, sum(plan.run_lens) / num_reqs)
 
     def predict(self, num_reqs: int) -> Prediction:
         """Both prices for a step of `num_reqs` requests, from the last drafted step scaled to it."""
@@ -122,7 +132,7 @@ class SpeculationSwitch:
         rows = min(max(round(last.rows * num_reqs), num_reqs), num_reqs * self.cap)
         if self.max_rows is not None:
             rows = min(rows, self.max_rows)
-        return Prediction(num_reqs, last.tau * num_reqs, self._on_seconds(num_reqs, rows), off)
+        return Prediction(num_reqs, last.tokens * num_reqs, self._on_seconds(num_reqs, rows), off)
 
     def _on_seconds(self, num_reqs: int, rows: int) -> float:
         table, draft = self.table, self.table.draft_time(num_reqs)
