@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BenchConfig", "BenchResult", "BenchSetupError", "LatencyStats", "RequestOutcome", "StreamError",
-    "arrival_offsets", "benchmark", "format_result", "probe_server", "summarize",
+    "arrival_offsets", "benchmark", "benchmark_outcomes", "format_result", "probe_server", "summarize",
 ]
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -300,6 +300,12 @@ async def run_requests(client: httpx.AsyncClient, config: BenchConfig, model: st
 
 
 async def benchmark_async(config: BenchConfig, prompts: Sequence[str]) -> BenchResult:
+    return (await benchmark_outcomes_async(config, prompts))[0]
+
+
+async def benchmark_outcomes_async(config: BenchConfig, prompts: Sequence[str]
+                                   ) -> tuple[BenchResult, list[RequestOutcome]]:
+    """The summary and every request's outcome (request i sent prompt i modulo the pool)."""
     import httpx
 
     prompts = select_prompts(prompts, config.num_prompts)
@@ -311,12 +317,18 @@ async def benchmark_async(config: BenchConfig, prompts: Sequence[str]) -> BenchR
                                  trust_env=False) as client:
         model = await probe_server(client, config.base_url, config.model)
         outcomes, duration, peak = await run_requests(client, config, model, prompts)
-    return summarize(config, model, outcomes, duration, peak)
+    return summarize(config, model, outcomes, duration, peak), outcomes
 
 
 def benchmark(config: BenchConfig, prompts: Sequence[str]) -> BenchResult:
     """Run the benchmark (its own event loop) and summarize it. Raises BenchSetupError before any request."""
     return asyncio.run(benchmark_async(config, prompts))
+
+
+def benchmark_outcomes(config: BenchConfig, prompts: Sequence[str]
+                       ) -> tuple[BenchResult, list[RequestOutcome]]:
+    """`benchmark`, and every request's outcome too (its text, timings and counts)."""
+    return asyncio.run(benchmark_outcomes_async(config, prompts))
 
 
 def summarize(config: BenchConfig, model: str, outcomes: Sequence[RequestOutcome], duration: float,

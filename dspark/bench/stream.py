@@ -29,6 +29,7 @@ class RequestOutcome:
     completion_tokens: int = 0
     decode_steps: int | None = None  # None when the server does not report usage.dspark
     finish_reason: str | None = None
+    text: str = ""  # the completion, so that a sweep can compare the outputs of its policies
 
     @property
     def ok(self) -> bool:
@@ -52,6 +53,7 @@ class StreamTracker:
     text_chunks: int = 0
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
+    texts: list[str] = field(default_factory=list)
 
     def on_event(self, data: str, now: float) -> None:
         if data == "[DONE]":
@@ -77,6 +79,7 @@ class StreamTracker:
                 self.finish_reason = choice["finish_reason"]
             if choice.get("text"):
                 self._on_text(now)
+                self.texts.append(str(choice["text"]))
 
     def _on_text(self, now: float) -> None:
         if self.first_text is None:
@@ -99,7 +102,7 @@ class StreamTracker:
         return RequestOutcome(index=index, latency=self.end, ttft=self.first_text,
                               chunk_gaps=tuple(self.gaps), text_chunks=self.text_chunks,
                               prompt_tokens=prompt, completion_tokens=completion, decode_steps=steps,
-                              finish_reason=self.finish_reason)
+                              finish_reason=self.finish_reason, text="".join(self.texts))
 
 
 def _int_field(obj: dict[str, Any], key: str) -> int:

@@ -1,16 +1,33 @@
-"""`dspark bench`: load an OpenAI-compatible server with prompts; report latency and throughput."""
+"""`dspark bench`: load an OpenAI-compatible server with prompts; report latency and throughput.
+
+`--url` loads one running server; `--sweep PACKAGE ...` starts a server per decoding policy itself and
+measures each at every load (dspark/bench/sweep.py). This module parses and maps errors to exit statuses.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from dspark.bench.client import BenchConfig, BenchSetupError, benchmark, format_result
-from dspark.cli.common import CliError, read_prompts_file
+from dspark.bench.sweep import (
+    DEFAULT_CONCURRENCY,
+    POLICIES,
+    SweepConfig,
+    SweepError,
+    SweepPackage,
+    SweepUsageError,
+    format_table,
+    plan_runs,
+    run_sweep,
+    write_outputs,
+)
+from dspark.cli.common import CliError, load_package_or_fail, read_prompts_file
 from dspark.corpus import held_out_prompts
 
 
@@ -21,8 +38,18 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Send streaming POST /v1/completions requests to a running server (dspark serve, or "
                     "any OpenAI-compatible one) and report throughput, time to first token, time per "
                     "output token, end-to-end latency (mean, p50, p99) and, from a dspark server, the "
-                    "mean tokens per decode step.")
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+                    "mean tokens per decode step. With --sweep it starts dspark serve itself, once per "
+                    "decoding policy (target-only, static, fixed k, adaptive), loads each server at "
+                    "every concurrency (and request rate) with the same greedy prompts, and prints one "
+                    "table of tokens/s, TPOT, TTFT and tokens per step by load and policy.")
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="server base URL, e.g. http://127.0.0.1:8000")
+    target.add_argument("--sweep", nargs="+", type=Path, default=None, metavar="PACKAGE",
+                        help="instead of loading a running server, start one per decoding policy on the "
+                             "given generated packages (a compact or cap-accept build, and optionally the "
+                             "static build of the same models), load each at every concurrency and rate, "
+                             "and print one table; e.g. --sweep generated/tiny_cpu_compact "
+                             "generated/tiny_cpu_static")
     p.add_argument("--model", default=None,
                    help="model name to request (default: the first the server lists at /v1/models)")
     p.add_argument("--num-prompts", type=int, default=64,
@@ -43,7 +70,28 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "Python standard-library code the embedded model was not trained on)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default: 0)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (with --sweep: no progress lines)")
+    sweep = p.add_argument_group("sweep options (with --sweep)")
+    sweep.add_argument("--concurrency-list", default=None, metavar="C1,C2,...",
+                       help="closed-loop concurrencies: each keeps this many requests in flight, sending "
+                            "--num-prompts requests and at least 2 per slot (default: "
+                            f"{','.join(map(str, DEFAULT_CONCURRENCY))})")
+    sweep.add_argument("--request-rates", default=None, metavar="R1,R2,...",
+                       help="also load each server with Poisson arrivals at these mean requests per "
+                            "second, --num-prompts requests each (default: none)")
+    sweep.add_argument("--policies", default=None, metavar="P1,P2,...",
+                       help="decoding policies, each its own server: target-only (no speculation), static "
+                            "(the static package), fixed (every k = 1..gamma+1 rows verified per request, "
+                            "see --fixed-k), adaptive (the compact package as compiled) (default: all "
+                            "that the packages allow)")
+    sweep.add_argument("--fixed-k", default=None, metavar="K1,K2,...",
+                       help="the k of the fixed policy (default: every k from 1 to gamma+1)")
+    sweep.add_argument("--out", type=Path, default=None, metavar="DIR",
+                       help="write sweep.json (every point and request), sweep.txt (the table) and "
+                            "sweep.png (tokens/s against concurrency) here")
+    sweep.add_argument("--server-timeout", type=float, default=None, metavar="SECONDS",
+                       help=f"how long a server may take to start answering (default: {SERVER_TIMEOUT_S:g})")
     return p
 
 
@@ -61,9 +109,20 @@ def bench_prompts(prompts_file: Path | None, count: int) -> list[str]:
     return held_out_prompts(count)
 
 
+def _fail(message: str, status: int) -> int:
+    print(f"dspark bench: error: {message}", file=sys.stderr)
+    return status
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """`dspark bench`: 0 when any request succeeded, 1 when none did (or none could be sent), 2 for bad
-    arguments."""
+    arguments. With --sweep: `run_sweep_command`."""
+    if getattr(args, "sweep", None) is not None:
+        return run_sweep_command(args)
+    given = [flag for flag, dest in SWEEP_ONLY if getattr(args, dest, None) is not None]
+    if given:
+        return _fail(f"{given[0]} belongs to a sweep: add --sweep PACKAGE ... (which starts its own "
+                     "servers) instead of --url", 2)
     try:
         config = config_from_args(args)
         prompts = bench_prompts(args.prompts_file, config.num_prompts)
@@ -81,4 +140,125 @@ def run_bench(args: argparse.Namespace) -> int:
     if not result.completed:
         print(f"dspark bench: error: all {result.failed} requests failed", file=sys.stderr)
         return 1
+    return 0
+
+
+# -- --sweep ----------------------------------------------------------------------------------------
+SWEEP_ONLY = (("--concurrency-list", "concurrency_list"), ("--request-rates", "request_rates"),
+              ("--policies", "policies"), ("--fixed-k", "fixed_k"), ("--out", "out"),
+              ("--server-timeout", "server_timeout"))
+SERVER_TIMEOUT_S = 300.0
+
+
+def parse_counts(flag: str, text: str, example: str) -> tuple[int, ...]:
+    """Comma-separated positive integers, sorted, each once."""
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SweepUsageError(f"{flag} must be comma-separated positive integers such as {example}, "
+                              f"got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def parse_rates(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        values = [float(item) for item in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < math.inf for v in values):  # also refuses NaN
+        raise SweepUsageError(f"{flag} must be comma-separated positive request rates (per second) such "
+                              f"as 1,4,16, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def parse_policies(text: str) -> tuple[str, ...]:
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    if not names:
+        raise SweepUsageError(f"--policies needs at least one of {', '.join(POLICIES)}, got {text!r}")
+    return tuple(names)
+
+
+def sweep_package(path: Path) -> SweepPackage:
+    """The generated package at `path`, as the sweep needs it (its verify mode and N)."""
+    try:
+        pkg = load_package_or_fail(path)
+    except CliError as err:
+        raise SweepUsageError(f"--sweep: {err}") from None
+    dep = pkg.deployment
+    return SweepPackage(path, dep.name, str(dep.verify_mode), pkg.plan.num_draft_tokens)
+
+
+def _refuse_single_server_flags(args: argparse.Namespace) -> None:
+    """Flags of one run against --url that a sweep sets itself."""
+    if args.concurrency is not None:
+        raise SweepUsageError("--concurrency is for --url; a sweep takes --concurrency-list")
+    if not math.isinf(args.request_rate):
+        raise SweepUsageError("--request-rate is for --url; a sweep takes --request-rates")
+    if args.model is not None:
+        raise SweepUsageError("--model is for --url; a sweep requests the model its own servers serve")
+    if args.temperature != 0:
+        raise SweepUsageError("--temperature: a sweep decodes greedily (so that every policy's outputs can "
+                              "be compared with target-only's); leave --temperature out")
+
+
+def sweep_config_from_args(args: argparse.Namespace) -> SweepConfig:
+    """The sweep's config; a `SweepUsageError` naming the flag for anything wrong, before any server."""
+    _refuse_single_server_flags(args)
+    BenchConfig(url="http://127.0.0.1", num_prompts=args.num_prompts, max_tokens=args.max_tokens)  # checks
+    concurrency = (DEFAULT_CONCURRENCY if args.concurrency_list is None
+                   else parse_counts("--concurrency-list", args.concurrency_list, "1,2,4,8"))
+    rates = () if args.request_rates is None else parse_rates("--request-rates", args.request_rates)
+    policies = None if args.policies is None else parse_policies(args.policies)
+    fixed_k = None if args.fixed_k is None else parse_counts("--fixed-k", args.fixed_k, "1,4,8")
+    timeout = SERVER_TIMEOUT_S if args.server_timeout is None else args.server_timeout
+    if not 0 < timeout < math.inf:
+        raise SweepUsageError(f"--server-timeout must be a positive number of seconds, got {timeout:g}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise SweepUsageError(f"--out {args.out} is a file; pass a directory (it is created if missing)")
+    packages = tuple(sweep_package(path) for path in args.sweep)
+    runs, notes = plan_runs(packages, policies, fixed_k)
+    command = ["dspark", "bench", "--sweep", *map(str, args.sweep),
+               "--concurrency-list", ",".join(map(str, concurrency)),
+               "--policies", ",".join(policies or POLICIES), "--num-prompts", str(args.num_prompts),
+               "--max-tokens", str(args.max_tokens), "--seed", str(args.seed)]
+    if rates:
+        command += ["--request-rates", ",".join(f"{r:g}" for r in rates)]
+    if fixed_k is not None:
+        command += ["--fixed-k", ",".join(map(str, fixed_k))]
+    if args.prompts_file is not None:
+        command += ["--prompts-file", str(args.prompts_file)]
+    return SweepConfig(packages=packages, runs=tuple(runs), concurrency=concurrency, request_rates=rates,
+                       num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
+                       server_timeout_s=timeout, notes=tuple(notes), command=shlex.join(command))
+
+
+def run_sweep_command(args: argparse.Namespace) -> int:
+    """`dspark bench --sweep`: 0 when every request succeeded, 1 when a server failed or requests did, 2
+    for bad arguments."""
+    try:
+        config = sweep_config_from_args(args)
+        prompts = bench_prompts(args.prompts_file, config.pool_size)
+        if not prompts:
+            raise ValueError(f"{args.prompts_file or 'the held-out set'}: no prompts")
+    except (SweepUsageError, CliError, ValueError) as err:
+        return _fail(str(err), 2)
+
+    def log(line: str) -> None:
+        if not args.no_progress:
+            print(f"dspark bench: {line}", file=sys.stderr, flush=True)
+
+    try:
+        result = run_sweep(config, prompts, log)
+    except SweepError as err:
+        return _fail(str(err), 1)
+    table = format_table(result)
+    print(json.dumps(result.to_json(), indent=1) if args.json else table)
+    if args.out is not None:
+        written = write_outputs(result, args.out, table)
+        log(f"wrote {', '.join(map(str, written))}")
+    if result.failed_requests:
+        return _fail(f"{result.failed_requests} requests failed (their errors are in the table's points"
+                     f"{' and in sweep.json' if args.out is not None else ''})", 1)
     return 0

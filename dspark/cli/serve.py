@@ -9,9 +9,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.cli.common import CliError, load_package_or_fail, warn_if_dummy_weights
+
+if TYPE_CHECKING:
+    from dspark.runtime.package import GeneratedPackage
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -33,6 +36,7 @@ def serve_or_spawn(args: argparse.Namespace) -> int:
     """`dspark serve`: serve the package, or, when it is compiled for more than one process and this is not
     already a rank of a launch, start its ranks with torchrun (rank 0 serves, the others follow)."""
     pkg = load_package_or_fail(args.package)
+    check_fixed_verify_len(pkg, args.fixed_verify_len)  # before any rank starts
     world = pkg.deployment.parallel.world_size
     if world == 1 or "WORLD_SIZE" in os.environ:
         return serve_package(args.package, args)
@@ -45,6 +49,10 @@ def serve_or_spawn(args: argparse.Namespace) -> int:
                "--port", str(args.port), "--seed", str(args.seed), "--log-level", args.log_level]
     if args.model_name is not None:
         command += ["--model-name", args.model_name]
+    if args.target_only:
+        command.append("--target-only")
+    if args.fixed_verify_len is not None:
+        command += ["--fixed-verify-len", str(args.fixed_verify_len)]
     print(f"dspark serve: {pkg.deployment.name} is compiled for {world} processes; starting them with "
           f"torchrun (rank 0 serves on {args.host}:{args.port})", file=sys.stderr, flush=True)
     return subprocess.run(command, check=False).returncode
@@ -61,6 +69,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seed of sampled requests that do not send their own seed (default: 0)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="server log verbosity (default: info)")
+    # Baselines for `dspark bench --sweep`: the same server, decoding without the adaptive planner.
+    policy = p.add_mutually_exclusive_group()
+    policy.add_argument("--target-only", action="store_true",
+                        help="decode every request with the target model alone, no speculation (the "
+                             "lossless reference and the baseline speculation must beat)")
+    policy.add_argument("--fixed-verify-len", type=int, default=None, metavar="K",
+                        help="verify exactly K rows (the root plus K-1 drafts) of every request each "
+                             "step instead of planning the rows: a fixed-length baseline; K in 1..gamma+1, "
+                             "cap-accept and compact builds only")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -93,6 +110,20 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_fixed_verify_len(pkg: GeneratedPackage, k: int | None) -> None:
+    """A `CliError` naming the flag when `--fixed-verify-len K` does not fit the build; checked before
+    the weights load (the runtime refuses the same, but its message cannot name the flag)."""
+    if k is None:
+        return
+    dep = pkg.deployment
+    if not dep.verify_mode.plans:
+        raise CliError(f"--fixed-verify-len needs a cap-accept or compact build; {dep.name} verifies in "
+                       f"{dep.verify_mode} mode (all N rows every step): serve it without the flag")
+    n = pkg.plan.num_draft_tokens
+    if not 1 <= k <= n:
+        raise CliError(f"--fixed-verify-len must be in 1..{n} (gamma + 1 for {dep.name}), got {k}")
+
+
 def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
     """Load the package and serve it until interrupted. Raises `CliError` for anything the user can fix."""
     from dspark.runtime.distributed.launch import LaunchError
@@ -100,8 +131,10 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
     from dspark.runtime.engine.runtime import Runtime, follows
 
     pkg = load_package_or_fail(package_dir)
+    check_fixed_verify_len(pkg, args.fixed_verify_len)
     try:
-        if follows(pkg, seed=args.seed):  # rank 0 owns the HTTP server; another rank ran its steps
+        # rank 0 owns the HTTP server; another rank ran its steps (target-only comes in rank 0's commands)
+        if follows(pkg, seed=args.seed, fixed_verify_len=args.fixed_verify_len):
             return 0
     except LaunchError as err:
         raise CliError(str(err)) from None
@@ -109,10 +142,12 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
     try:
         warn_if_dummy_weights(pkg)
         try:
-            runtime = Runtime(pkg, seed=args.seed)
+            runtime = Runtime(pkg, seed=args.seed, fixed_verify_len=args.fixed_verify_len)
         # a CUDA build without a GPU, a missing checkpoint, a launch that does not fit the build
         except (RequestError, LaunchError, ValueError) as err:
             raise CliError(str(err)) from None
+        # Set once: the engine thread never resets it (only `generate` does, and the server never calls it).
+        runtime.target_only = args.target_only
         from dspark.runtime.serve.server import serve
 
         try:

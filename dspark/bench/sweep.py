@@ -1,0 +1,716 @@
+"""`dspark bench --sweep`: serving throughput and latency of each decoding policy at each load.
+
+For every policy the sweep starts its own `dspark serve` process on a free loopback port, waits until it
+answers `GET /health`, warms it up with one short burst, then loads it at each closed-loop concurrency
+(`concurrency` requests always in flight: the client's semaphore starts the next request as one ends) and
+at each Poisson request rate, and stops it (SIGINT, then terminate, then kill) before the next policy
+starts. Every point sends the same prompts, greedy, with `ignore_eos`, so every request generates the same
+number of tokens and throughputs are comparable across policies.
+
+Policies, each its own server:
+
+- `target-only`: `dspark serve --target-only`, no speculation: the lossless reference.
+- `static`: the static package, as compiled (every request verifies all N = gamma + 1 rows).
+- `fixed-K`: the compact (or cap-accept) package with `--fixed-verify-len K`: K rows per request per step.
+- `adaptive`: the compact (or cap-accept) package as compiled: the planner picks the rows.
+
+Speculation is lossless, so under greedy decoding every policy's text for a prompt equals target-only's;
+the sweep records each request's text and says whether they do (`lossless`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any, Literal
+
+from dspark.atomic import atomic_write, atomic_write_text
+from dspark.bench.client import BenchConfig, BenchResult, BenchSetupError, RequestOutcome, benchmark_outcomes
+
+__all__ = [
+    "DEFAULT_CONCURRENCY", "POLICIES", "Load", "LosslessCheck", "RequestRecord", "ServerProcess", "ServerRun",
+    "SweepConfig", "SweepError", "SweepPackage", "SweepPoint", "SweepResult", "SweepUsageError",
+    "format_table", "machine_info", "plan_runs", "plot_sweep", "run_sweep", "write_outputs",
+]
+
+POLICIES = ("target-only", "static", "fixed", "adaptive")
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+HOST = "127.0.0.1"
+READY_PATH = "/health"
+POLL_S = 0.25
+STOP_GRACE_S = 30.0  # uvicorn finishes in-flight requests on SIGINT; a healthy server is gone in a second
+KILL_GRACE_S = 10.0
+PORT_ATTEMPTS = 3  # a free port found here may be taken before the server binds it
+STDERR_TAIL_LINES = 3
+WARMUP_REQUESTS = 4
+WARMUP_MAX_TOKENS = 16
+MIN_REQUESTS_PER_SLOT = 2  # a closed-loop level sends at least this many requests per concurrent slot
+DPI = 110
+
+
+class SweepUsageError(ValueError):
+    """Arguments the sweep cannot run with (exit status 2); the message names the flag."""
+
+
+class SweepError(Exception):
+    """The sweep could not finish: a server did not come up, died, or failed every request (exit 1)."""
+
+
+# -- what runs --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SweepPackage:
+    """A generated package as the sweep needs it: where it is and how it verifies."""
+
+    path: Path
+    name: str
+    verify_mode: str  # "static", "cap-accept" or "compact"
+    num_draft_tokens: int  # N = gamma + 1
+
+    @property
+    def is_static(self) -> bool:
+        return self.verify_mode == "static"
+
+
+@dataclass(frozen=True)
+class ServerRun:
+    """One server process: the policy it measures, its package and the `dspark serve` flags that make it."""
+
+    policy: str  # "target-only", "static", "fixed-K" or "adaptive"
+    package: SweepPackage
+    flags: tuple[str, ...] = ()
+
+    def command(self, port: int, python: str = sys.executable) -> list[str]:
+        return [python, "-m", "dspark", "serve", str(self.package.path), "--host", HOST, "--port", str(port),
+                "--log-level", "warning", *self.flags]
+
+
+def plan_runs(packages: Sequence[SweepPackage], policies: Sequence[str] | None = None,
+              fixed_k: Sequence[int] | None = None) -> tuple[list[ServerRun], list[str]]:
+    """(the servers to run, in table order, and notes on the policies skipped). `policies` None: every
+    policy the packages allow (a missing one is a note); named policies must all be possible."""
+    explicit = policies is not None
+    wanted = set(POLICIES if policies is None else policies)
+    unknown = sorted(wanted - set(POLICIES))
+    if unknown:
+        raise SweepUsageError(f"--policies: unknown policy {unknown[0]!r}; choose from {', '.join(POLICIES)} "
+                              "(comma-separated)")
+    statics = [p for p in packages if p.is_static]
+    planned = [p for p in packages if not p.is_static]
+    if len(statics) > 1 or len(planned) > 1:
+        names = ", ".join(f"{p.name} ({p.verify_mode})" for p in packages)
+        raise SweepUsageError(f"--sweep takes at most one static package and one compact or cap-accept "
+                              f"package (the pair to compare), got {names}")
+    static = statics[0] if statics else None
+    adaptive = planned[0] if planned else None
+    if fixed_k is not None and "fixed" not in wanted:
+        raise SweepUsageError("--fixed-k picks the k of the fixed policy; add fixed to --policies")
+    runs: list[ServerRun] = []
+    notes: list[str] = []
+
+    def missing(policy: str, kind: str) -> None:
+        if explicit:
+            raise SweepUsageError(f"--policies {policy} needs a {kind} package; add one to --sweep or drop "
+                                  f"{policy} from --policies")
+        notes.append(f"{policy}: skipped, no {kind} package given to --sweep")
+
+    for policy in POLICIES:  # table order: the reference first, the policy under test last
+        if policy not in wanted:
+            continue
+        if policy == "target-only":
+            # Target-only decoding runs the target alone: the compact build's and the static build's are
+            # the same model, so either serves it.
+            base = adaptive or static
+            assert base is not None  # the caller passes at least one package
+            runs.append(ServerRun(policy, base, ("--target-only",)))
+        elif policy == "static":
+            if static is None:
+                missing(policy, "static")
+            else:
+                runs.append(ServerRun(policy, static))
+        elif adaptive is None:
+            missing(policy, "compact or cap-accept")
+        elif policy == "fixed":
+            n = adaptive.num_draft_tokens
+            ks = sorted(set(fixed_k)) if fixed_k is not None else list(range(1, n + 1))
+            bad = [k for k in ks if not 1 <= k <= n]
+            if bad:
+                raise SweepUsageError(f"--fixed-k: k = {bad[0]} is outside 1..{n} (N = gamma + 1 of "
+                                      f"{adaptive.name})")
+            runs += [ServerRun(f"fixed-{k}", adaptive, ("--fixed-verify-len", str(k))) for k in ks]
+        else:
+            runs.append(ServerRun(policy, adaptive))
+    return runs, notes
+
+
+@dataclass(frozen=True)
+class Load:
+    """A load level: `concurrency` requests always in flight, or Poisson arrivals at `rate` per second."""
+
+    kind: Literal["concurrency", "rate"]
+    value: float
+
+    @property
+    def label(self) -> str:
+        return f"c={int(self.value)}" if self.kind == "concurrency" else f"{self.value:g} req/s"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "value": int(self.value) if self.kind == "concurrency" else self.value,
+                "label": self.label}
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    packages: tuple[SweepPackage, ...]
+    runs: tuple[ServerRun, ...]
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    request_rates: tuple[float, ...] = ()
+    num_prompts: int = 64
+    max_tokens: int = 128
+    seed: int = 0
+    server_timeout_s: float = 300.0
+    notes: tuple[str, ...] = ()
+    command: str = ""  # the command line, as recorded in sweep.json
+
+    def __post_init__(self) -> None:
+        if not self.runs:
+            raise SweepUsageError("--policies: no policy left to run")
+        if not self.concurrency and not self.request_rates:
+            raise SweepUsageError("--concurrency-list: no load to run; give at least one concurrency or "
+                                  "--request-rates")
+
+    @property
+    def loads(self) -> tuple[Load, ...]:
+        return (*(Load("concurrency", c) for c in self.concurrency),
+                *(Load("rate", r) for r in self.request_rates))
+
+    def requests_at(self, load: Load) -> int:
+        """Requests sent at a load: --num-prompts, and at least MIN_REQUESTS_PER_SLOT per concurrent slot,
+        so that the last requests' tail (fewer in flight) is a small part of the run."""
+        if load.kind == "concurrency":
+            return max(self.num_prompts, MIN_REQUESTS_PER_SLOT * int(load.value))
+        return self.num_prompts
+
+    @property
+    def pool_size(self) -> int:
+        return max(self.requests_at(load) for load in self.loads)
+
+
+# -- results ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request of a point, with its output text (to compare policies: speculation is lossless)."""
+
+    index: int
+    prompt_index: int
+    text: str
+    completion_tokens: int
+    decode_steps: int | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    latency_ms: float
+    finish_reason: str | None
+    error: str | None
+
+    @classmethod
+    def of(cls, outcome: RequestOutcome, pool_size: int) -> RequestRecord:
+        tpot = outcome.tpot
+        return cls(index=outcome.index, prompt_index=outcome.index % pool_size, text=outcome.text,
+                   completion_tokens=outcome.completion_tokens, decode_steps=outcome.decode_steps,
+                   ttft_ms=None if outcome.ttft is None else outcome.ttft * 1e3,
+                   tpot_ms=None if tpot is None else tpot * 1e3, latency_ms=outcome.latency * 1e3,
+                   finish_reason=outcome.finish_reason, error=outcome.error)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One (policy, load): the client's summary and every request."""
+
+    policy: str
+    package: str
+    load: Load
+    result: BenchResult
+    requests: tuple[RequestRecord, ...]
+
+    @property
+    def output_throughput(self) -> float:
+        return self.result.output_throughput
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        return self.result.mean_accepted_tokens_per_step
+
+    def to_json(self) -> dict[str, Any]:
+        return {"policy": self.policy, "package": self.package, "load": self.load.to_json(),
+                **self.result.to_json(), "requests": [r.to_json() for r in self.requests]}
+
+
+@dataclass(frozen=True)
+class LosslessCheck:
+    """Whether a policy's greedy texts equal target-only's for the same prompts."""
+
+    policy: str
+    compared: int
+    mismatched: int
+    first_mismatch: str | None = None
+
+    @property
+    def identical(self) -> bool:
+        return self.mismatched == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "identical": self.identical}
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    config: SweepConfig
+    prompts: tuple[str, ...]
+    points: tuple[SweepPoint, ...]
+    started: str  # ISO 8601, UTC
+    finished: str
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def policies(self) -> list[str]:
+        return list(dict.fromkeys(p.policy for p in self.points))
+
+    @property
+    def loads(self) -> list[Load]:
+        return list(dict.fromkeys(p.load for p in self.points))
+
+    def point(self, policy: str, load: Load) -> SweepPoint | None:
+        return next((p for p in self.points if p.policy == policy and p.load == load), None)
+
+    def ratio(self, load: Load) -> float | None:
+        """Adaptive tok/s over the best baseline's (target-only or any fixed k) at `load`; None when a side
+        is missing."""
+        adaptive = self.point("adaptive", load)
+        baselines = [p.output_throughput for p in self.points if p.load == load
+                     and (p.policy == "target-only" or p.policy.startswith("fixed-"))]
+        if adaptive is None or not baselines or max(baselines) <= 0:
+            return None
+        return adaptive.output_throughput / max(baselines)
+
+    def lossless(self) -> list[LosslessCheck]:
+        """Each policy's texts against target-only's (its first text per prompt); empty without
+        target-only. Target-only is checked against itself too: batching must not change it either."""
+        reference: dict[int, str] = {}
+        for point in self.points:
+            if point.policy == "target-only":
+                for r in point.requests:
+                    if r.error is None:
+                        reference.setdefault(r.prompt_index, r.text)
+        if not reference:
+            return []
+        checks = []
+        for policy in self.policies:
+            compared = mismatched = 0
+            first = None
+            for point in (p for p in self.points if p.policy == policy):
+                for r in point.requests:
+                    if r.error is not None or r.prompt_index not in reference:
+                        continue
+                    compared += 1
+                    if r.text != reference[r.prompt_index]:
+                        mismatched += 1
+                        want = reference[r.prompt_index]
+                        first = first or (f"{point.load.label}, prompt {r.prompt_index}: {r.text[:40]!r} "
+                                          f"vs target-only {want[:40]!r}")
+            checks.append(LosslessCheck(policy, compared, mismatched, first))
+        return checks
+
+    @property
+    def failed_requests(self) -> int:
+        return sum(p.result.failed for p in self.points)
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "command": c.command,
+            "argv": list(sys.argv),
+            "started": self.started,
+            "finished": self.finished,
+            "machine": self.machine,
+            "packages": [{"path": str(p.path), "name": p.name, "verify_mode": p.verify_mode,
+                          "num_draft_tokens": p.num_draft_tokens} for p in c.packages],
+            "servers": [{"policy": r.policy, "package": r.package.name, "serve_flags": list(r.flags)}
+                        for r in c.runs],
+            "notes": list(c.notes),
+            "settings": {"concurrency": list(c.concurrency), "request_rates": list(c.request_rates),
+                         "num_prompts": c.num_prompts, "max_tokens": c.max_tokens, "seed": c.seed,
+                         "temperature": 0.0, "ignore_eos": True,
+                         "requests_per_load": {load.label: c.requests_at(load) for load in c.loads}},
+            "prompts": list(self.prompts),
+            "ratios": {load.label: self.ratio(load) for load in self.loads},
+            "lossless": [check.to_json() for check in self.lossless()],
+            "points": [p.to_json() for p in self.points],
+        }
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the sweep ran: enough to tell two machines' numbers apart."""
+    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
+                            "processor": platform.processor(), "python": platform.python_version(),
+                            "cpu_count": os.cpu_count()}
+    if hasattr(os, "sched_getaffinity"):  # the CPUs this process may use, under a container's limits
+        info["usable_cpus"] = len(os.sched_getaffinity(0))
+    return info
+
+
+# -- the server -------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """A `dspark serve` subprocess for one `ServerRun`: started and ready on entry, stopped on exit (also
+    on an exception or Ctrl-C); its output goes to a temporary file whose tail explains a failure."""
+
+    def __init__(self, run: ServerRun, timeout_s: float, python: str = sys.executable) -> None:
+        self.run = run
+        self.timeout_s = timeout_s
+        self.python = python
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready = False
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            for attempt in range(PORT_ATTEMPTS):
+                self._start()
+                if self._wait_ready(retry_taken_port=attempt + 1 < PORT_ATTEMPTS):
+                    return self
+                self.stop()
+        except BaseException:
+            self.stop()
+            raise
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        self.port = free_port()
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(self.run.command(self.port, self.python), stdin=subprocess.DEVNULL,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    def _wait_ready(self, retry_taken_port: bool) -> bool:
+        """True once the server answers; False when it lost its port to another process (try another);
+        a `SweepError` with the server's last words when it exits or never answers."""
+        import httpx
+
+        assert self.proc is not None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                tail = self.output_tail()
+                if retry_taken_port and "already in use" in tail:
+                    return False
+                raise SweepError(f"the {self.run.policy} server ({self.describe()}) exited with status "
+                                 f"{code} before it answered on port {self.port}; its output ends: {tail}")
+            try:
+                if httpx.get(self.url + READY_PATH, timeout=2.0, trust_env=False).status_code == 200:
+                    self.ready = True
+                    return True
+            except httpx.HTTPError:
+                pass  # not listening yet: the model is still loading
+            if time.monotonic() > deadline:
+                raise SweepError(f"the {self.run.policy} server ({self.describe()}) did not answer GET "
+                                 f"{READY_PATH} on port {self.port} within {self.timeout_s:g} s; its output "
+                                 f"ends: {self.output_tail()}; pass a larger --server-timeout if the model "
+                                 "loads slowly")
+            time.sleep(POLL_S)
+
+    def describe(self) -> str:
+        return " ".join(["dspark serve", str(self.run.package.path), *self.run.flags])
+
+    def check_alive(self) -> None:
+        assert self.proc is not None
+        code = self.proc.poll()
+        if code is not None:
+            raise SweepError(f"the {self.run.policy} server ({self.describe()}) exited with status {code} "
+                             f"mid-sweep; its output ends: {self.output_tail()}")
+
+    def output_tail(self) -> str:
+        """The server's last non-empty output lines, on one line."""
+        if self._log is None:
+            return "(no output)"
+        self._log.flush()
+        self._log.seek(0)
+        lines = [line.strip() for line in self._log.read().decode("utf-8", "replace").splitlines()]
+        tail = [line for line in lines if line][-STDERR_TAIL_LINES:]
+        return " | ".join(tail) if tail else "(no output)"
+
+    def stop(self) -> None:
+        """SIGINT (uvicorn's graceful shutdown), then SIGTERM, then SIGKILL; always waits for the exit, so
+        no process outlives the sweep."""
+        proc, self.proc = self.proc, None
+        ready, self.ready = self.ready, False
+        if proc is not None:
+            try:
+                if proc.poll() is None:
+                    # Before uvicorn installs its handlers SIGINT may be ignored (a process started in the
+                    # background inherits that): a server still loading is terminated instead.
+                    proc.send_signal(signal.SIGINT if ready else signal.SIGTERM)
+                    try:
+                        proc.wait(STOP_GRACE_S)
+                    except subprocess.TimeoutExpired:
+                        proc.terminate()
+                        try:
+                            proc.wait(KILL_GRACE_S)
+                        except subprocess.TimeoutExpired:
+                            proc.kill()
+                            proc.wait()
+            except BaseException:  # a second Ctrl-C while waiting: do not leave it running
+                proc.kill()
+                proc.wait()
+                raise
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+@contextlib.contextmanager
+def termination_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt while the sweep runs, so that `finally` blocks stop the
+    servers when the sweep is killed politely (a terminal closing, `timeout`, a job scheduler)."""
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    names = [s for s in ("SIGTERM", "SIGHUP") if hasattr(signal, s)]
+    try:
+        previous = {name: signal.signal(getattr(signal, name), interrupt) for name in names}
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield
+        return
+    try:
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(getattr(signal, name), handler)
+
+
+# -- the sweep --------------------------------------------------------------------------------------
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _bench(url: str, prompts: Sequence[str], config: SweepConfig, load: Load | None, num: int,
+           max_tokens: int) -> tuple[BenchResult, list[RequestOutcome]]:
+    bench = BenchConfig(
+        url=url, num_prompts=num,
+        concurrency=int(load.value) if load is not None and load.kind == "concurrency" else None,
+        request_rate=load.value if load is not None and load.kind == "rate" else math.inf,
+        max_tokens=max_tokens, temperature=0.0, seed=config.seed, ignore_eos=True, progress=False)
+    return benchmark_outcomes(bench, prompts)
+
+
+def _all_failed(what: str, result: BenchResult) -> SweepError:
+    first = result.errors[0] if result.errors else "no error reported"
+    return SweepError(f"{what}: all {result.failed} requests failed: {first}")
+
+
+def _measure(server: ServerProcess, config: SweepConfig, prompts: Sequence[str]) -> Iterator[SweepPoint]:
+    """The points of one server: a warm-up burst (not kept), then every load in turn."""
+    run = server.run
+    try:
+        # The first requests pay for lazy initialisation (allocator, kernels, thread pools).
+        result, _ = _bench(server.url, prompts, config, None, WARMUP_REQUESTS,
+                           min(config.max_tokens, WARMUP_MAX_TOKENS))
+    except BenchSetupError as err:
+        raise SweepError(f"{run.policy}: {err}") from None
+    server.check_alive()
+    if not result.completed:
+        raise _all_failed(f"{run.policy}, warming up", result)
+    for load in config.loads:
+        try:
+            result, outcomes = _bench(server.url, prompts, config, load, config.requests_at(load),
+                                      config.max_tokens)
+        except BenchSetupError as err:
+            raise SweepError(f"{run.policy} at {load.label}: {err}") from None
+        server.check_alive()  # a server that died mid-point failed its requests: say why it died instead
+        if not result.completed:
+            raise _all_failed(f"{run.policy} at {load.label}", result)
+        yield SweepPoint(run.policy, run.package.name, load, result,
+                         tuple(RequestRecord.of(o, len(prompts)) for o in outcomes))
+
+
+def _progress_line(point: SweepPoint, done: int, total: int) -> str:
+    r = point.result
+    tpot = r.tpot.p50_ms if r.tpot else math.nan
+    failed = f"  {r.failed} failed" if r.failed else ""
+    return (f"[{done}/{total}] {point.policy:<12} {point.load.label:<10} {r.output_throughput:8.1f} tok/s  "
+            f"TPOT p50 {tpot:7.2f} ms  {r.duration_s:6.1f} s{failed}")
+
+
+def run_sweep(config: SweepConfig, prompts: Sequence[str], log: Callable[[str], None] | None = None,
+              python: str = sys.executable) -> SweepResult:
+    """Every (policy, load) point, one server per policy. Raises `SweepError` when a server does not come
+    up or dies, or when every request of a point fails."""
+    say = log or (lambda _: None)
+    prompts = tuple(prompts)
+    if not prompts:
+        raise SweepUsageError("no prompts to send")
+    started = _now()
+    points: list[SweepPoint] = []
+    total = len(config.runs) * len(config.loads)
+    with termination_as_interrupt():
+        for run in config.runs:
+            say(f"{run.policy}: starting {' '.join(['dspark serve', str(run.package.path), *run.flags])}")
+            with ServerProcess(run, config.server_timeout_s, python) as server:
+                for point in _measure(server, config, prompts):
+                    points.append(point)
+                    say(_progress_line(point, len(points), total))
+    return SweepResult(config, prompts, tuple(points), started, _now(), machine_info())
+
+
+# -- output -----------------------------------------------------------------------------------------
+SUBCOLUMNS = (("tok/s", 7), ("TPOT50", 6), ("TPOT99", 6), ("TTFT50", 7), ("tok/st", 6))
+GROUP_WIDTH = sum(w for _, w in SUBCOLUMNS) + len(SUBCOLUMNS) - 1
+LOAD_WIDTH = 11
+RATIO_HEADER = ("adaptive /", "best base")
+
+
+def _policy_title(policy: str) -> str:
+    return f"fixed k={policy.removeprefix('fixed-')}" if policy.startswith("fixed-") else policy
+
+
+def _cells(point: SweepPoint | None) -> str:
+    if point is None:
+        return " ".join(f"{'-':>{w}}" for _, w in SUBCOLUMNS)
+    r = point.result
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}" if value >= 100 else f"{value:.2f}"
+
+    values = (f"{r.output_throughput:.1f}", ms(r.tpot.p50_ms if r.tpot else None),
+              ms(r.tpot.p99_ms if r.tpot else None), ms(r.ttft.p50_ms if r.ttft else None),
+              "-" if point.tokens_per_step is None else f"{point.tokens_per_step:.2f}")
+    return " ".join(f"{v:>{w}}" for v, (_, w) in zip(values, SUBCOLUMNS, strict=True))
+
+
+def format_table(result: SweepResult) -> str:
+    """The sweep as one table: a row per load, a column group per policy, and adaptive's ratio to the best
+    of target-only and every fixed k."""
+    c = result.config
+    policies = result.policies
+    packages = " + ".join(f"{p.name} ({p.verify_mode})" for p in c.packages)
+    counts = sorted({c.requests_at(load) for load in result.loads})
+    per_load = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
+    lines = [
+        f"dspark bench --sweep: {packages}",
+        f"  {per_load} requests per load (at least {MIN_REQUESTS_PER_SLOT} per concurrent slot), "
+        f"{c.max_tokens} output tokens each (ignore_eos, greedy); c = requests kept in flight",
+        "  tok/s = output tokens/s; TPOT50/99 = time per output token p50/p99 (ms); TTFT50 = time to first "
+        "token p50 (ms); tok/st = tokens per decode step",
+        "",
+        " | ".join([f"{'':<{LOAD_WIDTH}}", *(f"{_policy_title(p):^{GROUP_WIDTH}}" for p in policies),
+                    RATIO_HEADER[0]]),
+        " | ".join([f"{'load':<{LOAD_WIDTH}}", *(" ".join(f"{n:>{w}}" for n, w in SUBCOLUMNS)
+                                                 for _ in policies), RATIO_HEADER[1]]),
+    ]
+    lines.append("-" * len(lines[-1]))
+    for load in result.loads:
+        ratio = result.ratio(load)
+        lines.append(" | ".join([f"{load.label:<{LOAD_WIDTH}}",
+                                 *(_cells(result.point(p, load)) for p in policies),
+                                 "-" if ratio is None else f"{ratio:.2f}x"]))
+    lines.append("")
+    lines.append("  best base = the faster of target-only and every fixed k at that load")
+    lines += [f"  note: {note}" for note in c.notes]
+    checks = result.lossless()
+    if checks:
+        same = [ch for ch in checks if ch.identical]
+        lines.append(f"  greedy outputs identical to target-only's: {len(same)} of {len(checks)} policies"
+                     + ("" if len(same) == len(checks) else
+                        " -- DIFFER: " + "; ".join(f"{ch.policy} {ch.mismatched}/{ch.compared} "
+                                                   f"({ch.first_mismatch})"
+                                                   for ch in checks if not ch.identical)))
+    if result.failed_requests:
+        lines.append(f"  WARNING: {result.failed_requests} requests failed; see `errors` in sweep.json")
+    return "\n".join(lines)
+
+
+def plot_sweep(result: SweepResult, path: Path) -> Path:
+    """tok/s against concurrency (log2 axis), a line per policy, and against request rate when the sweep
+    ran any; written whole."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # servers and CI have no display
+    import matplotlib.pyplot as plt
+
+    kinds = [kind for kind in ("concurrency", "rate") if any(load.kind == kind for load in result.loads)]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.4), layout="constrained",
+                             squeeze=False)
+    policies = result.policies
+    fixed = [p for p in policies if p.startswith("fixed-")]
+    cmap = plt.get_cmap("viridis")
+    styles = {"target-only": ("black", "-", 1.8), "static": ("tab:blue", "-", 1.8),
+              "adaptive": ("tab:red", "-", 2.2)}
+    for ax, kind in zip(axes[0], kinds, strict=True):
+        loads = [load for load in result.loads if load.kind == kind]
+        xs = [load.value for load in loads]
+        for policy in policies:
+            pts = [(load.value, point.output_throughput) for load in loads
+                   if (point := result.point(policy, load)) is not None]
+            if policy in styles:
+                color, style, width = styles[policy]
+            else:  # fixed k: light to dark as k grows, thin, so that the named policies stand out
+                shade = 0.15 + 0.7 * fixed.index(policy) / max(len(fixed) - 1, 1)
+                color, style, width = cmap(shade), "--", 1.0
+            ax.plot([x for x, _ in pts], [y for _, y in pts], color=color, ls=style, lw=width, marker="o",
+                    markersize=3.5, label=_policy_title(policy))
+        if kind == "concurrency":
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(int(x)) for x in xs])
+            ax.set_xlabel("concurrency (requests in flight, closed loop)")
+        else:
+            ax.set_xscale("log")
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+            ax.set_xlabel("request rate (req/s, Poisson arrivals)")
+        ax.set_ylabel("output tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    names = " + ".join(p.name for p in result.config.packages)
+    axes[0][0].set_title(f"{names}: {result.config.max_tokens} tokens per request, greedy", fontsize=9)
+    try:
+        # No Software/date metadata, so the same results give the same bytes.
+        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=DPI, metadata={"Software": None},
+                                                          format="png"))
+    finally:
+        plt.close(fig)
+
+
+def write_outputs(result: SweepResult, out_dir: Path, table: str) -> list[Path]:
+    """sweep.json, sweep.txt (the table) and sweep.png in `out_dir`, each written whole."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [atomic_write_text(out_dir / "sweep.json", json.dumps(result.to_json(), indent=1) + "\n"),
+            atomic_write_text(out_dir / "sweep.txt", table + "\n"),
+            plot_sweep(result, out_dir / "sweep.png")]
