@@ -30,7 +30,7 @@ import torch
 import yaml
 
 from dspark.compiler import build
-from dspark.runtime.distributed.dp_engine import GlobalVerify
+from dspark.runtime.engine.step_sync import GlobalVerify
 from dspark.runtime.layout import tier_for
 
 from .gloo_ranks import as_rank, free_port, spawn_ranks
@@ -148,9 +148,8 @@ MAX_NEW = (8, 40, 16)  # DP rank 0 gets requests 0 and 2, DP rank 1 request 1: D
 def _engine_rank(rank: int, size: int, port: int, package_dir: str, prompts: list[list[int]], fault: str,
                  out_dir: str) -> None:
     as_rank(rank, size, port, check=fault == "tier")
-    from dspark.runtime.distributed import dp_engine
+    from dspark.runtime.distributed import dp_sync
     from dspark.runtime.distributed.lockstep import RankDisagreement
-    from dspark.runtime.engine import speculative
     from dspark.runtime.engine.runtime import Runtime, follows
     from dspark.runtime.package import load_package
     from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
@@ -178,10 +177,11 @@ def _engine_rank(rank: int, size: int, port: int, package_dir: str, prompts: lis
         AdaptiveVerifyPlan.plan_step = failing  # type: ignore[method-assign]
     if fault == "tier" and rank == 1:  # DP rank 1 computes the global tier wrongly
         def wrong(*args: Any, **kwargs: Any) -> GlobalVerify:
-            agreed = dp_engine.global_verify(*args, **kwargs)
+            agreed = global_verify(*args, **kwargs)
             return GlobalVerify(agreed.tier + 8, agreed.logit_rows, agreed.uniform_rows)
 
-        speculative.global_verify = wrong  # type: ignore[assignment]
+        global_verify = dp_sync.global_verify
+        dp_sync.global_verify = wrong  # type: ignore[assignment]
     result: dict[str, Any] = {"steps": steps}
     package = load_package(package_dir)
     try:

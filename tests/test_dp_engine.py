@@ -10,18 +10,11 @@ import pytest
 import torch
 
 from dspark.modes import VerifyMode
-from dspark.runtime.distributed.dp_engine import (
-    DPDispatch,
-    GlobalVerify,
-    RequestSpec,
-    VerifyReport,
-    global_verify,
-    merge_stats,
-    merge_steps,
-)
+from dspark.runtime.distributed.dp_engine import DPDispatch, RequestSpec, merge_stats, merge_steps
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.stats import RunStats, StepInfo
+from dspark.runtime.engine.step_sync import GlobalVerify, LocalSync, VerifyReport, global_verify
 from dspark.runtime.planner.budget import Ranking
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, StaticVerifyPlan
 
@@ -155,3 +148,21 @@ def test_a_request_spec_rebuilds_the_request(seed: int | None) -> None:
     spec = RequestSpec.of(r)
     assert (spec.rid, spec.prompt, spec.max_new_tokens, spec.ignore_eos) == (3, (5, 6), 9, True)
     assert spec.seed == seed
+
+
+def test_one_engine_alone_agrees_with_itself() -> None:
+    """`LocalSync`: every agreement is the engine's own step, and a planner's refusal stays a refusal
+    (there is no other engine's step to fall in with)."""
+    local = LocalSync()
+    assert not local.spans_ranks
+    assert local.agree_extend(13, 2) == (13, 2)
+    report = VerifyReport(3, 17, 24, True)
+    assert local.agree_verify(report, TIERS, lambda b: 8, True) == GlobalVerify(24, 17, None)
+    error = ValueError("the floor alone needs more rows than the largest tier")
+    with pytest.raises(ValueError, match="floor alone"):
+        local.unplanned(3, error)
+    from dspark.runtime.planner.switch import Prediction
+
+    prediction = Prediction(4, 12.0, 0.01, 0.004)
+    assert local.agree_prediction(prediction) is prediction
+    local.check("verify step", 1, 2)  # nothing to compare with

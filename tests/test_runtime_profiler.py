@@ -381,9 +381,10 @@ def test_refitting_the_committed_profiles_reproduces_the_committed_tables(tmp_pa
         sps_json = json.loads((committed / "sps_1d.json").read_text())
         # `dspark profile`'s own fit: every table for a compact build, the 1D table alone for a static one
         tables = fit_tables(result, result.tiers)
-        if "draft_seconds" in sps_json:  # profiled with --no-draft-time, a table has no draft term
-            probes, seconds = tuple(sps_json["draft_bs_probes"]), tuple(sps_json["draft_seconds"])
-            tables = tables.with_term("draft", probes, seconds)
+        for term in ("draft", "decode"):  # absent: profiled with --no-draft-time, or before the decode term
+            if f"{term}_seconds" in sps_json:
+                probes, seconds = tuple(sps_json[f"{term}_bs_probes"]), tuple(sps_json[f"{term}_seconds"])
+                tables = tables.with_term(term, probes, seconds)
         out = tmp_path / committed.name
         written = write_tables(out, tables.sps, tables.additive, result, tables.tier, sps_json["fingerprint"])
         tables = {"sps_1d.json", "additive.json", "tier.json"}

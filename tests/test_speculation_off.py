@@ -13,7 +13,6 @@ from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
 from dspark.runtime.planner.cost_models import AdditiveCostTable, CostModelError, cost_model_from_dict
 from dspark.runtime.planner.switch import NO_PREDICTION, Prediction, SpeculationSwitch, SwitchConfig, combine
-from dspark.runtime.planner.verify_plan import StepPlan
 
 from .runtime_helpers import REPO, compile_variant
 from .test_runtime_lossless import _prompts
@@ -86,28 +85,23 @@ def test_an_idle_step_leaves_the_state_alone() -> None:
     assert switch.speculates(NO_PREDICTION) is False and not switch.speculating
 
 
-def test_the_prediction_scales_the_last_drafted_step_to_the_coming_batch() -> None:
+def test_the_prediction_is_what_the_requests_committed_at_the_last_rows() -> None:
     switch = _switch()
-    first = switch.predict(4)
+    first = switch.predict([(0, 0), (1, 0), (2, 0), (3, 0)])
     assert first.on_rate == float("inf")  # nothing drafted yet: speculate
-    switch.observe(_plan(verify_lens=(3, 5), tau=6.0), committed=6)
-    p = switch.predict(4)
+    switch.observe([(0, 0), (1, 0)], [2, 4], rows=8)
     table = AdditiveCostTable(**TABLE)
-    assert p.tau == pytest.approx(12.0)  # 3 committed tokens per request
+    p = switch.predict([(0, 0), (1, 0), (2, 0), (3, 0)])
+    # request 0: (2 + 2 x 3) / 3, request 1: (4 + 2 x 3) / 3, the others the batch's mean 3
+    assert p.tau == pytest.approx(8 / 3 + 10 / 3 + 3 + 3)
     assert p.on_seconds == pytest.approx(table.step_time(4, 16) + table.draft_time(4))  # 4 rows each
     assert p.off_seconds == pytest.approx(table.decode_time(4))
-    assert switch.predict(0) == NO_PREDICTION
-    # the tokens are what drafted steps committed (a running mean), not what their confidence predicted
-    switch.observe(_plan(verify_lens=(3, 5), tau=6.0), committed=2)
-    assert switch.predict(4).tau == pytest.approx(4 * (0.5 * 1 + 0.5 * 3))
-
-
-def _plan(verify_lens: tuple[int, ...], tau: float) -> StepPlan:
-    from dspark.runtime.planner.budget import BudgetDecision
-
-    rows = sum(verify_lens)
-    decision = BudgetDecision(rows - len(verify_lens), rows, tau, 1.0, tau)
-    return StepPlan(verify_lens, verify_lens, None, decision)
+    assert switch.predict([]) == NO_PREDICTION
+    # a slow request's own history outweighs the batch's as its drafted steps add up
+    for _ in range(10):
+        switch.observe([(1, 0)], [1], rows=8)
+    assert switch.predict([(1, 0)]).tau == pytest.approx((14 + 2 * 16 / 12) / 13)
+    assert switch.predict([(1, 1)]).tau == pytest.approx(16 / 12)  # a slot's next request: the batch's mean
 
 
 def test_dp_ranks_combine_tokens_and_take_the_slowest_step() -> None:
@@ -125,14 +119,14 @@ class ScriptedSwitch:
         self.probing = False
         self.observed = 0
 
-    def predict(self, num_reqs: int) -> Prediction:
-        return Prediction(num_reqs, 1.0, 1.0, 1.0)
+    def predict(self, requests: list[tuple[int, int]]) -> Prediction:
+        return Prediction(len(requests), 1.0, 1.0, 1.0)
 
     def speculates(self, prediction: Prediction) -> bool:
         self.speculating = next(self.decisions)
         return self.speculating
 
-    def observe(self, plan: StepPlan, committed: int) -> None:
+    def observe(self, requests: list[tuple[int, int]], committed: list[int], rows: int) -> None:
         self.observed += 1
 
 

@@ -170,7 +170,8 @@ class AdaptivePolicy:
 
     def lens(self, batch: Batch) -> StepLens:
         switch = self.switch
-        if switch is not None and not switch.speculates(switch.predict(batch.num_reqs)):
+        keys = [(slot, 0) for slot in range(batch.num_reqs)]
+        if switch is not None and not switch.speculates(switch.predict(keys)):
             return StepLens(np.ones(batch.num_reqs, dtype=np.int64), batch.num_reqs, drafted=False)
         num_reqs, plan = batch.num_reqs, self.plan
         slots, generations = list(range(num_reqs)), [0] * num_reqs
@@ -189,7 +190,8 @@ class AdaptivePolicy:
                 history.record([], [], torch.empty((0, plan.gamma)))
         step = plan.plan_step(torch.from_numpy(batch.confidence), num_reqs, slots, generations, history)
         if switch is not None:
-            switch.observe(step, committed_tokens(batch.raw_correct_len, np.array(step.verify_lens)))
+            commits = commit_lens(batch.raw_correct_len, np.array(step.verify_lens))
+            switch.observe(keys, commits.tolist(), sum(step.run_lens))
         survival = None if step.survival is None else step.survival.detach().cpu().numpy()
         return StepLens(np.array(step.verify_lens, dtype=np.int64), int(sum(step.run_lens)), survival)
 

@@ -1,47 +1,28 @@
-"""DP attention, the engine half: every DP rank schedules, drafts and plans its own requests, and each step
-the DP ranks agree on the rows they all run.
+"""DP attention, the dispatch: rank 0's server requests spread over the DP ranks' engines.
 
-Under DP attention (`dp_attention`, the model half) a forward's world-parallel modules gather the rows of
-every DP rank, so every DP rank must make the same forward calls with the same number of rows. Each DP
-rank's engine (its attention rank 0; the others follow it, `lockstep`) runs the usual scheduler, draft and
-planner over its own requests and KV pool, and at three points of a step the engines agree (`DPStepSync`,
-an all-gather of a few integers over the engines):
-
-1. Extend (a prefill chunk, a target-only decode): every engine runs the largest row count of any; one
-   with fewer rows appends a padding request, one with none runs the padding request alone.
-2. Verify: each engine drafts and plans its requests and reports a `VerifyReport` (requests, planned
-   rows, the tier those rows need, whether it could plan). The step's tier is the maximum of the needed
-   tiers (`global_verify`); graph-tier alignment fills each engine's rows up to that global tier; an
-   engine without requests runs an idle layout of that tier (padding requests only). If an engine could
-   not plan, every engine lays out the uniform step instead: every request of every DP rank verifies
-   the same rows (`VerifyPlan.uniform_rows`), whatever its confidence.
-3. Logits: every engine projects the same number of rows (its real rows, padded).
-
-Where the planner may switch speculation off, the engines also agree before each decode step on whether
-it speculates (`agree_prediction`): every engine's forward must be a verify step or every one an extend.
-
-Rank 0 also owns the HTTP server and the dispatch (`DPDispatch`): a request goes to the DP rank with
-the fewest unfinished requests, and each step rank 0 scatters every engine's new requests and aborts
-(`EngineCommand`), every engine runs the step, and the engines' new tokens come back to rank 0
-(`EngineReply`), where the server's requests stand for them. The other engines loop in `serve_engine`.
-
-With `DSPARK_TP_CHECK=1` (the check mode) the engines also compare the tier they are about to run, and
-fail the step on every rank, naming them, when it differs.
+Every DP rank runs a `Runtime` over its own requests; each step the engines agree on the rows they all
+run (`dp_sync`, below the step). Rank 0 also owns the HTTP server and the dispatch (`DPDispatch`, above
+its `Runtime`): a request goes to the DP rank with the fewest unfinished requests, and each step rank 0
+scatters every engine's new requests and aborts (`EngineCommand`), every engine runs the step, and the
+engines' new tokens come back to rank 0 (`EngineReply`), where the server's requests stand for them. The
+other engines loop in `serve_engine`, driving their `Runtime` through its methods.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from dspark.formats.step_records import StepRecord
-from dspark.runtime.distributed.lockstep import check_agreement, checking
+from dspark.runtime.config import DeploymentConfig
+from dspark.runtime.distributed.launch import Ranks
 from dspark.runtime.distributed.tensor_parallel import COMM_CLOCK, TPGroup
 from dspark.runtime.engine.requests import Request
+from dspark.runtime.engine.scheduler import Scheduler
+from dspark.runtime.engine.speculative import StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.engine.step_forward import (
     ExtendForward,
@@ -52,93 +33,30 @@ from dspark.runtime.engine.step_forward import (
     on_host,
     run_forward,
 )
-from dspark.runtime.layout import ExtendLayout, VerifyLayout, tier_for
+from dspark.runtime.layout import ExtendLayout, VerifyLayout
 from dspark.runtime.package import VerifyRunner
-from dspark.runtime.planner.switch import Prediction, combine
 from dspark.runtime.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from dspark.runtime.engine.runtime import Runtime
 
 STEP, STATS, MIRROR, STOP = "step", "stats", "mirror", "stop"
 
 
-# -- agreeing on a step's rows ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class VerifyReport:
-    """One DP rank's verify step, as planned on its own."""
+class DPEngine(Protocol):
+    """What the dispatch and `serve_engine` drive of a DP rank's `Runtime` (the engine below them)."""
 
-    num_requests: int
-    rows: int  # rows its requests run (sum of run_lens); 0 when it has no requests or could not plan
-    tier: int  # the tier those rows need (the rows themselves without tiers)
-    planned: bool  # False: its planner failed, so the step falls back to the uniform layout
+    ranks: Ranks
+    deployment: DeploymentConfig
+    scheduler: Scheduler
+    forward: StepForwards
+    stats: RunStats
+    target_only: bool
+    last_step: StepInfo | None
+    recorder: StepRecorder | None
 
+    def start_run(self, target_only: bool, reset_stats: bool) -> None: ...
 
-@dataclass(frozen=True)
-class GlobalVerify:
-    """What every DP rank runs in a verify step."""
+    def adopt(self, spec: RequestSpec) -> Request: ...
 
-    tier: int  # rows of every DP rank's forward (0: no DP rank verifies this step)
-    logit_rows: int  # rows every DP rank projects to logits: the most real rows of any DP rank
-    uniform_rows: int | None  # when some DP rank could not plan: the rows every request verifies
-
-
-def global_verify(reports: list[VerifyReport], tiers: tuple[int, ...], uniform_rows: Callable[[int], int],
-                  fills_tier: bool) -> GlobalVerify:
-    """The step every DP rank runs, from every DP rank's report (the same on every rank).
-
-    `uniform_rows(B)` is what every request verifies in the uniform step of batches of up to B requests
-    (`VerifyPlan.uniform_rows`), taken when some DP rank could not plan; `fills_tier` says that each DP
-    rank fills its rows up to the global tier (graph-tier alignment), so the logits cover the whole tier.
-    """
-    if not any(r.num_requests for r in reports):
-        return GlobalVerify(0, 0, None)
-    if all(r.planned for r in reports):
-        tier = max(r.tier for r in reports)
-        return GlobalVerify(tier, tier if fills_tier and tiers else max(r.rows for r in reports), None)
-    most = max(r.num_requests for r in reports)
-    rows = uniform_rows(most)
-    return GlobalVerify(tier_for(most * rows, tiers) if tiers else most * rows, most * rows, rows)
-
-
-class DPStepSync:
-    """The agreements of a step among the DP ranks' engines (`engines`: one rank per DP rank, in order)."""
-
-    def __init__(self, engines: TPGroup, device: torch.device) -> None:
-        self.engines = engines
-        self.device = device  # NCCL and HCCL gather the device's tensors, gloo the host's
-
-    def gather(self, *values: int) -> list[tuple[int, ...]]:
-        """Every engine's `values`, in DP rank order."""
-        mine = torch.tensor(values, dtype=torch.long, device=self.device)
-        parts = [torch.empty_like(mine) for _ in range(self.engines.size)]
-        with COMM_CLOCK.timed("agreement"):
-            dist.all_gather(parts, mine, group=self.engines.group)
-        return [tuple(int(v) for v in p.tolist()) for p in parts]
-
-    def agree_extend(self, rows: int, logit_rows: int) -> tuple[int, int]:
-        """The rows and logit rows every engine runs in an extend step: the most of any."""
-        gathered = self.gather(rows, logit_rows)
-        return max(g[0] for g in gathered), max(g[1] for g in gathered)
-
-    def agree_verify(self, report: VerifyReport) -> list[VerifyReport]:
-        gathered = self.gather(report.num_requests, report.rows, report.tier, int(report.planned))
-        return [VerifyReport(n, rows, tier, bool(planned)) for n, rows, tier, planned in gathered]
-
-    def agree_prediction(self, prediction: Prediction) -> Prediction:
-        """The step's prediction from every engine's (`switch.combine`): whether it speculates is one
-        decision for every DP rank."""
-        mine = torch.tensor((prediction.num_reqs, prediction.tau, prediction.on_seconds,
-                             prediction.off_seconds), dtype=torch.float64, device=self.device)
-        parts = [torch.empty_like(mine) for _ in range(self.engines.size)]
-        with COMM_CLOCK.timed("agreement"):
-            dist.all_gather(parts, mine, group=self.engines.group)
-        return combine([Prediction(int(n), tau, on, off) for n, tau, on, off in (p.tolist() for p in parts)])
-
-    def check(self, what: str, *values: int) -> None:
-        """In the check mode, fail every engine loudly unless all are about to run the same `values`."""
-        if checking():
-            check_agreement(self.engines, what, torch.tensor(values, dtype=torch.long), ranks="DP ranks")
+    def step_local(self) -> list[Request]: ...
 
 
 # -- rank 0's dispatch and the other engines -------------------------------------------------------------
@@ -269,7 +187,7 @@ class EngineOutbox:
         return tuple(out)
 
 
-def serve_engine(runtime: Runtime) -> None:
+def serve_engine(runtime: DPEngine) -> None:
     """A DP rank's engine other than rank 0's: run rank 0's commands until it stops."""
     engines = runtime.ranks.engines
     requests: dict[int, Request] = {}  # rid -> this engine's request
@@ -285,10 +203,7 @@ def serve_engine(runtime: Runtime) -> None:
             assert command.forward is not None
             run_forward(runtime.forward, command.forward)
             continue
-        if command.reset_stats:
-            runtime.stats = RunStats(gamma=runtime.plan.gamma)
-            runtime.reset_switch()
-        runtime.target_only = command.target_only
+        runtime.start_run(command.target_only, command.reset_stats)
         if not command.recording:
             runtime.recorder = None
         elif runtime.recorder is None:
@@ -320,7 +235,7 @@ class DPDispatch:
     decode steps).
     """
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: DPEngine) -> None:
         self.runtime = runtime
         self.engines = runtime.ranks.engines
         size = self.engines.size
@@ -331,6 +246,7 @@ class DPDispatch:
         self.reset_stats = False
         self.stopped = False
         self.broken = False  # a step failed (a rank died): nothing more can be sent
+        self.last_step: StepInfo | None = None  # every engine's last decode step, merged
 
     @property
     def has_work(self) -> bool:
@@ -408,7 +324,7 @@ class DPDispatch:
                     r.done, r.finish_reason = True, r.finish_reason or u.finish_reason
                     del self.remote[u.rid]
                 touched.append(r)
-        runtime.last_step = merge_steps([reply.step for reply in replies])
+        self.last_step = merge_steps([reply.step for reply in replies])
         return touched
 
     def pool_stats(self) -> dict[str, int]:

@@ -9,9 +9,9 @@ process group runs over torch.distributed: gloo on the CPU, NCCL on CUDA, HCCL o
 
 Built: tensor parallelism of the dense families and of dsv4, rank 0 leading (`dspark.runtime.distributed.
 lockstep`; each rank captures and replays its own graphs), and DP attention over the dense families and
-dsv4 (`dspark.runtime.distributed.dp_engine`; the model half, `dp_attention`). Refused here with what to
-compile instead: data parallelism without DP attention (independent replicas, which one process group does
-not need).
+dsv4 (`dspark.runtime.distributed.dp_sync` and `dp_engine`; the model half, `dp_attention`). Refused here
+with what to compile instead: data parallelism without DP attention (independent replicas, which one
+process group does not need).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Forward passes that append rows after a request's cache: prefill chunks, and target-only decoding
 (the lossless reference).
 
-Under DP attention (`dp`) every DP rank runs each of them with the same rows and logit rows, the most of
-any DP rank's (`DPStepSync.agree_extend`): fewer are padded, and a DP rank with nothing to run pads an
-empty step, so that the forward's collectives meet their partners."""
+The engines that run a step together run each of them with the same rows and logit rows (`sync`: under
+DP attention the most of any DP rank's, `DPStepSync.agree_extend`): fewer are padded, and a DP rank with
+nothing to run pads an empty step, so that the forward's collectives meet their partners."""
 
 from __future__ import annotations
 
@@ -11,38 +11,30 @@ import time
 
 import torch
 
-from dspark.runtime.distributed.dp_engine import DPStepSync
 from dspark.runtime.engine.forward import EngineModels, batch_sampling
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.scheduler import PrefillChunk, commit_tokens
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.engine.step_forward import ExtendForward, LogitsForward, StepForwards
+from dspark.runtime.engine.step_sync import StepSync
 from dspark.runtime.layout import ExtendLayout
 from dspark.runtime.sampling import pick_rows
 
 
 class ExtendSteps:
     def __init__(self, models: EngineModels, forward: StepForwards, eos_ids: frozenset[int],
-                 dp: DPStepSync | None = None) -> None:
+                 sync: StepSync) -> None:
         self.models = models
         self.forward = forward
         self.eos_ids = eos_ids
-        self.dp = dp
-
-    def _agree(self, rows: int, logit_rows: int) -> tuple[int, int]:
-        """The rows and logit rows this step runs: its own, or under DP attention the most of any DP
-        rank's."""
-        if self.dp is None:
-            return rows, logit_rows
-        return self.dp.agree_extend(rows, logit_rows)
+        self.sync = sync
 
     def _forward(self, requests: list[Request], prefix: list[int], extend: list[int], ids: list[int],
                  rows: int, capture: tuple[int, ...] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor | None, ExtendLayout]:
         """Run the requests' rows, padded to `rows`."""
         m = self.models
-        if self.dp is not None:
-            self.dp.check("extend rows", rows)
+        self.sync.check("extend rows", rows)
         return self.forward.extend(ExtendForward(
             tuple(prefix), tuple(extend), m.host_page_table(requests), tuple(r.handle.slot for r in requests),
             rows - sum(extend), m.tensor(ids), capture))
@@ -53,7 +45,7 @@ class ExtendSteps:
         batch = [c.request for c in chunks]
         complete = [i for i, c in enumerate(chunks) if c.request.prefilled + c.take == len(c.request.prompt)]
         real = sum(c.take for c in chunks)
-        rows, logit_rows = self._agree(real, len(complete))
+        rows, logit_rows = self.sync.agree_extend(real, len(complete))
         if not rows:
             return []
         ids = [t for c in chunks for t in c.request.prompt[c.request.prefilled:c.request.prefilled + c.take]]
@@ -86,7 +78,7 @@ class ExtendSteps:
         step of the others)."""
         start = time.perf_counter()
         num_reqs = len(running)
-        rows, _ = self._agree(num_reqs, num_reqs)
+        rows, _ = self.sync.agree_extend(num_reqs, num_reqs)
         if not rows:
             return None
         _, states, layout = self._forward(running, [r.seq_len for r in running], [1] * num_reqs,

@@ -23,7 +23,8 @@ from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.modes import SpeculationOff
 from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
-from dspark.runtime.distributed.dp_engine import DPDispatch, DPStepSync, RequestSpec, serve_engine
+from dspark.runtime.distributed.dp_engine import DPDispatch, RequestSpec, serve_engine
+from dspark.runtime.distributed.dp_sync import DPStepSync
 from dspark.runtime.distributed.launch import Launch, Ranks, join, leave
 from dspark.runtime.distributed.lockstep import LeaderForward, follow
 from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
@@ -36,13 +37,14 @@ from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.engine.step_forward import StepForward, StepForwards
+from dspark.runtime.engine.step_sync import LocalSync, StepSync
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.models.checkpoint import load_draft_model, load_target_model, target_embeddings
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
-from dspark.runtime.planner.switch import SpeculationSwitch
+from dspark.runtime.planner.switch import RequestKey, SpeculationSwitch
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams
 
@@ -105,10 +107,11 @@ class Runtime:
         eos = package.tokenizer.eos_ids
         self.scheduler = Scheduler(self.slots, self.plan.num_draft_tokens, s.chunked_prefill_tokens,
                                    attn.max_extend_rows if isinstance(target, Dsv4ForCausalLM) else None)
-        dp = DPStepSync(ranks.engines, self.device) if ranks.dp is not None else None
-        self.dp_sync = dp
-        self.extend = ExtendSteps(self.models, self.forward, eos, dp)
-        self.speculative = SpeculativeStep(self.models, self.plan, self.forward, eos, self.sampling, dp)
+        # what this engine agrees on with the others that run its steps (DP attention), or with itself
+        sync: StepSync = DPStepSync(ranks.engines, self.device) if ranks.dp is not None else LocalSync()
+        self.sync = sync
+        self.extend = ExtendSteps(self.models, self.forward, eos, sync)
+        self.speculative = SpeculativeStep(self.models, self.plan, self.forward, eos, self.sampling, sync)
         self.speculative.recorder = recorder
         # the planner's off state: whether the next decode step speculates (None: every step does)
         self.switch: SpeculationSwitch | None = self.plan.speculation_switch()
@@ -116,7 +119,7 @@ class Runtime:
         self.last_step: StepInfo | None = None
         self.target_only = False
         self._rids = itertools.count()
-        self.dispatch = DPDispatch(self) if dp is not None and ranks.engines.rank == 0 else None
+        self.dispatch = DPDispatch(self) if self.sync.spans_ranks and ranks.engines.rank == 0 else None
 
     def _draft_shares(self, target: ServingTarget) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The target's whole embeddings and LM head, which a draft without its own copies shares: the
@@ -254,21 +257,31 @@ class Runtime:
     def step(self) -> list[Request]:
         """One scheduler iteration (of every DP rank's engine under DP attention). Returns the requests
         that got tokens or finished."""
-        return self.step_local() if self.dispatch is None else self.dispatch.step()
+        if self.dispatch is None:
+            return self.step_local()
+        touched = self.dispatch.step()
+        self.last_step = self.dispatch.last_step
+        return touched
+
+    def start_run(self, target_only: bool, reset_stats: bool) -> None:
+        """Another DP rank's engine, told by rank 0's command how the coming steps decode: target-only or
+        not, and (a new `generate` run) with fresh counters and off state."""
+        if reset_stats:
+            self.stats = RunStats(gamma=self.plan.gamma)
+            self.reset_switch()
+        self.target_only = target_only
 
     def reset_switch(self) -> None:
         """Start the off state afresh (a new `generate` run: speculating, nothing observed yet)."""
         self.switch = self.plan.speculation_switch()
 
-    def _speculates(self, num_reqs: int) -> bool:
+    def _speculates(self, requests: list[RequestKey]) -> bool:
         """Whether this decode step drafts: always, unless the planner may switch speculation off;
         under DP attention one decision for every DP rank."""
         switch = self.switch
         if switch is None:
             return True
-        prediction = switch.predict(num_reqs)
-        if self.dp_sync is not None:
-            prediction = self.dp_sync.agree_prediction(prediction)
+        prediction = self.sync.agree_prediction(switch.predict(requests))
         before = switch.speculating
         speculates = switch.speculates(prediction)
         self.stats.switches += int(switch.speculating != before)
@@ -278,7 +291,7 @@ class Runtime:
         """One iteration of this engine: admit and prefill what fits, one decode step for the running
         batch, retire what finished. Under DP attention it runs every forward of the step, with
         padding only where it has no rows of its own. Returns the requests that got tokens or finished."""
-        sched, stats, dp = self.scheduler, self.stats, self.extend.dp is not None
+        sched, stats, dp = self.scheduler, self.stats, self.sync.spans_ranks
         touched: list[Request] = []
         sched.admit()
         if sched.prefilling or dp:
@@ -292,13 +305,16 @@ class Runtime:
         if sched.running or dp:
             t0 = time.perf_counter()
             decoding = list(sched.running)
-            speculates = not self.target_only and self._speculates(len(decoding))
+            keys = [(r.handle.slot, r.handle.generation) for r in decoding]
+            speculates = not self.target_only and self._speculates(keys)
             if speculates:
                 self.speculative.probe = self.switch is not None and self.switch.probing
+                before = [r.seq_len for r in decoding]
                 self.last_step = self.speculative(decoding, stats)
-                if self.switch is not None and self.speculative.last_plan is not None:
-                    assert self.last_step is not None  # a step with a plan ran requests
-                    self.switch.observe(self.speculative.last_plan, self.last_step.committed)
+                step = self.last_step
+                if self.switch is not None and step is not None:  # None: a DP rank without requests
+                    committed = [r.seq_len - n for r, n in zip(decoding, before, strict=True)]
+                    self.switch.observe(keys, committed, step.rows)
             else:  # a target-only run, or speculation switched off: then the roots become draft context
                 self.last_step = self.extend.decode(decoding, stats, with_draft=not self.target_only)
             seconds = time.perf_counter() - t0

@@ -6,10 +6,10 @@ and runs its target forward, the metadata builder (`attn_metadata.py`) feeds the
 module is the same for every deployment and mode: a static or cap-accept layout is the full
 `B x N` block, so packing and unpacking its rows are no-ops (docs/architecture.md, "A decode step").
 
-Under DP attention (`dp`) the DP ranks agree on the step between planning and laying it out
-(`dspark.runtime.distributed.dp_engine`): every DP rank runs the global tier, fills it when aligning to
-graph tiers, falls back to the uniform step when one could not plan, and a DP rank without requests runs
-an idle layout of padding requests.
+The engines that run the step together agree on it between planning and laying it out (`sync`: under
+DP attention `dspark.runtime.distributed.dp_sync`, alone `LocalSync`): every DP rank runs the global
+tier, fills it when aligning to graph tiers, falls back to the uniform step when one could not plan, and
+a DP rank without requests runs an idle layout of padding requests.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Protocol
 
 import torch
 
-from dspark.runtime.distributed.dp_engine import DPStepSync, GlobalVerify, VerifyReport, global_verify
 from dspark.runtime.engine.forward import EngineModels, batch_sampling
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.scheduler import commit_tokens
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.engine.step_forward import LogitsForward, StepForwards, VerifyForward
 from dspark.runtime.engine.step_record import step_record
+from dspark.runtime.engine.step_sync import GlobalVerify, StepSync, VerifyReport
 from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
 from dspark.runtime.kv_cache import SlotHandle
 from dspark.runtime.layout import tier_for
@@ -57,9 +57,9 @@ class StepRecorder(Protocol):
 
 class SpeculativeStep:
     def __init__(self, models: EngineModels, plan: VerifyPlan, forward: StepForwards,
-                 eos_ids: frozenset[int], policy: SamplingParams, dp: DPStepSync | None = None) -> None:
+                 eos_ids: frozenset[int], policy: SamplingParams, sync: StepSync) -> None:
         self.models = models
-        self.dp = dp
+        self.sync = sync
         self.plan = plan
         self.forward = forward
         self.eos_ids = eos_ids
@@ -67,7 +67,6 @@ class SpeculativeStep:
         # The lagged-confidence history belongs to the runtime; a plan is shared, immutable config.
         self.history = LaggedSurvival(plan.lag_steps, plan.gamma) if plan.lag_steps else None
         self.recorder: StepRecorder | None = None
-        self.last_plan: StepPlan | None = None  # the last step's plan (None: it ran no request)
         # the planner's off state, for the next step's record: is it a probe, and the steps without
         # speculation since the last drafted one (`note_off_step`)
         self.probe = False
@@ -76,7 +75,6 @@ class SpeculativeStep:
     def __call__(self, running: list[Request], stats: RunStats) -> StepInfo | None:
         """One step of `running`; None when no request ran (a DP rank without requests, padding the step
         of the others)."""
-        self.last_plan = None
         if not running:
             self._idle()
             return None
@@ -99,7 +97,6 @@ class SpeculativeStep:
         # 2. Plan: the planner's verify_lens, then the step's layout, once.
         handles = [r.handle for r in running]
         plan, tier, logit_rows = self._plan(proposal.conf_logits, handles)
-        self.last_plan = plan
         self._check(tier, logit_rows)
 
         # 3. Verify: the step's layout, once, and the target's forward of its rows (packed when some
@@ -162,23 +159,21 @@ class SpeculativeStep:
         self._off_seconds += seconds
 
     def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle]
-              ) -> tuple[StepPlan, int | None, int | None]:
-        """The step's plan, and under DP attention the tier and logit rows every DP rank runs."""
+              ) -> tuple[StepPlan, int, int]:
+        """The step's plan, and the tier and logit rows every engine that runs it runs."""
         num_reqs = len(handles)
         slots, generations = [h.slot for h in handles], [h.generation for h in handles]
-        if self.dp is None:
-            return self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history), None, None
         own: StepPlan | None
         try:
             own = self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history)
             rows = sum(own.run_lens)
             report = VerifyReport(num_reqs, rows, self._tier_of(rows), True)
-        except ValueError:  # the planner's refusals, and a step past the largest tier
-            own, report = None, VerifyReport(num_reqs, 0, 0, False)
+        except ValueError as error:  # the planner's refusals, and a step past the largest tier
+            own, report = None, self.sync.unplanned(num_reqs, error)
         agreed = self._agree(report)
         if agreed.uniform_rows is not None:
             return self.plan.uniform_step(num_reqs, agreed.uniform_rows), agreed.tier, agreed.logit_rows
-        assert own is not None  # every DP rank planned
+        assert own is not None  # every engine planned
         return self.plan.align_to_tier(own, agreed.tier), agreed.tier, agreed.logit_rows
 
     def _tier_of(self, rows: int) -> int:
@@ -186,15 +181,12 @@ class SpeculativeStep:
         return tier_for(rows, tiers) if tiers else rows
 
     def _agree(self, report: VerifyReport) -> GlobalVerify:
-        assert self.dp is not None
-        return global_verify(self.dp.agree_verify(report), self.forward.runner.shape.tiers,
-                             self.plan.uniform_rows, self.plan.fills_tier)
+        return self.sync.agree_verify(report, self.forward.runner.shape.tiers, self.plan.uniform_rows,
+                                      self.plan.fills_tier)
 
-    def _check(self, tier: int | None, logit_rows: int | None) -> None:
-        """In the check mode, every DP rank is about to run the same tier and logit rows (or fails loudly)."""
-        if self.dp is not None:
-            assert tier is not None and logit_rows is not None
-            self.dp.check("verify step (tier, logit rows)", tier, logit_rows)
+    def _check(self, tier: int, logit_rows: int) -> None:
+        """In the check mode, every engine is about to run the same tier and logit rows (or fails loudly)."""
+        self.sync.check("verify step (tier, logit rows)", tier, logit_rows)
 
     def _idle(self) -> None:
         """A DP rank without requests: run the others' verify step on padding requests alone."""

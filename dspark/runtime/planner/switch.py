@@ -1,14 +1,15 @@
 """Whether the next decode step speculates: the planner's off state (docs/planner.md, "Speculation off").
 
-A drafted step says what speculating earns at its batch: the tokens it committed per request (a running
-mean over drafted steps, not the confidence's `tau`: where the calibration is off for the requests at
-hand, say one slow-accepting request decoding alone, the two differ, and what was committed is what
-speculating earned) at the rows its plan ran, priced by the cost table (verify plus draft). The table's
+Drafted steps say what speculating earns: the tokens each request committed per drafted step (its own
+mean, shrunk towards the batch's; not the confidence's `tau`: where the calibration is off for the
+requests at hand, say one slow-accepting request left decoding alone, the two differ, and what was
+committed is what speculating earned) at the rows the last plan ran, priced by the cost table (verify
+plus draft). The table's
 decode term says what a target-only decode step of the same requests costs (one token each).
 Speculation pays while `tokens / on_seconds` beats `B / off_seconds`.
 
 The draft runs before its own step's plan, so the choice is for the steps after: the drafted steps'
-per-request figures, scaled to the batch of the coming step, predict both rates. To keep it from
+figures of the coming step's requests predict both rates. To keep it from
 flapping the switch changes state only after `patience` consecutive predictions favour the other state by
 `margin`. While off no draft runs, so nothing refreshes the prediction but the batch size; every
 `probe_every` steps one drafted step (a probe) measures the confidence again.
@@ -20,14 +21,10 @@ rank's) and every DP rank runs the same state machine on the same inputs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from dspark.runtime.planner.cost_models import CostModel, SpsTable
-
-if TYPE_CHECKING:
-    from dspark.runtime.planner.verify_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -75,23 +72,17 @@ def combine(predictions: list[Prediction]) -> Prediction:
                       max((p.off_seconds for p in predictions), default=0.0))
 
 
-@dataclass(frozen=True)
-class _PerRequest:
-    """Drafted steps' figures per request, to be scaled to another batch size."""
+# Pseudo-steps of the batch-wide mean that a request's own mean of committed tokens is shrunk towards: a
+# request with a few drafted steps is mostly the batch's, one with many mostly its own.
+PRIOR_STEPS = 2.0
 
-    tokens: float  # committed tokens: a running mean over drafted steps (`TOKENS_WEIGHT`)
-    rows: float  # verify rows the last drafted step ran
-
-
-# The weight of a drafted step's committed tokens in the running mean: the last few steps (and, while off,
-# the last few probes) decide.
-TOKENS_WEIGHT = 0.5
+RequestKey = tuple[int, int]  # (slot, slot generation): one request's history, never a reused slot's
 
 
 class SpeculationSwitch:
-    """The off state of one engine: `speculates(prediction)` before each decode step, `observe(plan)`
-    after each drafted one. `prediction` is `predict(B)` of this engine, or under DP attention every DP
-    rank's, combined."""
+    """The off state of one engine: `speculates(prediction)` before each decode step, `observe(...)`
+    after each drafted one. `prediction` is `predict(requests)` of this engine, or under DP attention
+    every DP rank's, combined."""
 
     def __init__(self, table: CostModel, config: SwitchConfig, cap: int, max_rows: int | None,
                  decode_time: Callable[[int], float] | None = None) -> None:
@@ -108,31 +99,46 @@ class SpeculationSwitch:
         self.speculating = True
         self._favour_other = 0  # consecutive predictions for the other state
         self._since_probe = 0
-        self._last: _PerRequest | None = None  # per-request figures of the last drafted step
+        # Per request of the last drafted step: (committed tokens, drafted steps) summed over its drafted
+        # steps; the batch-wide committed tokens and request-steps; rows per request of the last one.
+        self._requests: dict[RequestKey, tuple[float, int]] = {}
+        self._tokens, self._request_steps = 0.0, 0
+        self._rows: float | None = None
         self.probing = False  # the coming step is a probe (drafted while off)
 
-    def observe(self, plan: StepPlan, committed: int) -> None:
-        """A drafted step: its plan's rows and the tokens it committed, per request."""
-        num_reqs = len(plan.verify_lens)
-        if not num_reqs:
+    def observe(self, requests: Sequence[RequestKey], committed: Sequence[int], rows: int) -> None:
+        """A drafted step: its requests, the tokens each committed, and the rows its plan ran."""
+        if not requests:
             return
-        tokens, last = committed / num_reqs, self._last
-        if last is not None:
-            tokens = TOKENS_WEIGHT * tokens + (1 - TOKENS_WEIGHT) * last.tokens
-        self._last = _PerRequest(tokens, sum(plan.run_lens) / num_reqs)
+        before = self._requests
+        self._requests = {}
+        for key, tokens in zip(requests, committed, strict=True):
+            total, steps = before.get(key, (0.0, 0))
+            self._requests[key] = (total + tokens, steps + 1)
+        self._tokens += sum(committed)
+        self._request_steps += len(requests)
+        self._rows = rows / len(requests)
 
-    def predict(self, num_reqs: int) -> Prediction:
-        """Both prices for a step of `num_reqs` requests, from the last drafted step scaled to it."""
+    def _expected_tokens(self, key: RequestKey) -> float:
+        """A request's committed tokens per drafted step: its own mean, shrunk towards the batch's."""
+        prior = self._tokens / self._request_steps
+        total, steps = self._requests.get(key, (0.0, 0))
+        return (total + PRIOR_STEPS * prior) / (steps + PRIOR_STEPS)
+
+    def predict(self, requests: Sequence[RequestKey]) -> Prediction:
+        """Both prices for a step of `requests`, from their drafted steps (the batch's for one not drafted
+        yet) at the last drafted step's rows per request."""
+        num_reqs = len(requests)
         if not num_reqs:
             return NO_PREDICTION
         off = self.decode_time(num_reqs)
-        last = self._last
-        if last is None:  # nothing drafted yet: speculating is all there is to go by
+        if self._rows is None:  # nothing drafted yet: speculating is all there is to go by
             return Prediction(num_reqs, float("inf"), 1.0, off)
-        rows = min(max(round(last.rows * num_reqs), num_reqs), num_reqs * self.cap)
+        rows = min(max(round(self._rows * num_reqs), num_reqs), num_reqs * self.cap)
         if self.max_rows is not None:
             rows = min(rows, self.max_rows)
-        return Prediction(num_reqs, last.tokens * num_reqs, self._on_seconds(num_reqs, rows), off)
+        tokens = sum(self._expected_tokens(key) for key in requests)
+        return Prediction(num_reqs, tokens, self._on_seconds(num_reqs, rows), off)
 
     def _on_seconds(self, num_reqs: int, rows: int) -> float:
         table, draft = self.table, self.table.draft_time(num_reqs)

@@ -72,7 +72,7 @@ class VerifyPlan(Protocol):
         """A runtime's off-state machine, or None where every step speculates."""
         ...
 
-    # -- under DP attention (dspark.runtime.distributed.dp_engine) --------------------------------------
+    # -- under DP attention (dspark.runtime.distributed.dp_sync) ----------------------------------------
     @property
     def fills_tier(self) -> bool:
         """Whether a step's rows grow to fill the graph tier it runs (graph-tier alignment)."""
