@@ -126,7 +126,7 @@ def test_flashinfer_metadata_attends_as_the_project_attention_on_compact_tiers(
     shape: StepShape = FLASHINFER_RUNNER.SHAPE
     table, num_pages = _table(prefix, lens, 12, seed=len(lens))
     layout = plan_verify(lens, lens, prefix, table, shape, CPU)
-    assert layout.num_slots == FLASHINFER_RUNNER.slots_for_tier(layout.tier) > len(lens)
+    assert layout.num_slots == FLASHINFER_RUNNER.SLOTS_FOR_TIER(layout.tier) > len(lens)
     theirs, ours = _both(layout, num_pages, group, seed=sum(prefix), max_rows=8)
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
 

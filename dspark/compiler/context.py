@@ -191,7 +191,7 @@ def _runner_docs(resolved: ResolvedSpec) -> dict[str, str]:
     if mode.packs_rows:
         graph_key = "token tier"
         replay = ("A step of T planned rows replays the smallest tier G >= T. The graph holds "
-                  "`slots_for_tier(G)` request slots: the real requests, then padding requests carrying "
+                  "`SLOTS_FOR_TIER(G)` request slots: the real requests, then padding requests carrying "
                   "the G - T unused rows, then empty slots.")
         updated = ("ragged query ends (`actual_seq_lengths_q = qo_indptr[1:]`) and KV lengths "
                    "(`prefix + verify_len`).")
@@ -272,6 +272,24 @@ def _dsv4_imports(code: AttentionCode) -> str:
                      for module, names in sorted(modules.items()))
 
 
+def _graph_slots(mode: VerifyMode, attention: str) -> dict[str, Any]:
+    """How a captured runner sizes its tiers' request slots (`dspark.runtime.runners.graphs`): the library
+    function, its arguments as the generated code spells them, and the deployment constants they and the
+    runner read."""
+    # FlashInfer's metadata has no cap on a request's query rows: the deployment's verify length is it
+    widest = "MAX_VERIFY_LEN" if attention == "flashinfer" else "MAX_SEQLEN_Q"
+    names = {"NUM_DRAFT_TOKENS", "PAGE_SIZE", "PAGES_PER_REQUEST", "TOKEN_TIERS"}
+    if mode.packs_rows:
+        function = "packed_slots_for_tier"
+        arguments = f"max_running_requests=MAX_RUNNING_REQUESTS, widest_request={widest}"
+        names |= {"MAX_RUNNING_REQUESTS"} | ({widest} if widest == "MAX_VERIFY_LEN" else set())
+    else:
+        function, arguments = "block_slots_for_tier", "num_draft_tokens=NUM_DRAFT_TOKENS"
+    return {"slots_function": function, "slots_arguments": arguments,
+            # in the order an import sorter keeps them (PAGE_SIZE before PAGES_PER_REQUEST)
+            "graph_deployment_imports": tuple(sorted(names, key=lambda name: name.replace("_", " ")))}
+
+
 def _source(kind: str, file: str | None) -> str:
     return f"{kind} from {file}" if file else f"{kind}, inline in the spec"
 
@@ -325,6 +343,7 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
                                 else "no calibration: survival = cumprod(sigmoid(z))"),
         "cost_model": resolved.cost_model.model_dump(exclude_defaults=True) if resolved.cost_model else None,
         "speculation_off": resolved.speculation_off.value,
+        **_graph_slots(mode, attention),
         "speculation_off_doc": _speculation_off_doc(resolved),
         "cost_model_source": (_source(f"{resolved.cost_model.type} step-cost table", cost_file)
                               if resolved.cost_model else "no cost model: every candidate is verified"),

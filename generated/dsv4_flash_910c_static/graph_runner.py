@@ -5,11 +5,12 @@ Deployment dsv4_flash_910c_static: ascend/910c backend, static verify mode."""
 
 from __future__ import annotations
 
-import torch
+import functools
 
 from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
+from dspark.runtime.layout import StepShape
+from dspark.runtime.runners.graphs import GraphVerifyRunner, LayerHooks, NpuGraphs, block_slots_for_tier
 
 from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
 from .deployment import (
@@ -19,17 +20,13 @@ from .deployment import (
     TOKEN_TIERS,
 )
 
-
-def slots_for_tier(tier: int) -> int:
-    """Request slots a tier's graph holds: its batch size, every request running N rows."""
-    return tier // NUM_DRAFT_TOKENS
-
-
+SLOTS_FOR_TIER = functools.partial(block_slots_for_tier,
+                                   num_draft_tokens=NUM_DRAFT_TOKENS)
 SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=TOKEN_TIERS,
-                  padding_request_rows=MAX_SEQLEN_Q, slots_for_tier=slots_for_tier)
+                  padding_request_rows=MAX_SEQLEN_Q, slots_for_tier=SLOTS_FOR_TIER)
 
 
-class VerifyRunner:
+class VerifyRunner(GraphVerifyRunner):
     """One NPU graph per captured batch size, for DeepSeek-V4's compressed attention.
 
     Every operator of a DSV4 layer (the window and compressor writes, the blocks the step's boundary
@@ -48,44 +45,6 @@ class VerifyRunner:
 
     def __init__(self, target: Dsv4ForCausalLM, attn: Dsv4AscendLayers,
                  capture: tuple[int, ...] = ()) -> None:
-        self.target = target
-        self.capture = capture  # the target states the draft reads, also outputs of every graph
-        self.attn = attn
-        self.device = target.lm_head.weight.device
-        self.input_ids = torch.zeros(TOKEN_TIERS[-1], dtype=torch.long, device=self.device)
-        self.graphs: dict[int, torch.npu.NPUGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.states: dict[int, torch.Tensor | None] = {}
-        for tier in reversed(TOKEN_TIERS):
-            self._capture(tier)
-
-    def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor, slots: list[int], tier: int | None = None) -> VerifyLayout:
-        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, SHAPE, self.device, tier=tier,
-                           slots=slots)
-
-    def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.run_states(layout, input_ids)[0]
-
-    def run_states(self, layout: VerifyLayout, input_ids: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        rows, tier = layout.total_rows, layout.tier
-        self.input_ids[:rows].copy_(input_ids)
-        self.input_ids[rows:tier].zero_()
-        self.attn.update_captured(tier, build_verify_metadata(layout))
-        self.graphs[tier].replay()
-        states = self.states[tier]
-        return self.hidden[tier][:rows], None if states is None else states[:rows]
-
-    def _capture(self, tier: int) -> None:
-        # Captured on a tier of padding requests only; a replay computes whatever step was loaded.
-        empty = torch.zeros(0, PAGES_PER_REQUEST, dtype=torch.int32, device=self.device)
-        meta = build_verify_metadata(plan_verify((), (), [], empty, SHAPE, self.device, tier=tier, slots=[]))
-        ids = self.input_ids[:tier]
-        positions = meta.device.positions
-        self.target.forward_paged_states(ids, positions, self.attn, meta, self.capture)  # warm up, eagerly
-        graph = torch.npu.NPUGraph()
-        with self.attn.capturing(tier, meta), torch.npu.graph(graph):
-            self.hidden[tier], self.states[tier] = self.target.forward_paged_states(
-                ids, positions, self.attn, meta, self.capture)
-        self.graphs[tier] = graph
+        super().__init__(target, attn, SHAPE, PAGES_PER_REQUEST, build_verify_metadata,
+                         NpuGraphs(), capture,
+                         hooks=LayerHooks(attn), loads_layout=False, metadata_in_graph=False)

@@ -5,14 +5,12 @@ Deployment qwen3_8b_910c_compact: ascend/910c backend, compact verify mode."""
 
 from __future__ import annotations
 
-import math
-
-import torch
+import functools
 
 from dspark.runtime.attention.ascend import AscendFusedAttention
-from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
+from dspark.runtime.layout import StepShape
 from dspark.runtime.models.families import TargetModel
-from dspark.runtime.runners.graph_buffers import StepBuffers
+from dspark.runtime.runners.graphs import AscendHooks, GraphVerifyRunner, NpuGraphs, packed_slots_for_tier
 
 from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
 from .deployment import (
@@ -23,18 +21,13 @@ from .deployment import (
     TOKEN_TIERS,
 )
 
-
-def slots_for_tier(tier: int) -> int:
-    """Request slots a tier's graph holds: every real request (at least one row each) plus the
-    padding requests that carry the unused rows, at most MAX_SEQLEN_Q rows apiece."""
-    return min(MAX_RUNNING_REQUESTS, tier) + math.ceil(tier / MAX_SEQLEN_Q)
-
-
+SLOTS_FOR_TIER = functools.partial(packed_slots_for_tier,
+                                   max_running_requests=MAX_RUNNING_REQUESTS, widest_request=MAX_SEQLEN_Q)
 SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=TOKEN_TIERS,
-                  padding_request_rows=MAX_SEQLEN_Q, slots_for_tier=slots_for_tier)
+                  padding_request_rows=MAX_SEQLEN_Q, slots_for_tier=SLOTS_FOR_TIER)
 
 
-class VerifyRunner:
+class VerifyRunner(GraphVerifyRunner):
     """One NPU graph per token tier.
 
     The fused attention operator takes its sequence lengths on the host, so they are baked into a
@@ -42,7 +35,7 @@ class VerifyRunner:
     replay the runner re-issues those tasks with the step's ragged query ends
     (`actual_seq_lengths_q = qo_indptr[1:]`) and KV lengths (`prefix + verify_len`).
 
-    A step of T planned rows replays the smallest tier G >= T. The graph holds `slots_for_tier(G)`
+    A step of T planned rows replays the smallest tier G >= T. The graph holds `SLOTS_FOR_TIER(G)`
     request slots: the real requests, then padding requests carrying the G - T unused rows, then
     empty slots. Padding requests have prefix 0 and an all-null page table, so their K/V writes land
     in the null page that no real request reads. Empty slots keep a KV length of 1 on that page. A
@@ -54,49 +47,6 @@ class VerifyRunner:
 
     def __init__(self, target: TargetModel, attn: AscendFusedAttention,
                  capture: tuple[int, ...] = ()) -> None:
-        self.target = target
-        self.capture = capture  # the target states the draft reads, also outputs of every graph
-        self.attn = attn
-        self.device = target.lm_head.weight.device
-        self.buffers = StepBuffers(slots_for_tier(TOKEN_TIERS[-1]), TOKEN_TIERS[-1], PAGES_PER_REQUEST,
-                                   NUM_DRAFT_TOKENS, self.device)
-        self.graphs: dict[int, torch.npu.NPUGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.states: dict[int, torch.Tensor | None] = {}
-        for tier in reversed(TOKEN_TIERS):
-            self._capture(tier)
-
-    def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor, slots: list[int], tier: int | None = None) -> VerifyLayout:
-        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, SHAPE, self.device, tier=tier,
-                           slots=slots)
-
-    def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.run_states(layout, input_ids)[0]
-
-    def run_states(self, layout: VerifyLayout, input_ids: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.buffers.load(layout, input_ids)
-        self.attn.update_captured(layout.tier, list(layout.host_qo_indptr[1:]), list(layout.host_kv_lens))
-        self.graphs[layout.tier].replay()
-        real = slice(0, layout.total_rows)
-        states = self.states[layout.tier]
-        return self.hidden[layout.tier][real], None if states is None else states[real]
-
-    def _capture(self, tier: int) -> None:
-        # Captured on a tier of padding requests only; a replay computes whatever step was loaded.
-        empty = torch.zeros(0, PAGES_PER_REQUEST, dtype=torch.int32, device=self.device)
-        padding_only = plan_verify((), (), [], empty, SHAPE, self.device, tier=tier)
-        self.buffers.load(padding_only, self.buffers.input_ids[:0])
-        layout = self.buffers.view(padding_only)
-        self._forward(layout)  # warm up kernels outside the graph
-        graph = torch.npu.NPUGraph()
-        with self.attn.capturing(tier), torch.npu.graph(graph):
-            self.hidden[tier], self.states[tier] = self._forward(layout)
-        self.graphs[tier] = graph
-
-    def _forward(self, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        meta = build_verify_metadata(layout)
-        ids = self.buffers.input_ids[: layout.tier]
-        return self.target.forward_paged_states(ids, layout.positions, self.attn, meta,
-                                                self.capture)
+        super().__init__(target, attn, SHAPE, PAGES_PER_REQUEST, build_verify_metadata,
+                         NpuGraphs(), capture,
+                         hooks=AscendHooks(attn))

@@ -5,12 +5,12 @@ Deployment tiny_h200_static: cuda/h200 backend, static verify mode."""
 
 from __future__ import annotations
 
-import torch
+import functools
 
 from dspark.runtime.attention.triton_paged import TritonPagedAttention
-from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
+from dspark.runtime.layout import StepShape
 from dspark.runtime.models.families import TargetModel
-from dspark.runtime.runners.graph_buffers import StepBuffers
+from dspark.runtime.runners.graphs import CudaGraphs, GraphVerifyRunner, block_slots_for_tier
 
 from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
 from .deployment import (
@@ -20,17 +20,13 @@ from .deployment import (
     TOKEN_TIERS,
 )
 
-
-def slots_for_tier(tier: int) -> int:
-    """Request slots a tier's graph holds: its batch size, every request running N rows."""
-    return tier // NUM_DRAFT_TOKENS
-
-
+SLOTS_FOR_TIER = functools.partial(block_slots_for_tier,
+                                   num_draft_tokens=NUM_DRAFT_TOKENS)
 SHAPE = StepShape(page_size=PAGE_SIZE, num_draft_tokens=NUM_DRAFT_TOKENS, tiers=TOKEN_TIERS,
-                  padding_request_rows=MAX_SEQLEN_Q, slots_for_tier=slots_for_tier)
+                  padding_request_rows=MAX_SEQLEN_Q, slots_for_tier=SLOTS_FOR_TIER)
 
 
-class VerifyRunner:
+class VerifyRunner(GraphVerifyRunner):
     """One CUDA graph per captured batch size.
 
     A step of B requests replays the smallest captured batch size >= B, the missing requests being
@@ -44,55 +40,5 @@ class VerifyRunner:
 
     def __init__(self, target: TargetModel, attn: TritonPagedAttention,
                  capture: tuple[int, ...] = ()) -> None:
-        self.target = target
-        self.capture = capture  # the target states the draft reads, also outputs of every graph
-        self.attn = attn
-        self.device = target.lm_head.weight.device
-        self.buffers = StepBuffers(slots_for_tier(TOKEN_TIERS[-1]), TOKEN_TIERS[-1], PAGES_PER_REQUEST,
-                                   NUM_DRAFT_TOKENS, self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.states: dict[int, torch.Tensor | None] = {}
-        pool = None
-        for tier in reversed(TOKEN_TIERS):  # largest first: smaller graphs reuse its pool
-            pool = self._capture(tier, pool)
-
-    def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor, slots: list[int], tier: int | None = None) -> VerifyLayout:
-        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, SHAPE, self.device, tier=tier,
-                           slots=slots)
-
-    def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.run_states(layout, input_ids)[0]
-
-    def run_states(self, layout: VerifyLayout, input_ids: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.buffers.load(layout, input_ids)
-        self.graphs[layout.tier].replay()
-        real = slice(0, layout.total_rows)
-        states = self.states[layout.tier]
-        return self.hidden[layout.tier][real], None if states is None else states[real]
-
-    def _capture(self, tier: int, pool: object) -> object:
-        # Captured on a tier of padding requests only; a replay computes whatever step was loaded.
-        empty = torch.zeros(0, PAGES_PER_REQUEST, dtype=torch.int32, device=self.device)
-        padding_only = plan_verify((), (), [], empty, SHAPE, self.device, tier=tier)
-        self.buffers.load(padding_only, self.buffers.input_ids[:0])
-        layout = self.buffers.view(padding_only)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm up kernels and the allocator outside the graph
-                self._forward(layout)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.hidden[tier], self.states[tier] = self._forward(layout)
-        self.graphs[tier] = graph
-        return graph.pool()
-
-    def _forward(self, layout: VerifyLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
-        meta = build_verify_metadata(layout)
-        ids = self.buffers.input_ids[: layout.tier]
-        return self.target.forward_paged_states(ids, layout.positions, self.attn, meta,
-                                                self.capture)
+        super().__init__(target, attn, SHAPE, PAGES_PER_REQUEST, build_verify_metadata,
+                         CudaGraphs(), capture)
