@@ -5,8 +5,8 @@ length 0 … gamma, and the test can check the output is still the target's, tok
 A draft with random (dummy) weights is almost never accepted, so a lossless test that pairs a target with
 one only ever sees rejections at the first slot: it says nothing about a step that commits accepted drafts,
 their KV and the draft context written for them. `ScriptedDraft` stands in for the runtime's draft through
-the draft's own interface (`propose`; everything else — the context K/V of committed positions, the
-configuration — is the wrapped draft's), and `StepLog` is a recorder (`Runtime.recorder`, what
+the draft's own interface (`propose`, `propose_paged`; everything else — the context K/V of committed
+positions, the configuration — is the wrapped draft's), and `StepLog` is a recorder (`Runtime.recorder`, what
 `dspark run --record` installs) that keeps each step's record, whose `correct_len` is how many drafts the
 verifier accepted for each request.
 """
@@ -65,6 +65,18 @@ class ScriptedDraft:
         # are a real draft's; only what it proposes is scripted.
         proposal = self.draft.propose(anchor_ids, anchor_pos, ctx_kv, ctx_lens, pick, gamma,
                                       keep_conf_inputs=keep_conf_inputs)
+        return self._scripted(proposal, anchor_ids, anchor_pos)
+
+    def propose_paged(self, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor, attention: Any,
+                      pick: Any = None, gamma: int | None = None, keep_conf_inputs: bool = False
+                      ) -> BlockProposal:
+        assert pick is None, "scripted drafts are for greedy runs"
+        proposal = self.draft.propose_paged(anchor_ids, anchor_pos, attention, pick, gamma,
+                                            keep_conf_inputs=keep_conf_inputs)
+        return self._scripted(proposal, anchor_ids, anchor_pos)
+
+    def _scripted(self, proposal: BlockProposal, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor
+                  ) -> BlockProposal:
         assert proposal.drafts is not None
         requests = self.running()
         num_reqs, width = proposal.drafts.shape
