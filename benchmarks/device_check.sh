@@ -15,7 +15,11 @@
 #   5. the tiny H200 deployment's profile (with the draft-time term) and a static / cap-accept /
 #      compact benchmark;
 #   6. only where flashinfer-python imports: the FlashInfer GPU tests and the 8B compact build with
-#      `backend.attention: flashinfer` as the anchor of the Triton compact build, in one run.
+#      `backend.attention: flashinfer` as the anchor of the Triton compact build, in one run;
+#   7. issue 23: the tiny H200 build's draft step, dense against paged (Triton), beside its decode and
+#      verify steps; the 8B compact build with a 5-layer dummy draft profiled (draft and decode terms;
+#      phase 4's has 1 layer), and both 8B tables through `dspark simulate` on the embedded greedy trace
+#      (target-only, every fixed k, adaptive with its off state) at c = 1 … 256.
 # Everything lands in $RES, packed into $OUT/device_results.tgz with the main logs beside it (the
 # device tool brings back at most 8 files).
 #
@@ -25,7 +29,7 @@
 #   PHASES="2 3 4 5 6" OUT=runs/device benchmarks/device_check.sh
 set -uo pipefail
 OUT=${OUT:-runs/device}
-PHASES=${PHASES:-1 2 3 4 5 6}
+PHASES=${PHASES:-1 2 3 4 5 6 7}
 want() { [[ " $PHASES " == *" $1 "* ]]; }
 PY=${PY:-python3}
 mkdir -p "$OUT"
@@ -90,6 +94,8 @@ compact_tiers = {"enabled": True, "capture_batch_sizes": [],
                                  1536, 1792, 2048]}
 write("specs/llama31_8b_h200_compact.yaml", "l8b_compact", **dummy, graph=compact_tiers)
 write("specs/llama31_8b_h200_flashinfer.yaml", "l8b_flashinfer", **dummy, graph=compact_tiers)
+dummy5 = {**dummy, "draft": {"load_format": "dummy", "num_layers": 5}}
+write("specs/llama31_8b_h200_compact.yaml", "l8b_compact_d5", **dummy5, graph=compact_tiers)
 # The tiny deployment on the H200: a compact build without a table (to profile), and the builds to compare.
 tiny = yaml.safe_load(open("specs/tiny_h200_compact.yaml"))
 calibration = {"file": os.path.abspath("specs/tables/tiny_cpu/sts.json")}
@@ -167,5 +173,21 @@ elif "$PY" -c "import flashinfer" 2>/dev/null; then
   save
 else
   echo "== 6. skipped: flashinfer-python is not installed here" | tee "$RES/flashinfer_skipped.txt"
+fi
+if want 7; then
+echo "== 7. issue 23: the tiny draft step on CUDA; 8B with 1- and 5-layer drafts through dspark simulate"
+[ -d "$W/pkgs/h200_profile" ] || "$PY" -m dspark.cli.compile build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile" >/dev/null
+timeout 60 "$PY" benchmarks/bench_draft_step.py "$W/pkgs/h200_profile" --batch-sizes 1,4,32,64 2>&1 \
+  | tee "$RES/tiny_draft_step.txt"
+"$PY" -m dspark.cli.compile build "$W/l8b_compact_d5.yaml" -o "$W/pkgs/l8b_compact_d5" >/dev/null
+timeout 120 "$PY" -m dspark.cli.main profile "$W/pkgs/l8b_compact_d5" -o "$RES/l8b_compact_d5" \
+  --batch-sizes 1,8,32,64,128,256 --context-len 128 --repeats 5 --warmup 2 --grid-density 6 --m-bin 64 \
+  --no-progress 2>&1 | tee "$RES/l8b_compact_d5.profile.txt" | tail -n 8
+for d in l8b_compact l8b_compact_d5; do
+  [ -f "$RES/$d/tier.json" ] && timeout 60 "$PY" -m dspark.cli.main simulate generated/tiny_cpu_compact \
+    --trace benchmarks/results/cpu_tiny_simulate_trace_greedy --cost-model "$RES/$d/tier.json" \
+    --concurrency 1,8,32,64,128,256 2>&1 | tee "$RES/$d.simulate.txt" | grep "adaptive / "
+done
+save
 fi
 ls "$OUT"
