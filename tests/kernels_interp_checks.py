@@ -17,6 +17,7 @@ import os
 import random
 import sys
 from collections.abc import Callable
+from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -399,10 +400,11 @@ def check_draft_block_through_the_triton_kernel() -> None:
     prefix = torch.tensor(prefix_host)
     cfg = draft.cfg
     triton = TritonPagedAttention(m.draft_kv, m.page_size, cfg.num_heads, cfg.head_dim ** -0.5, impl="triton")
-    want = draft.propose_paged(roots, prefix, PagedDraftBlock.plan(m.draft_attn, prefix_host, 7, table,
-                                                                   m.page_size), None, gamma=7)
-    got = draft.propose_paged(roots, prefix, PagedDraftBlock.plan(triton, prefix_host, 7, table, m.page_size),
-                              None, gamma=7)
+    def proposal(attention: Any) -> Any:
+        block = PagedDraftBlock.plan(attention, prefix_host, prefix, 7, table, m.page_size)
+        return draft.propose_paged(roots, prefix, block, None, gamma=7)
+
+    want, got = proposal(m.draft_attn), proposal(triton)
     _close("draft block hidden", got.hidden, want.hidden, tol=1e-4)
 
 

@@ -35,12 +35,11 @@ from dspark.bench.sweep import (
     SweepPoint,
     SweepResult,
     SweepUsageError,
-    format_table,
     machine_info,
     plan_runs,
     run_sweep,
-    write_outputs,
 )
+from dspark.bench.sweep_output import format_table, write_outputs
 from dspark.cli.main import main
 from dspark.runtime.engine.requests import RequestError
 from dspark.runtime.engine.runtime import Runtime

@@ -34,7 +34,7 @@ def runtime() -> tuple[Runtime, torch.Tensor]:
 
 def _paged(runtime: Runtime, table: torch.Tensor, rows: slice, roots: torch.Tensor):
     m, prefix = runtime.models, PREFIX[rows]
-    block = PagedDraftBlock.plan(m.draft_attn, prefix, GAMMA, table[rows], m.page_size)
+    block = PagedDraftBlock.plan(m.draft_attn, prefix, torch.tensor(prefix), GAMMA, table[rows], m.page_size)
     return runtime.draft.propose_paged(roots[rows], torch.tensor(prefix), block, None, gamma=GAMMA)
 
 

@@ -52,7 +52,9 @@ def test_a_malformed_decode_term_is_refused_by_name(change: dict[str, object], m
 
 
 def _switch(**config: int | float) -> SpeculationSwitch:
-    return SpeculationSwitch(AdditiveCostTable(**TABLE), SwitchConfig(**config), cap=8, max_rows=256)
+    table = AdditiveCostTable(**TABLE)
+    return SpeculationSwitch(table, SwitchConfig(**config), cap=8, max_rows=256,
+                             decode_time=table.decode_time)
 
 
 def _on(switch: SpeculationSwitch, rate_ratio: float, num_reqs: int = 8) -> bool:

@@ -15,7 +15,8 @@ Policies, each its own server:
 - `adaptive`: the compact (or cap-accept) package as compiled: the planner picks the rows.
 
 Speculation is lossless, so under greedy decoding every policy's text for a prompt equals target-only's;
-the sweep records each request's text and says whether they do (`lossless`).
+the sweep records each request's text and says whether they do (`lossless`). The table, `sweep.json` and
+`sweep.png` are written by `dspark.bench.sweep_output`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import math
 import os
 import platform
@@ -39,13 +39,12 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any, Literal
 
-from dspark.atomic import atomic_write, atomic_write_text
 from dspark.bench.client import BenchConfig, BenchResult, BenchSetupError, RequestOutcome, benchmark_outcomes
 
 __all__ = [
     "DEFAULT_CONCURRENCY", "POLICIES", "Load", "LosslessCheck", "RequestRecord", "ServerProcess", "ServerRun",
     "SweepConfig", "SweepError", "SweepPackage", "SweepPoint", "SweepResult", "SweepUsageError",
-    "format_table", "machine_info", "plan_runs", "plot_sweep", "run_sweep", "write_outputs",
+    "machine_info", "plan_runs", "run_sweep",
 ]
 
 POLICIES = ("target-only", "static", "fixed", "adaptive")
@@ -60,7 +59,6 @@ STDERR_TAIL_LINES = 3
 WARMUP_REQUESTS = 4
 WARMUP_MAX_TOKENS = 16
 MIN_REQUESTS_PER_SLOT = 2  # a closed-loop level sends at least this many requests per concurrent slot
-DPI = 110
 
 
 class SweepUsageError(ValueError):
@@ -589,128 +587,3 @@ def run_sweep(config: SweepConfig, prompts: Sequence[str], log: Callable[[str], 
                     points.append(point)
                     say(_progress_line(point, len(points), total))
     return SweepResult(config, prompts, tuple(points), started, _now(), machine_info())
-
-
-# -- output -----------------------------------------------------------------------------------------
-SUBCOLUMNS = (("tok/s", 7), ("TPOT50", 6), ("TPOT99", 6), ("TTFT50", 7), ("tok/st", 6))
-GROUP_WIDTH = sum(w for _, w in SUBCOLUMNS) + len(SUBCOLUMNS) - 1
-LOAD_WIDTH = 11
-RATIO_HEADER = ("adaptive /", "best base")
-
-
-def _policy_title(policy: str) -> str:
-    return f"fixed k={policy.removeprefix('fixed-')}" if policy.startswith("fixed-") else policy
-
-
-def _cells(point: SweepPoint | None) -> str:
-    if point is None:
-        return " ".join(f"{'-':>{w}}" for _, w in SUBCOLUMNS)
-    r = point.result
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1f}" if value >= 100 else f"{value:.2f}"
-
-    values = (f"{r.output_throughput:.1f}", ms(r.tpot.p50_ms if r.tpot else None),
-              ms(r.tpot.p99_ms if r.tpot else None), ms(r.ttft.p50_ms if r.ttft else None),
-              "-" if point.tokens_per_step is None else f"{point.tokens_per_step:.2f}")
-    return " ".join(f"{v:>{w}}" for v, (_, w) in zip(values, SUBCOLUMNS, strict=True))
-
-
-def format_table(result: SweepResult) -> str:
-    """The sweep as one table: a row per load, a column group per policy, and adaptive's ratio to the best
-    of target-only and every fixed k."""
-    c = result.config
-    policies = result.policies
-    packages = " + ".join(f"{p.name} ({p.verify_mode})" for p in c.packages)
-    counts = sorted({c.requests_at(load) for load in result.loads})
-    per_load = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
-    lines = [
-        f"dspark bench --sweep: {packages}",
-        f"  {per_load} requests per load (at least {MIN_REQUESTS_PER_SLOT} per concurrent slot), "
-        f"{c.max_tokens} output tokens each (ignore_eos, greedy); c = requests kept in flight",
-        "  tok/s = output tokens/s; TPOT50/99 = time per output token p50/p99 (ms); TTFT50 = time to first "
-        "token p50 (ms); tok/st = tokens per decode step",
-        "",
-        " | ".join([f"{'':<{LOAD_WIDTH}}", *(f"{_policy_title(p):^{GROUP_WIDTH}}" for p in policies),
-                    RATIO_HEADER[0]]),
-        " | ".join([f"{'load':<{LOAD_WIDTH}}", *(" ".join(f"{n:>{w}}" for n, w in SUBCOLUMNS)
-                                                 for _ in policies), RATIO_HEADER[1]]),
-    ]
-    lines.append("-" * len(lines[-1]))
-    for load in result.loads:
-        ratio = result.ratio(load)
-        lines.append(" | ".join([f"{load.label:<{LOAD_WIDTH}}",
-                                 *(_cells(result.point(p, load)) for p in policies),
-                                 "-" if ratio is None else f"{ratio:.2f}x"]))
-    lines.append("")
-    lines.append("  best base = the faster of target-only and every fixed k at that load")
-    lines += [f"  note: {note}" for note in c.notes]
-    checks = result.lossless()
-    if checks:
-        same = [ch for ch in checks if ch.identical]
-        lines.append(f"  greedy outputs identical to target-only's: {len(same)} of {len(checks)} policies"
-                     + ("" if len(same) == len(checks) else
-                        " -- DIFFER: " + "; ".join(f"{ch.policy} {ch.mismatched}/{ch.compared} "
-                                                   f"({ch.first_mismatch})"
-                                                   for ch in checks if not ch.identical)))
-    if result.failed_requests:
-        lines.append(f"  WARNING: {result.failed_requests} requests failed; see `errors` in sweep.json")
-    return "\n".join(lines)
-
-
-def plot_sweep(result: SweepResult, path: Path) -> Path:
-    """tok/s against concurrency (log2 axis), a line per policy, and against request rate when the sweep
-    ran any; written whole."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # servers and CI have no display
-    import matplotlib.pyplot as plt
-
-    kinds = [kind for kind in ("concurrency", "rate") if any(load.kind == kind for load in result.loads)]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.4), layout="constrained",
-                             squeeze=False)
-    policies = result.policies
-    fixed = [p for p in policies if p.startswith("fixed-")]
-    cmap = plt.get_cmap("viridis")
-    styles = {"target-only": ("black", "-", 1.8), "static": ("tab:blue", "-", 1.8),
-              "adaptive": ("tab:red", "-", 2.2)}
-    for ax, kind in zip(axes[0], kinds, strict=True):
-        loads = [load for load in result.loads if load.kind == kind]
-        xs = [load.value for load in loads]
-        for policy in policies:
-            pts = [(load.value, point.output_throughput) for load in loads
-                   if (point := result.point(policy, load)) is not None]
-            if policy in styles:
-                color, style, width = styles[policy]
-            else:  # fixed k: light to dark as k grows, thin, so that the named policies stand out
-                shade = 0.15 + 0.7 * fixed.index(policy) / max(len(fixed) - 1, 1)
-                color, style, width = cmap(shade), "--", 1.0
-            ax.plot([x for x, _ in pts], [y for _, y in pts], color=color, ls=style, lw=width, marker="o",
-                    markersize=3.5, label=_policy_title(policy))
-        if kind == "concurrency":
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [str(int(x)) for x in xs])
-            ax.set_xlabel("concurrency (requests in flight, closed loop)")
-        else:
-            ax.set_xscale("log")
-            ax.set_xticks(xs, [f"{x:g}" for x in xs])
-            ax.set_xlabel("request rate (req/s, Poisson arrivals)")
-        ax.set_ylabel("output tokens/s")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-    names = " + ".join(p.name for p in result.config.packages)
-    axes[0][0].set_title(f"{names}: {result.config.max_tokens} tokens per request, greedy", fontsize=9)
-    try:
-        # No Software/date metadata, so the same results give the same bytes.
-        return atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=DPI, metadata={"Software": None},
-                                                          format="png"))
-    finally:
-        plt.close(fig)
-
-
-def write_outputs(result: SweepResult, out_dir: Path, table: str) -> list[Path]:
-    """sweep.json, sweep.txt (the table) and sweep.png in `out_dir`, each written whole."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return [atomic_write_text(out_dir / "sweep.json", json.dumps(result.to_json(), indent=1) + "\n"),
-            atomic_write_text(out_dir / "sweep.txt", table + "\n"),
-            plot_sweep(result, out_dir / "sweep.png")]

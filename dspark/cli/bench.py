@@ -22,11 +22,10 @@ from dspark.bench.sweep import (
     SweepError,
     SweepPackage,
     SweepUsageError,
-    format_table,
     plan_runs,
     run_sweep,
-    write_outputs,
 )
+from dspark.bench.sweep_output import format_table, write_outputs
 from dspark.cli.common import CliError, load_package_or_fail, read_prompts_file
 from dspark.corpus import held_out_prompts
 

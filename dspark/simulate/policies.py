@@ -160,13 +160,8 @@ class AdaptivePolicy:
         self.reset()
 
     def reset(self) -> None:
-        plan = self.plan
-        self.switch: SpeculationSwitch | None = None
-        if self.decode_time is not None:
-            assert plan.table is not None  # a simulated plan prices its steps
-            max_rows = plan.token_tiers[-1] if plan.token_tiers and plan.mode.packs_rows else None
-            self.switch = SpeculationSwitch(plan.table, plan.off_switch, plan.schedule.cap, max_rows,
-                                            self.decode_time)
+        self.switch: SpeculationSwitch | None = (None if self.decode_time is None
+                                                 else self.plan.off_state(self.decode_time))
 
     def lens(self, batch: Batch) -> StepLens:
         switch = self.switch

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from dspark.runtime.layout import tier_for
 from dspark.runtime.planner.cost_models import AdditiveCostTable, CostModel, SpsTable, TierCostTable
 
@@ -42,11 +40,8 @@ class StepPricer:
 
     def seconds(self, num_reqs: int, rows: int) -> float:
         """Predicted seconds of a step of `num_reqs` requests and `rows` real rows."""
-        ran = np.array([self.padded_rows(rows)])
-        draft = self.table.draft_time(num_reqs)
-        if isinstance(self.table, SpsTable):
-            return float(1.0 / self.table.lookup_many(ran)[0]) + draft + self.step_overhead
-        return float(self.table.step_time_many(num_reqs, ran)[0]) + draft + self.step_overhead
+        return (self.table.step_time(num_reqs, self.padded_rows(rows)) + self.table.draft_time(num_reqs)
+                + self.step_overhead)
 
     @property
     def decode_source(self) -> str:
@@ -55,18 +50,17 @@ class StepPricer:
         return ("the table's decode term" if self.table.prices_decode
                 else "the table's verify step at one row per request, no draft (it has no decode term)")
 
-    def decode_seconds(self, num_reqs: int) -> float:
-        """Predicted seconds of a target-only decode step of `num_reqs` requests (one row each)."""
-        if self.table.prices_decode:
-            return self.table.decode_time(num_reqs) + self.step_overhead
-        ran = np.array([self.padded_rows(num_reqs)])
-        if isinstance(self.table, SpsTable):
-            return float(1.0 / self.table.lookup_many(ran)[0]) + self.step_overhead
-        return float(self.table.step_time_many(num_reqs, ran)[0]) + self.step_overhead
-
     def decode_time(self, num_reqs: int) -> float:
-        """`decode_seconds` as the planner prices it: without the overhead the planner never sees."""
-        return self.decode_seconds(num_reqs) - self.step_overhead
+        """A target-only decode step of `num_reqs` requests (one row each) as the planner prices it: the
+        table's decode term, or its verify step of those rows without the draft (`decode_source`)."""
+        if self.table.prices_decode:
+            return self.table.decode_time(num_reqs)
+        return self.table.step_time(num_reqs, self.padded_rows(num_reqs))
+
+    def decode_seconds(self, num_reqs: int) -> float:
+        """Predicted seconds of a target-only decode step: `decode_time` plus the overhead the planner
+        never sees."""
+        return self.decode_time(num_reqs) + self.step_overhead
 
     def step_seconds(self, num_reqs: int, rows: int, drafted: bool) -> float:
         """A simulated step's price: drafted and verified, or a target-only decode step."""

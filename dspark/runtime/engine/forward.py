@@ -87,7 +87,7 @@ class EngineModels:
         if self.draft_attn is None:
             return self.draft.propose(roots, prefix, self.draft_context(page_table, prefix), prefix, pick,
                                       gamma=gamma, keep_conf_inputs=keep_conf_inputs)
-        block = PagedDraftBlock.plan(self.draft_attn, prefix_host, gamma, page_table, self.page_size)
+        block = PagedDraftBlock.plan(self.draft_attn, prefix_host, prefix, gamma, page_table, self.page_size)
         return self.draft.propose_paged(roots, prefix, block, pick, gamma=gamma,
                                         keep_conf_inputs=keep_conf_inputs)
 
@@ -133,16 +133,17 @@ class PagedDraftBlock:
     meta: PagedAttnMetadata
 
     @classmethod
-    def plan(cls, backend: DraftPagedAttention, prefix_host: Sequence[int], gamma: int,
+    def plan(cls, backend: DraftPagedAttention, prefix_host: Sequence[int], prefix: torch.Tensor, gamma: int,
              page_table: torch.Tensor, page_size: int) -> PagedDraftBlock:
+        """`prefix` is `prefix_host` on the page table's device."""
         device = page_table.device
         num_reqs = len(prefix_host)
         host_qo_indptr = [gamma * b for b in range(num_reqs + 1)]
         host_kv_lens = [p + gamma for p in prefix_host]
         row_req = torch.arange(num_reqs, device=device).repeat_interleave(gamma)
-        prefix = torch.tensor(list(prefix_host), dtype=torch.long, device=device)
-        positions = prefix[row_req] + torch.arange(gamma, device=device).repeat(num_reqs)
-        last_visible = prefix[row_req] + (gamma - 1)
+        first = prefix[row_req]  # each block row's request's first block position
+        positions = first + torch.arange(gamma, device=device).repeat(num_reqs)
+        last_visible = first + (gamma - 1)
         fields = dict(
             qo_indptr=torch.tensor(host_qo_indptr, dtype=torch.int32, device=device),
             kv_lens=torch.tensor(host_kv_lens, dtype=torch.int32, device=device),

@@ -44,7 +44,7 @@ from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
-from dspark.runtime.planner.switch import RequestKey, SpeculationSwitch
+from dspark.runtime.planner.switch import SpeculationSwitch
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams
 
@@ -275,17 +275,23 @@ class Runtime:
         """Start the off state afresh (a new `generate` run: speculating, nothing observed yet)."""
         self.switch = self.plan.speculation_switch()
 
-    def _speculates(self, requests: list[RequestKey]) -> bool:
-        """Whether this decode step drafts: always, unless the planner may switch speculation off;
-        under DP attention one decision for every DP rank."""
-        switch = self.switch
-        if switch is None:
-            return True
-        prediction = self.sync.agree_prediction(switch.predict(requests))
-        before = switch.speculating
-        speculates = switch.speculates(prediction)
-        self.stats.switches += int(switch.speculating != before)
-        return speculates
+    def _switched_step(self, switch: SpeculationSwitch, decoding: list[Request], stats: RunStats
+                       ) -> tuple[StepInfo | None, bool]:
+        """A decode step where the planner may switch speculation off, and whether it drafted: drafted,
+        or a target-only step whose roots become draft context, as the switch decides (under DP attention
+        one decision for every DP rank); a drafted step's committed tokens are what the switch learns."""
+        keys = [(r.handle.slot, r.handle.generation) for r in decoding]
+        was = switch.speculating
+        speculates = switch.speculates(self.sync.agree_prediction(switch.predict(keys)))
+        stats.switches += int(switch.speculating != was)
+        if not speculates:
+            return self.extend.decode(decoding, stats, with_draft=True), False
+        self.speculative.probe = switch.probing
+        prefix = [r.seq_len for r in decoding]
+        step = self.speculative(decoding, stats)
+        if step is not None:  # None: a DP rank without requests
+            switch.observe(keys, [r.seq_len - p for r, p in zip(decoding, prefix, strict=True)], step.rows)
+        return step, True
 
     def step_local(self) -> list[Request]:
         """One iteration of this engine: admit and prefill what fits, one decode step for the running
@@ -305,26 +311,20 @@ class Runtime:
         if sched.running or dp:
             t0 = time.perf_counter()
             decoding = list(sched.running)
-            keys = [(r.handle.slot, r.handle.generation) for r in decoding]
-            speculates = not self.target_only and self._speculates(keys)
-            if speculates:
-                self.speculative.probe = self.switch is not None and self.switch.probing
-                before = [r.seq_len for r in decoding]
+            drafted: bool | None = None  # where the planner may switch speculation off: the state it ran
+            if self.target_only:
+                self.last_step = self.extend.decode(decoding, stats)
+            elif self.switch is None:
                 self.last_step = self.speculative(decoding, stats)
-                step = self.last_step
-                if self.switch is not None and step is not None:  # None: a DP rank without requests
-                    committed = [r.seq_len - n for r, n in zip(decoding, before, strict=True)]
-                    self.switch.observe(keys, committed, step.rows)
-            else:  # a target-only run, or speculation switched off: then the roots become draft context
-                self.last_step = self.extend.decode(decoding, stats, with_draft=not self.target_only)
+            else:
+                self.last_step, drafted = self._switched_step(self.switch, decoding, stats)
             seconds = time.perf_counter() - t0
             stats.decode_seconds += seconds
-            if self.switch is not None and not self.target_only:
-                if speculates:
-                    stats.on_seconds += seconds
-                else:
-                    stats.off_seconds += seconds
-                    self.speculative.note_off_step(seconds)
+            if drafted:
+                stats.on_seconds += seconds
+            elif drafted is not None:
+                stats.off_seconds += seconds
+                self.speculative.note_off_step(seconds)
             for r in decoding:
                 r.decode_steps += 1
             touched.extend(r for r in decoding if r not in touched)

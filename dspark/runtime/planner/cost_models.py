@@ -193,6 +193,11 @@ class SpsTable(_FromFormat):
         _check_rows("num_rows", num_rows)
         return float(self.lookup_many(np.array([num_rows]))[0])
 
+    def step_time(self, num_reqs: int, num_rows: int) -> float:
+        """Seconds of one verify step of M = `num_rows` rows, `1 / lookup(M)`: the table prices rows only,
+        so `num_reqs` (there for the other kinds' signature) changes nothing."""
+        return 1.0 / self.lookup(num_rows)
+
     def lookup_many(self, num_rows: np.ndarray) -> np.ndarray:
         """`lookup` over an array of M values."""
         rows = np.asarray(num_rows)

@@ -4,15 +4,14 @@ Drafted steps say what speculating earns: the tokens each request committed per 
 mean, shrunk towards the batch's; not the confidence's `tau`: where the calibration is off for the
 requests at hand, say one slow-accepting request left decoding alone, the two differ, and what was
 committed is what speculating earned) at the rows the last plan ran, priced by the cost table (verify
-plus draft). The table's
-decode term says what a target-only decode step of the same requests costs (one token each).
-Speculation pays while `tokens / on_seconds` beats `B / off_seconds`.
+plus draft). The table's decode term says what a target-only decode step of the same requests costs
+(one token each). Speculation pays while `tokens / on_seconds` beats `B / off_seconds`.
 
 The draft runs before its own step's plan, so the choice is for the steps after: the drafted steps'
-figures of the coming step's requests predict both rates. To keep it from
-flapping the switch changes state only after `patience` consecutive predictions favour the other state by
-`margin`. While off no draft runs, so nothing refreshes the prediction but the batch size; every
-`probe_every` steps one drafted step (a probe) measures the confidence again.
+figures of the coming step's requests predict both rates. To keep it from flapping the switch changes
+state only after `patience` consecutive predictions favour the other state by `margin`. While off no
+draft runs, so nothing refreshes the prediction but the batch; every `probe_every` steps one drafted
+step (a probe) measures it again.
 
 Under DP attention every DP rank's forward runs the same kind of step, so the decision is global: each DP
 rank predicts for its own requests, the predictions are combined (tokens summed, seconds the slowest DP
@@ -24,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dspark.runtime.planner.cost_models import CostModel, SpsTable
+from dspark.runtime.planner.cost_models import CostModel
 
 
 @dataclass(frozen=True)
@@ -85,14 +84,11 @@ class SpeculationSwitch:
     every DP rank's, combined."""
 
     def __init__(self, table: CostModel, config: SwitchConfig, cap: int, max_rows: int | None,
-                 decode_time: Callable[[int], float] | None = None) -> None:
-        """`decode_time(B)`: the price of a target-only decode step, by default the table's decode term
-        (a simulation may price it otherwise, `dspark.simulate.pricing`)."""
-        if decode_time is None and not table.prices_decode:
-            raise ValueError("switching speculation off needs a cost table with the decode term "
-                             "(decode_bs_probes, decode_seconds)")
+                 decode_time: Callable[[int], float]) -> None:
+        """`table` prices drafted steps, `decode_time(B)` a target-only decode step (the table's decode
+        term when serving; a simulation may price it otherwise, `dspark.simulate.pricing`)."""
         self.table = table
-        self.decode_time = decode_time or table.decode_time
+        self.decode_time = decode_time
         self.config = config
         self.cap = cap  # most rows a request verifies
         self.max_rows = max_rows  # most rows a step may run (the largest tier, the table's range)
@@ -138,13 +134,8 @@ class SpeculationSwitch:
         if self.max_rows is not None:
             rows = min(rows, self.max_rows)
         tokens = sum(self._expected_tokens(key) for key in requests)
-        return Prediction(num_reqs, tokens, self._on_seconds(num_reqs, rows), off)
-
-    def _on_seconds(self, num_reqs: int, rows: int) -> float:
-        table, draft = self.table, self.table.draft_time(num_reqs)
-        if isinstance(table, SpsTable):
-            return 1.0 / table.lookup(rows) + draft
-        return table.step_time(num_reqs, rows) + draft
+        on = self.table.step_time(num_reqs, rows) + self.table.draft_time(num_reqs)
+        return Prediction(num_reqs, tokens, on, off)
 
     def speculates(self, prediction: Prediction) -> bool:
         """Whether the coming step drafts; moves the state machine one step."""

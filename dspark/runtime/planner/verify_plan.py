@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -209,10 +209,21 @@ class AdaptiveVerifyPlan:
         if self.speculation_off is SpeculationOff.NEVER or self.forced_budget_fraction is not None:
             return None
         assert self.table is not None  # __post_init__: 'auto' has a table that prices decoding
-        max_rows = self.token_tiers[-1] if self.token_tiers and self.mode.packs_rows else None
-        if self.table.max_rows is not None:
-            max_rows = min(max_rows or self.table.max_rows, self.table.max_rows)
-        return SpeculationSwitch(self.table, self.off_switch, self.schedule.cap, max_rows)
+        return self.off_state(self.table.decode_time)
+
+    def off_state(self, decode_time: Callable[[int], float]) -> SpeculationSwitch:
+        """This plan's off-state machine, pricing a target-only step of B requests by `decode_time(B)` (the
+        table's decode term when serving; a simulation may price it otherwise)."""
+        assert self.table is not None  # the switch prices the drafted steps by the table
+        limits = [rows for rows in (self.tier_row_limit, self.table.max_rows) if rows is not None]
+        return SpeculationSwitch(self.table, self.off_switch, self.schedule.cap, min(limits, default=None),
+                                 decode_time)
+
+    @property
+    def tier_row_limit(self) -> int | None:
+        """The most rows a packed step may run: the largest captured tier (a full-block step always runs
+        B x N rows; None without tiers)."""
+        return self.token_tiers[-1] if self.token_tiers and self.mode.packs_rows else None
 
     def with_overrides(self, **changes: Any) -> AdaptiveVerifyPlan:
         """A copy with some fields replaced (e.g. a forced budget fraction for an experiment)."""
@@ -233,7 +244,7 @@ class AdaptiveVerifyPlan:
         # allocation share both.
         budget_ranking = Ranking.of(budget_survival, cfg)
         # Packed rows must fit the largest captured tier; a full-block step always runs B x N rows.
-        max_rows = self.token_tiers[-1] if self.token_tiers and self.mode.packs_rows else None
+        max_rows = self.tier_row_limit
         decision = decide_budget(budget_ranking, self.table, cfg, max_rows=max_rows)
         ranking = budget_ranking if budget_survival is survival else Ranking.of(survival, cfg)
         budget = decision.budget

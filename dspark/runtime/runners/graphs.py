@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from dspark.runtime.layout import StepShape, VerifyLayout, plan_verify
+from dspark.runtime.runners.eager import EagerVerifyRunner
 from dspark.runtime.runners.graph_buffers import StepBuffers
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]  # hidden [tier, d], states [tier, w] or None
@@ -156,8 +157,9 @@ class LayerHooks(NoHooks):
         self.attn.update_captured(tier, meta)
 
 
-class GraphVerifyRunner:
-    """Plans a step, loads it into the inputs the graphs read, replays its tier's graph.
+class GraphVerifyRunner(EagerVerifyRunner):
+    """Plans a step (as the eager runner does), loads it into the inputs the graphs read, replays its
+    tier's graph.
 
     Where a step's inputs live and where its attention metadata is built depend on the backend:
 
@@ -175,16 +177,12 @@ class GraphVerifyRunner:
                  metadata_in_graph: bool = True) -> None:
         if metadata_in_graph and not loads_layout:
             raise ValueError("metadata built inside the graph reads the layout's buffers: load the layout")
-        self.target = target
-        self.capture = capture  # the target states the draft reads, also outputs of every graph
-        self.attn = attn
-        self.shape = shape
+        # the target states the draft reads (`capture`) are outputs of every graph
+        super().__init__(target, attn, shape, build_metadata, capture)
         self.pages_per_request = pages_per_request
-        self.build_metadata = build_metadata
         self.hooks = hooks
         self.loads_layout = loads_layout
         self.metadata_in_graph = metadata_in_graph
-        self.device = target.lm_head.weight.device
         tiers = shape.tiers
         slots = shape.slots_for_tier(tiers[-1]) if shape.slots_for_tier is not None else 0
         self.buffers = StepBuffers(slots, tiers[-1], pages_per_request, shape.num_draft_tokens, self.device)
@@ -192,14 +190,6 @@ class GraphVerifyRunner:
         self.outputs: dict[int, Outputs] = {}
         for tier in reversed(tiers):  # largest first: CUDA graphs of smaller tiers reuse its pool
             self.graphs[tier], self.outputs[tier] = self._capture(tier, graphs)
-
-    def plan(self, run_lens: tuple[int, ...], verify_lens: tuple[int, ...], prefix_lens: list[int],
-             page_table: torch.Tensor, slots: list[int], tier: int | None = None) -> VerifyLayout:
-        return plan_verify(run_lens, verify_lens, prefix_lens, page_table, self.shape, self.device, tier=tier,
-                           slots=slots)
-
-    def run(self, layout: VerifyLayout, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.run_states(layout, input_ids)[0]
 
     def run_states(self, layout: VerifyLayout, input_ids: torch.Tensor) -> Outputs:
         tier, rows = layout.tier, layout.total_rows
