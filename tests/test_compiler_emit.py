@@ -115,7 +115,9 @@ def test_backend_modules_have_no_dead_branches(write_spec, tmp_path, kind, devic
     for name in ("attn_metadata.py", "graph_runner.py"):
         code = package.files[name].decode().split('"""', 2)[-1]  # past the header docstring
         compile(code, name, "exec")
-        for word in absent:
+        # on CUDA the draft's graphs attend through the Triton kernel whatever the target's attention is
+        draft = {"TritonPagedAttention"} if kind == "cuda" and name == "graph_runner.py" else set()
+        for word in set(absent) - draft:
             assert not re.search(rf"\b{re.escape(word.strip())}\b", code), (kind, name, word)
 
 

@@ -16,12 +16,9 @@ The GPU checks (compiled kernel, bf16, real CUDA graphs) are in tests/test_dsv4_
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dspark.formats.dsv4_config import dsv4_cache_layout
 from dspark.runtime.dsv4.attention import Dsv4PagedAttention, step_config
@@ -58,6 +55,7 @@ from tests.dsv4_layers_common import (
     target,
 )
 from tests.interp_runner import interpreter_results
+from tests.recorded_graph import RecordedGraph
 
 # ---------------------------------------------------------------------------------------------------------
 # one step, layer by layer, and many steps through the target, on the torch oracle
@@ -169,40 +167,6 @@ def test_indexer_ties_go_to_the_lower_id_as_indexer_select_orders_them() -> None
 
 # ---------------------------------------------------------------------------------------------------------
 # graphs: a recording of every op stands in for a CUDA graph capture
-
-
-class RecordedGraph(TorchDispatchMode):
-    """Records every op issued inside (views alias and need no replay) and replays them in order on the same
-    tensors, as a CUDA graph replays its kernels on the memory its capture allocated. A host read inside
-    fails, as it would inside a capture."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[Callable[[], None]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:
-            raise AssertionError("a device value was read on the host while capturing")
-        out = func(*args, **kwargs)
-        if func.is_view:
-            return out
-        if func._schema.is_mutable:
-            self.ops.append(lambda: func(*args, **kwargs))
-        else:
-            def rerun(outs: Any = out) -> None:
-                fresh = func(*args, **kwargs)
-                for o, n in zip(*((outs, fresh) if isinstance(outs, tuple | list) else ((outs,), (fresh,))),
-                                strict=True):
-                    o.copy_(n)
-
-            self.ops.append(rerun)
-        return out
-
-    def replay(self) -> None:
-        with torch.no_grad():
-            for op in self.ops:
-                op()
 
 
 def test_a_captured_tier_replays_the_updated_steps_as_eager() -> None:

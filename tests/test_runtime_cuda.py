@@ -10,6 +10,7 @@ import importlib
 import pytest
 import torch
 
+from dspark.runtime.engine.forward import PagedDraftBlock
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.kernels import HAS_TRITON, build_verify_rows, pack_rows, scatter_rows
 from dspark.runtime.kernels.accept import greedy_accept
@@ -62,6 +63,36 @@ def test_graph_replay_matches_eager_forward(runtimes: dict[str, Runtime], name: 
         eager = EagerVerifyRunner(rt.target, rt.attn, rt.verify_runner.shape, build_metadata)
         torch.testing.assert_close(replayed, eager.run(layout, ids), rtol=1e-4, atol=1e-4)
     finally:
+        for h in slots:
+            rt.slots.release(h.slot)
+
+
+@pytest.mark.parametrize("prefix", [[5, 9, 17], [40], [3, 70, 128, 17, 200]])
+def test_the_draft_step_replays_its_graph_as_it_runs_eagerly(runtimes: dict[str, Runtime],
+                                                             prefix: list[int]) -> None:
+    rt = runtimes["compact"]
+    m, graphs = rt.models, rt.models.draft_graphs
+    assert graphs is not None and rt.models.draft_attn is not None  # a CUDA graph build drafts in graphs
+    slots = [rt.slots.admit() for _ in prefix]
+    for h in slots:
+        rt.slots.reserve(h.slot, 256)
+    saved = [t.clone() for t in (*m.draft_kv.k, *m.draft_kv.v)]
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(len(prefix))
+        for t in (*m.draft_kv.k, *m.draft_kv.v):
+            t.normal_(generator=gen)
+        table = rt.slots.page_table[[h.slot for h in slots]].cuda()
+        roots = torch.randint(0, 256, (len(prefix),), device="cuda", generator=gen)
+        lens = torch.tensor(prefix, device="cuda")
+        replayed = graphs.propose(roots, lens, table)
+        drafts, conf = replayed.drafts.clone(), replayed.conf_logits.clone()
+        block = PagedDraftBlock.plan(m.draft_attn, prefix, lens, rt.plan.gamma, table, m.page_size)
+        eager = rt.draft.propose_paged(roots, lens, block, None, gamma=rt.plan.gamma)
+        assert torch.equal(drafts, eager.drafts)
+        torch.testing.assert_close(conf, eager.conf_logits, rtol=1e-4, atol=1e-4)
+    finally:
+        for t, s in zip((*m.draft_kv.k, *m.draft_kv.v), saved, strict=True):
+            t.copy_(s)
         for h in slots:
             rt.slots.release(h.slot)
 

@@ -14,6 +14,7 @@ from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4CacheLayout, Dsv4Geometr
 from dspark.modes import SpeculationOff, VerifyMode
 from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
+from dspark.spec.derived import draft_batch_tiers, draft_graphs
 
 HEADER_WIDTH = 100
 RUNTIME_ATTENTION = "dspark.runtime.attention"  # the package of the dense families' attention modules
@@ -272,13 +273,15 @@ def _dsv4_imports(code: AttentionCode) -> str:
                      for module, names in sorted(modules.items()))
 
 
-def _graph_slots(mode: VerifyMode, attention: str) -> dict[str, Any]:
+def _graph_slots(mode: VerifyMode, attention: str, with_draft: bool) -> dict[str, Any]:
     """How a captured runner sizes its tiers' request slots (`dspark.runtime.runners.graphs`): the library
     function, its arguments as the generated code spells them, and the deployment constants they and the
-    runner read."""
+    runners (the draft's too, where it runs in graphs) read."""
     # FlashInfer's metadata has no cap on a request's query rows: the deployment's verify length is it
     widest = "MAX_VERIFY_LEN" if attention == "flashinfer" else "MAX_SEQLEN_Q"
     names = {"NUM_DRAFT_TOKENS", "PAGE_SIZE", "PAGES_PER_REQUEST", "TOKEN_TIERS"}
+    if with_draft:
+        names.add("GAMMA")
     if mode.packs_rows:
         function = "packed_slots_for_tier"
         arguments = f"max_running_requests=MAX_RUNNING_REQUESTS, widest_request={widest}"
@@ -343,7 +346,9 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
                                 else "no calibration: survival = cumprod(sigmoid(z))"),
         "cost_model": resolved.cost_model.model_dump(exclude_defaults=True) if resolved.cost_model else None,
         "speculation_off": resolved.speculation_off.value,
-        **_graph_slots(mode, attention),
+        **_graph_slots(mode, attention, draft_graphs(spec)),
+        "draft_graphs": draft_graphs(spec),
+        "draft_batch_tiers": draft_batch_tiers(spec),
         "speculation_off_doc": _speculation_off_doc(resolved),
         "cost_model_source": (_source(f"{resolved.cost_model.type} step-cost table", cost_file)
                               if resolved.cost_model else "no cost model: every candidate is verified"),

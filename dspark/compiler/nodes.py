@@ -185,7 +185,8 @@ DERIVED: tuple[DerivedNode, ...] = (
     DerivedNode("graph_capture",
                 (*HEADER_INPUTS, "spec.draft", "spec.graph", "spec.serving", "tier_grid"),
                 _files_only, ("graph_runner.py",), _graph_runner, _dsv4_layout_inputs),
-    DerivedNode("runtime_entry", HEADER_INPUTS, _files_only, ("__init__.py", "__main__.py"), _entry),
+    DerivedNode("runtime_entry", (*HEADER_INPUTS, "spec.graph"), _files_only, ("__init__.py", "__main__.py"),
+                _entry),
 )
 
 FILE_NODES = tuple(node.id for node in DERIVED if node.files)

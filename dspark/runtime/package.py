@@ -14,15 +14,17 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
 from dspark.runtime.config import DeploymentConfig
+from dspark.runtime.engine.forward import DraftGraphs
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.layout import ExtendLayout, StepShape, VerifyLayout
 from dspark.runtime.models.checkpoint import CheckpointError, resolve_checkpoint
+from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.planner.verify_plan import VerifyPlan
 from dspark.runtime.tokenizer import (
@@ -73,6 +75,13 @@ class VerifyRunnerFactory(Protocol):
                  ) -> VerifyRunner: ...
 
 
+class DraftRunnerFactory(Protocol):
+    """The generated `DraftRunner` class of a deployment whose draft step runs in graphs (capturing them
+    when built), over the draft and the paged attention its block reads the draft's cache through."""
+
+    def __call__(self, draft: DSparkBlockDraft, attn: Any) -> DraftGraphs: ...
+
+
 @dataclass(frozen=True)
 class PackageParts:
     """What a generated package exports as `PARTS`."""
@@ -82,6 +91,7 @@ class PackageParts:
     attention_backend: AttentionFactory
     build_extend_metadata: Callable[[ExtendLayout], AttentionMetadata]
     verify_runner: VerifyRunnerFactory
+    draft_runner: DraftRunnerFactory | None = None  # None: the draft step runs eagerly
 
 
 @dataclass(frozen=True)

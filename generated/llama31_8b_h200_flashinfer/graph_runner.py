@@ -8,8 +8,11 @@ from __future__ import annotations
 import functools
 
 from dspark.runtime.attention.flashinfer_paged import FlashInferPagedAttention
+from dspark.runtime.attention.triton_paged import TritonPagedAttention
 from dspark.runtime.layout import StepShape
+from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.families import TargetModel
+from dspark.runtime.runners.draft_graphs import GraphDraftRunner
 from dspark.runtime.runners.graphs import (
     CudaGraphs,
     FlashInferHooks,
@@ -19,6 +22,7 @@ from dspark.runtime.runners.graphs import (
 
 from .attn_metadata import build_verify_metadata
 from .deployment import (
+    GAMMA,
     MAX_RUNNING_REQUESTS,
     MAX_VERIFY_LEN,
     NUM_DRAFT_TOKENS,
@@ -53,3 +57,14 @@ class VerifyRunner(GraphVerifyRunner):
                          CudaGraphs(), capture,
                          hooks=FlashInferHooks(attn, SLOTS_FOR_TIER, PAGES_PER_REQUEST),
                          metadata_in_graph=False)
+
+
+DRAFT_BATCH_TIERS = (1, 2, 4, 8, 16, 32)  # a draft step of B requests replays the smallest tier >= B
+
+
+class DraftRunner(GraphDraftRunner):
+    """The greedy draft step, one CUDA graph per batch-size tier (sampling and recording steps draft
+    eagerly); the block attends to the draft's paged cache through the Triton kernel."""
+
+    def __init__(self, draft: DSparkBlockDraft, attn: TritonPagedAttention) -> None:
+        super().__init__(draft, attn, DRAFT_BATCH_TIERS, PAGES_PER_REQUEST, GAMMA, PAGE_SIZE, CudaGraphs())

@@ -9,11 +9,14 @@ import functools
 
 from dspark.runtime.attention.triton_paged import TritonPagedAttention
 from dspark.runtime.layout import StepShape
+from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.families import TargetModel
+from dspark.runtime.runners.draft_graphs import GraphDraftRunner
 from dspark.runtime.runners.graphs import CudaGraphs, GraphVerifyRunner, block_slots_for_tier
 
 from .attn_metadata import MAX_SEQLEN_Q, build_verify_metadata
 from .deployment import (
+    GAMMA,
     NUM_DRAFT_TOKENS,
     PAGE_SIZE,
     PAGES_PER_REQUEST,
@@ -42,3 +45,14 @@ class VerifyRunner(GraphVerifyRunner):
                  capture: tuple[int, ...] = ()) -> None:
         super().__init__(target, attn, SHAPE, PAGES_PER_REQUEST, build_verify_metadata,
                          CudaGraphs(), capture)
+
+
+DRAFT_BATCH_TIERS = (1, 2, 4, 8, 16, 32)  # a draft step of B requests replays the smallest tier >= B
+
+
+class DraftRunner(GraphDraftRunner):
+    """The greedy draft step, one CUDA graph per batch-size tier (sampling and recording steps draft
+    eagerly); the block attends to the draft's paged cache through the Triton kernel."""
+
+    def __init__(self, draft: DSparkBlockDraft, attn: TritonPagedAttention) -> None:
+        super().__init__(draft, attn, DRAFT_BATCH_TIERS, PAGES_PER_REQUEST, GAMMA, PAGE_SIZE, CudaGraphs())

@@ -7,7 +7,7 @@ from dspark.runtime.package import PackageParts
 
 from .attn_metadata import AttentionBackend, build_extend_metadata
 from .deployment import DEPLOYMENT
-from .graph_runner import VerifyRunner
+from .graph_runner import DraftRunner, VerifyRunner
 from .planner_config import PLAN
 
 PARTS = PackageParts(
@@ -16,4 +16,5 @@ PARTS = PackageParts(
     attention_backend=AttentionBackend,
     build_extend_metadata=build_extend_metadata,
     verify_runner=VerifyRunner,
+    draft_runner=DraftRunner,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -35,6 +36,15 @@ def backend_device(backend: str) -> torch.device:
     return torch.device(name)
 
 
+class DraftGraphs(Protocol):
+    """The draft step in captured graphs (`runners.draft_graphs.GraphDraftRunner`)."""
+
+    def accepts(self, num_requests: int, gamma: int, greedy: bool, keep_conf_inputs: bool) -> bool: ...
+
+    def propose(self, roots: torch.Tensor, prefix: torch.Tensor, page_table: torch.Tensor
+                ) -> BlockProposal: ...
+
+
 @dataclass
 class EngineModels:
     """The target and draft on their device; the target's caches belong to its attention backend.
@@ -53,6 +63,8 @@ class EngineModels:
     generator: torch.Generator  # the runtime's sampling stream (requests with a seed have their own)
     # the draft's block attention over its paged cache (None: the context is gathered densely)
     draft_attn: DraftPagedAttention | None = None
+    # the greedy draft step's graphs, one per batch-size tier (None: every draft step runs eagerly)
+    draft_graphs: DraftGraphs | None = None
 
     @property
     def page_size(self) -> int:
@@ -82,8 +94,11 @@ class EngineModels:
                 pick: TokenPicker | None, gamma: int, keep_conf_inputs: bool = False) -> BlockProposal:
         """One draft step of the requests whose roots sit at positions `prefix_host` (every position
         before is draft context): through the draft's paged attention where the device has one, else
-        over the context gathered densely."""
+        over the context gathered densely; a greedy step replays the draft's graph where it has one."""
         prefix = self.tensor(list(prefix_host))
+        graphs = self.draft_graphs
+        if graphs is not None and graphs.accepts(len(prefix_host), gamma, pick is None, keep_conf_inputs):
+            return graphs.propose(roots, prefix, page_table)
         if self.draft_attn is None:
             return self.draft.propose(roots, prefix, self.draft_context(page_table, prefix), prefix, pick,
                                       gamma=gamma, keep_conf_inputs=keep_conf_inputs)
@@ -133,24 +148,28 @@ class PagedDraftBlock:
     meta: PagedAttnMetadata
 
     @classmethod
-    def plan(cls, backend: DraftPagedAttention, prefix_host: Sequence[int], prefix: torch.Tensor, gamma: int,
-             page_table: torch.Tensor, page_size: int) -> PagedDraftBlock:
-        """`prefix` is `prefix_host` on the page table's device."""
+    def plan(cls, backend: DraftPagedAttention, prefix_host: Sequence[int] | None, prefix: torch.Tensor,
+             gamma: int, page_table: torch.Tensor, page_size: int) -> PagedDraftBlock:
+        """`prefix` is the requests' first block positions on the page table's device; `prefix_host`
+        the same on the host, which only the torch attention's query blocks read (the Triton kernel's
+        metadata is derived on the device, so a captured graph can plan a step it replays)."""
         device = page_table.device
-        num_reqs = len(prefix_host)
-        host_qo_indptr = [gamma * b for b in range(num_reqs + 1)]
-        host_kv_lens = [p + gamma for p in prefix_host]
+        num_reqs = prefix.shape[0]
         row_req = torch.arange(num_reqs, device=device).repeat_interleave(gamma)
         first = prefix[row_req]  # each block row's request's first block position
         positions = first + torch.arange(gamma, device=device).repeat(num_reqs)
         last_visible = first + (gamma - 1)
         fields = dict(
-            qo_indptr=torch.tensor(host_qo_indptr, dtype=torch.int32, device=device),
-            kv_lens=torch.tensor(host_kv_lens, dtype=torch.int32, device=device),
+            qo_indptr=torch.arange(0, gamma * num_reqs + 1, gamma, dtype=torch.int32, device=device),
+            kv_lens=(prefix + gamma).to(torch.int32),
             page_table=page_table, positions=last_visible,
             out_cache_loc=cache_slots(page_table, row_req, positions, page_size), max_seqlen_q=gamma)
         if isinstance(backend, TorchPagedAttention):
-            blocks = QueryBlocks.plan(host_qo_indptr, host_kv_lens, last_visible, page_table, page_size)
+            if prefix_host is None:
+                raise ValueError("the torch paged attention plans its query blocks on the host: "
+                                 "pass prefix_host")
+            blocks = QueryBlocks.plan([gamma * b for b in range(num_reqs + 1)],
+                                      [p + gamma for p in prefix_host], last_visible, page_table, page_size)
             return cls(backend, TorchPagedMetadata(**fields, blocks=blocks))
         return cls(backend, PagedAttnMetadata(**fields))
 

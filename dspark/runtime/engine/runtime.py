@@ -95,9 +95,11 @@ class Runtime:
         parts = package.parts
         self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
         # each DP rank samples its own requests from its own stream
+        draft_attn = draft_attention(draft_kv, s.page_size, draft, self.device)
         self.models = EngineModels(target, draft, draft_kv, attn, self.slots, self.device,
                                    torch.Generator(device=self.device).manual_seed(seed + ranks.dp_rank),
-                                   draft_attention(draft_kv, s.page_size, draft, self.device))
+                                   draft_attn,
+                                   parts.draft_runner(draft, draft_attn) if parts.draft_runner else None)
         self.verify_runner: VerifyRunner = parts.verify_runner(target, attn, draft.cfg.layers_before_capture)
         forward = StepForward(target, attn, parts.build_extend_metadata, self.verify_runner, self.device)
         # under tensor parallelism every forward is first a step command to this engine's followers

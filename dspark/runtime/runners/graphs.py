@@ -18,7 +18,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -27,6 +27,7 @@ from dspark.runtime.runners.eager import EagerVerifyRunner
 from dspark.runtime.runners.graph_buffers import StepBuffers
 
 Outputs = tuple[torch.Tensor, torch.Tensor | None]  # hidden [tier, d], states [tier, w] or None
+T = TypeVar("T")  # what a captured forward returns: the tensors its replays write
 
 
 def packed_slots_for_tier(tier: int, *, max_running_requests: int, widest_request: int) -> int:
@@ -42,8 +43,7 @@ def block_slots_for_tier(tier: int, *, num_draft_tokens: int) -> int:
 
 
 class GraphApi(Protocol):
-    def capture(self, forward: Callable[[], Outputs], context: AbstractContextManager[Any]
-                ) -> tuple[Any, Outputs]:
+    def capture(self, forward: Callable[[], T], context: AbstractContextManager[Any]) -> tuple[Any, T]:
         """Warm `forward` up, then capture it inside `context`; the graph and its output tensors."""
         ...
 
@@ -56,8 +56,7 @@ class CudaGraphs:
     def __init__(self) -> None:
         self.pool: Any = None
 
-    def capture(self, forward: Callable[[], Outputs], context: AbstractContextManager[Any]
-                ) -> tuple[Any, Outputs]:
+    def capture(self, forward: Callable[[], T], context: AbstractContextManager[Any]) -> tuple[Any, T]:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -74,8 +73,7 @@ class CudaGraphs:
 class NpuGraphs:
     """NPU graphs (torch_npu registers `torch.npu`): warmed up eagerly once, each with its own pool."""
 
-    def capture(self, forward: Callable[[], Outputs], context: AbstractContextManager[Any]
-                ) -> tuple[Any, Outputs]:
+    def capture(self, forward: Callable[[], T], context: AbstractContextManager[Any]) -> tuple[Any, T]:
         forward()
         graph = torch.npu.NPUGraph()
         with context, torch.npu.graph(graph):
