@@ -22,6 +22,7 @@ import torch
 from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.modes import SpeculationOff
 from dspark.runtime.attention.metadata import AttentionBackend
+from dspark.runtime.attention.triton_paged import TritonPagedAttention
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
 from dspark.runtime.distributed.dp_engine import DPDispatch, RequestSpec, serve_engine
 from dspark.runtime.distributed.dp_sync import DPStepSync
@@ -96,10 +97,11 @@ class Runtime:
         self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
         # each DP rank samples its own requests from its own stream
         draft_attn = draft_attention(draft_kv, s.page_size, draft, self.device)
+        # the draft's graphs plan its block on the device, which the Triton kernel's metadata allows
+        graphs = isinstance(draft_attn, TritonPagedAttention) and parts.draft_runner is not None
         self.models = EngineModels(target, draft, draft_kv, attn, self.slots, self.device,
                                    torch.Generator(device=self.device).manual_seed(seed + ranks.dp_rank),
-                                   draft_attn,
-                                   parts.draft_runner(draft, draft_attn) if parts.draft_runner else None)
+                                   draft_attn, parts.draft_runner(draft, draft_attn) if graphs else None)
         self.verify_runner: VerifyRunner = parts.verify_runner(target, attn, draft.cfg.layers_before_capture)
         forward = StepForward(target, attn, parts.build_extend_metadata, self.verify_runner, self.device)
         # under tensor parallelism every forward is first a step command to this engine's followers
