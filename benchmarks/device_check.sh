@@ -16,7 +16,7 @@
 #      compact benchmark;
 #   6. only where flashinfer-python imports: the FlashInfer GPU tests and the 8B compact build with
 #      `backend.attention: flashinfer` as the anchor of the Triton compact build, in one run;
-#   7. issue 23: the tiny H200 build's draft step, dense against paged (Triton), beside its decode and
+#   7. issue 23: the tiny H200 build's draft step, dense, paged (Triton) and in its graphs, beside its decode and
 #      verify steps; the 8B compact build with a 5-layer dummy draft profiled (draft and decode terms;
 #      phase 4's has 1 layer), and both 8B tables through `dspark simulate` on the embedded greedy trace
 #      (target-only, every fixed k, adaptive with its off state) at c = 1 … 256.
@@ -105,7 +105,7 @@ for name, verify, cost in [("h200_profile", {"mode": "compact", "allow_no_cost_m
                            ("h200_compact", {"mode": "compact"}, table),
                            ("h200_compact_aligned", {"mode": "compact", "align_to_graph_tier": True}, table)]:
     spec = {**tiny, "name": name, "verify": verify, "calibration": calibration}
-    spec.pop("cost_model")
+    spec.pop("cost_model", None)
     if cost:
         spec["cost_model"] = cost
     with open(f"{w}/{name}.yaml", "w") as f:
@@ -177,7 +177,7 @@ fi
 if want 7; then
 echo "== 7. issue 23: the tiny draft step on CUDA; 8B with 1- and 5-layer drafts through dspark simulate"
 [ -d "$W/pkgs/h200_profile" ] || "$PY" -m dspark.cli.compile build "$W/h200_profile.yaml" -o "$W/pkgs/h200_profile" >/dev/null
-timeout 60 "$PY" benchmarks/bench_draft_step.py "$W/pkgs/h200_profile" --batch-sizes 1,4,32,64 2>&1 \
+timeout 60 "$PY" benchmarks/bench_draft_step.py "$W/pkgs/h200_profile" --batch-sizes 1,4,16,32 2>&1 \
   | tee "$RES/tiny_draft_step.txt"
 "$PY" -m dspark.cli.compile build "$W/l8b_compact_d5.yaml" -o "$W/pkgs/l8b_compact_d5" >/dev/null
 timeout 120 "$PY" -m dspark.cli.main profile "$W/pkgs/l8b_compact_d5" -o "$RES/l8b_compact_d5" \

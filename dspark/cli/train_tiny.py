@@ -20,9 +20,9 @@ def add_train_tiny_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "seed gives the same weights however busy the machine is.")
     p.add_argument("-o", "--out", type=Path, required=True, help="directory for the trained checkpoints")
     p.add_argument("--target-steps", type=int, default=None,
-                   help="target training steps (default: 1300, about 10 minutes on two cores)")
+                   help="target training steps (default: 1300, about 17 minutes on two cores)")
     p.add_argument("--draft-steps", type=int, default=None,
-                   help="draft training steps (default: 2000, about 20 minutes on two cores); the "
+                   help="draft training steps (default: 2000, about 10 minutes on two cores); the "
                         "draft is trained as `dspark train-draft` trains one (training.json has the command)")
     p.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")
     p.set_defaults(handler=run_train_tiny)

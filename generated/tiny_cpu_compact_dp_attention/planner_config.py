@@ -11,32 +11,39 @@ SURVIVAL_EPS = 1e-06  # survival below this is never planned
 ALIGN_TO_GRAPH_TIER = False  # fill the chosen tier's padding rows with drafts
 LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
 STS_TEMPERATURES = (
-    1.0, 0.707945784384138, 0.5011872336272724, 0.707945784384138, 0.707945784384138,
-    0.707945784384138, 0.707945784384138,
+    1.1220184543019636, 0.707945784384138, 0.707945784384138, 0.6309573444801932, 0.707945784384138,
+    0.7943282347242815, 0.707945784384138,
 )  # STS temperatures from tables/tiny_cpu/sts.json
 COST_MODEL = {
     'type': 'additive',
-    'bias_seconds': 0.022277034477552,
+    'bias_seconds': 0.0286955218750791,
     'bs_probes': (1, 2, 4, 8, 16, 32),
     'alpha_seconds': (
-        0.0, 0.0, 0.00103888775194019, 0.002265188967315877, 0.0050860448942031955,
-        0.009510046304857217,
+        0.0, 0.0013668843462534628, 0.0013668843462534628, 0.0013668843462534628,
+        0.0040964008076476936, 0.008342618343627288,
     ),
     'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
     'theta_seconds': (
-        0.0, 0.00033555122855069943, 0.0022837207497395165, 0.005741157249085482,
-        0.007116211988310633, 0.015443337625581678, 0.02053194706647723, 0.02053194706647723,
-        0.02053194706647723, 0.028226832221376872, 0.036034873216236635, 0.039890349215680666,
-        0.039890349215680666,
+        0.0, 0.0, 0.0032969618557531105, 0.008397425291650197, 0.010590566414290029,
+        0.019357123316886243, 0.020749623805008978, 0.020749623805008978, 0.02378008004941185,
+        0.04387595278270462, 0.05682773378096907, 0.058660377281134504, 0.058660377281134504,
     ),
     'draft_bs_probes': (1, 2, 4, 8, 16, 32),
     'draft_seconds': (
-        0.0050451910016514985, 0.0050451910016514985, 0.0050451910016514985, 0.006179988995427266,
-        0.00904173799790442, 0.015446978002728429,
+        0.0029349714995987597, 0.0029349714995987597, 0.0035592260010162136, 0.004405133999171085,
+        0.005967295001028106, 0.011155591000715503,
+    ),
+    'decode_bs_probes': (1, 2, 4, 8, 16, 32),
+    'decode_seconds': (
+        0.023685629001192865, 0.027928800999688974, 0.027928800999688974, 0.03083664900077565,
+        0.03795236900077725, 0.049369730999387684,
     ),
 }  # additive step-cost table from tables/tiny_cpu_dp_attention/additive.json
-# Every step speculates: the cost table has no decode term (dspark profile measures it).
-SPECULATION_OFF = 'never'
+# Decode without speculation while the cost table prices a target-only step faster.
+SPECULATION_OFF = 'auto'
+OFF_MARGIN = 0.05  # switch only when the other state is predicted this share faster
+OFF_PATIENCE = 3  # ... at this many decode steps in a row
+PROBE_EVERY = 16  # while off, one drafted step every this many refreshes the confidence
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -50,4 +57,7 @@ PLAN = AdaptiveVerifyPlan(
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
     speculation_off=SPECULATION_OFF,
+    off_margin=OFF_MARGIN,
+    off_patience=OFF_PATIENCE,
+    probe_every=PROBE_EVERY,
 )

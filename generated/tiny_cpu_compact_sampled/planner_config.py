@@ -11,31 +11,40 @@ SURVIVAL_EPS = 1e-06  # survival below this is never planned
 ALIGN_TO_GRAPH_TIER = False  # fill the chosen tier's padding rows with drafts
 LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
 STS_TEMPERATURES = (
-    1.1220184543019636, 1.1220184543019636, 1.1220184543019636, 0.8912509381337457, 1.0,
-    0.8912509381337457, 0.7943282347242815,
+    1.1220184543019636, 1.0, 1.2589254117941675, 1.0, 0.7943282347242815, 0.8912509381337457,
+    0.8912509381337457,
 )  # STS temperatures from tables/tiny_cpu/sts_sample_t08_p095.json
 COST_MODEL = {
     'type': 'additive',
-    'bias_seconds': 0.00532754175083028,
+    'bias_seconds': 0.00691765397601532,
     'bs_probes': (1, 2, 4, 8, 16, 32),
     'alpha_seconds': (
-        0.0, 0.00046158818512174164, 0.00046158818512174164, 0.00046158818512174164,
-        0.00046158818512174164, 0.011432409651407918,
+        0.0, 0.00025082290334360916, 0.0012524305572031305, 0.0017407980907786858,
+        0.0024858758687416457, 0.010579224536279977,
     ),
     'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
     'theta_seconds': (
-        0.0, 0.0, 0.0, 0.0024472160639997633, 0.002564731446550993, 0.005553970063114881,
-        0.01024194324227442, 0.01024194324227442, 0.011283525965507094, 0.011283525965507094,
-        0.011283525965507094, 0.01224644759738878, 0.01322299459596108,
+        0.0, 0.0006087101933393383, 0.0025008129870362434, 0.004638272672791295,
+        0.00666958087720934, 0.011234750155882638, 0.01172324726668794, 0.01172324726668794,
+        0.015198106820889103, 0.023390220737789978, 0.023390220737789978, 0.023390220737789978,
+        0.023390220737789978,
     ),
     'draft_bs_probes': (1, 2, 4, 8, 16, 32),
     'draft_seconds': (
-        0.0044961769999645185, 0.005092917999718338, 0.005838963999849511, 0.007824773998436285,
-        0.011375812002370367, 0.025936554000509204,
+        0.0032731369992688997, 0.00359135399958177, 0.004515618000368704, 0.005521029999727034,
+        0.007143820999772288, 0.012546181000288925,
+    ),
+    'decode_bs_probes': (1, 2, 4, 8, 16, 32),
+    'decode_seconds': (
+        0.007679030000872444, 0.008004272000107449, 0.008418299999902956, 0.009678331000031903,
+        0.011555031000170857, 0.024810128999888548,
     ),
 }  # additive step-cost table from tables/tiny_cpu_sampled/additive.json
-# Every step speculates: the cost table has no decode term (dspark profile measures it).
-SPECULATION_OFF = 'never'
+# Decode without speculation while the cost table prices a target-only step faster.
+SPECULATION_OFF = 'auto'
+OFF_MARGIN = 0.05  # switch only when the other state is predicted this share faster
+OFF_PATIENCE = 3  # ... at this many decode steps in a row
+PROBE_EVERY = 16  # while off, one drafted step every this many refreshes the confidence
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -49,4 +58,7 @@ PLAN = AdaptiveVerifyPlan(
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
     speculation_off=SPECULATION_OFF,
+    off_margin=OFF_MARGIN,
+    off_patience=OFF_PATIENCE,
+    probe_every=PROBE_EVERY,
 )

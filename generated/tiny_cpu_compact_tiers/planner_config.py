@@ -11,32 +11,40 @@ SURVIVAL_EPS = 1e-06  # survival below this is never planned
 ALIGN_TO_GRAPH_TIER = True  # fill the chosen tier's padding rows with drafts
 LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
 STS_TEMPERATURES = (
-    1.0, 0.707945784384138, 0.5011872336272724, 0.707945784384138, 0.707945784384138,
-    0.707945784384138, 0.707945784384138,
+    1.1220184543019636, 0.707945784384138, 0.707945784384138, 0.6309573444801932, 0.707945784384138,
+    0.7943282347242815, 0.707945784384138,
 )  # STS temperatures from tables/tiny_cpu/sts.json
 COST_MODEL = {
     'type': 'additive',
-    'bias_seconds': 0.005802352616472551,
+    'bias_seconds': 0.008767045889090773,
     'bs_probes': (1, 2, 4, 8, 16, 32),
     'alpha_seconds': (
-        0.0, 0.0, 0.0018973284556969296, 0.002103905079236445, 0.002250977335932059,
-        0.0049025895870842716,
+        0.0, 0.00023142654634847744, 0.0022124347897383378, 0.003995460041780517,
+        0.00707535842052988, 0.011416540892274687,
     ),
     'm_probes': (1, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256),
     'theta_seconds': (
-        0.0, 0.0005878307853102965, 0.0013639771420930003, 0.002749370878172848,
-        0.0038737848168737357, 0.007188436193526439, 0.007188436193526439, 0.007188436193526439,
-        0.011986776890767055, 0.015639714663107967, 0.015639714663107967, 0.015639714663107967,
-        0.024969314796653035,
+        0.0, 0.00031723488754457414, 0.0014676473453728005, 0.002561101247307185,
+        0.004606059201921338, 0.007985562689685703, 0.008215291454192317, 0.010190022688806182,
+        0.011450083895311481, 0.018969486218638462, 0.018969486218638462, 0.018969486218638462,
+        0.02082970221908567,
     ),
     'draft_bs_probes': (1, 2, 4, 8, 16, 32),
     'draft_seconds': (
-        0.00358690949906304, 0.00358690949906304, 0.0039460439984395634, 0.0053699199997936375,
-        0.007287229000212392, 0.010860979000426596,
+        0.0026212669999949867, 0.002660551999724703, 0.00319683000088844, 0.0038726019993191585,
+        0.004673932000514469, 0.006968216001041583,
+    ),
+    'decode_bs_probes': (1, 2, 4, 8, 16, 32),
+    'decode_seconds': (
+        0.006983818999287905, 0.007258159999764757, 0.007882161999077653, 0.009034877999511082,
+        0.01107714399950055, 0.01591287999872293,
     ),
 }  # additive step-cost table from tables/tiny_cpu_tiers/additive.json
-# Every step speculates: the cost table has no decode term (dspark profile measures it).
-SPECULATION_OFF = 'never'
+# Decode without speculation while the cost table prices a target-only step faster.
+SPECULATION_OFF = 'auto'
+OFF_MARGIN = 0.05  # switch only when the other state is predicted this share faster
+OFF_PATIENCE = 3  # ... at this many decode steps in a row
+PROBE_EVERY = 16  # while off, one drafted step every this many refreshes the confidence
 
 PLAN = AdaptiveVerifyPlan(
     gamma=GAMMA,
@@ -50,4 +58,7 @@ PLAN = AdaptiveVerifyPlan(
     cost_model=COST_MODEL,
     token_tiers=TOKEN_TIERS,
     speculation_off=SPECULATION_OFF,
+    off_margin=OFF_MARGIN,
+    off_patience=OFF_PATIENCE,
+    probe_every=PROBE_EVERY,
 )
