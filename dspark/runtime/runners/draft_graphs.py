@@ -81,5 +81,6 @@ class GraphDraftRunner:
         drafts, conf, logits, hidden = self.outputs[tier]
         # drafts and confidences outlive the step (the lagged planner keeps them); the logits and hidden
         # states are the graph's memory, read within the step only (the next replay overwrites them)
-        return BlockProposal(drafts=drafts[:num].clone(), conf_logits=None if conf is None else conf[:num].clone(),
+        return BlockProposal(drafts=drafts[:num].clone(),
+                             conf_logits=None if conf is None else conf[:num].clone(),
                              logits=logits[:num], hidden=hidden[:num])
