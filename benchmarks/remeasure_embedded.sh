@@ -38,6 +38,9 @@ s["name"] = name
 for key in ("cost_model", "calibration"):  # file paths relative to the spec, as the loader reads them
     if isinstance(s.get(key), dict) and "file" in s[key]:
         s[key]["file"] = os.path.abspath(os.path.join(os.path.dirname(src), s[key]["file"]))
+ckpt = s["draft"].get("checkpoint", "")
+if ckpt and ":" not in ckpt:  # a directory relative to the spec
+    s["draft"]["checkpoint"] = os.path.abspath(os.path.join(os.path.dirname(src), ckpt))
 exec(edits)
 yaml.safe_dump(s, open(f"{w}/{name}.yaml", "w"), sort_keys=False)
 EOF

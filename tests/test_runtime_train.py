@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dspark.checkpoints.dspark_block_config import default_layer_ids
 from dspark.runtime.models.checkpoint import CheckpointError, load_target
 from dspark.runtime.models.dspark_block_loader import load_block_draft
 from dspark.train.draft import DraftTrainSettings
-from dspark.train.tiny import TrainSettings, corpus_files, train_tiny
+from dspark.train.tiny import TARGET_CONFIG, TrainSettings, corpus_files, train_tiny
 
 
 def test_held_out_split_is_deterministic_and_disjoint() -> None:
@@ -35,7 +36,8 @@ def test_train_tiny_writes_loadable_hf_layout_checkpoints(tmp_path: Path) -> Non
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["num_key_value_heads"] == 2
     assert "model.layers.0.self_attn.q_proj.weight" in target.state_dict()
     assert draft.cfg.block_size == 7 and draft.cfg.hidden_size == target.cfg.hidden_size
-    assert draft.cfg.target_layer_ids == (0, 1, 2) and draft.cfg.mask_token_id == 256
+    assert draft.cfg.target_layer_ids == default_layer_ids(TARGET_CONFIG.num_layers) == (1, 2, 3, 4, 5)
+    assert draft.cfg.mask_token_id == 256
     assert "dspark train-draft" in report["draft"]["command"]
     with torch.no_grad():
         assert target.forward_dense(torch.tensor([[256, 100, 101]])).shape == (1, 3, 256)
@@ -48,7 +50,6 @@ def test_missing_checkpoint_names_the_spec_field(tmp_path: Path) -> None:
 
 def test_greedy_continue_with_dense_cache_matches_full_recompute() -> None:
     from dspark.runtime.models.llama import LlamaForCausalLM
-    from dspark.train.tiny import TARGET_CONFIG
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(TARGET_CONFIG).eval()
