@@ -1,9 +1,11 @@
 """static vs cap-accept vs compact (and any other builds of one deployment) on the same load.
 
-Every package runs the same held-out prompts in one process; the runs are interleaved over
-`--rounds` so that drift of a shared machine hits every package alike, and each package's
-tokens/s is the median over rounds. Prints, per package: tokens/s and its ratio to the first
-package, mean commit_len, verify rows run per request-step (padding rows separately), the
+Every package runs the same held-out prompts in one process, and so does target-only decoding
+(the first package's runtime with speculation off); the runs are interleaved over `--rounds` so
+that drift of a shared machine hits every run alike, and each tokens/s is the median over rounds.
+Prints, per package: tokens/s (wall, prefill included) and its ratio to the first package, decode
+tokens/s (`generated_tokens / decode_seconds`, as `dspark run --json` reports it) and its ratio to
+target-only, mean commit_len, verify rows run per request-step (padding rows separately), the
 planner's predicted tau against the committed tokens of the same steps, and whether the output
 equals target-only greedy decoding (it must).
 
@@ -35,6 +37,8 @@ def summarize(name: str, mode: str, runs: list[RunStats], lossless: bool) -> dic
         "package": name,
         "mode": mode,
         "tokens_per_s": statistics.median(r.to_json()["tokens_per_second"] for r in runs),
+        "decode_tokens_per_s": round(statistics.median(r.generated_tokens / max(r.decode_seconds, 1e-9)
+                                                       for r in runs), 2),
         "mean_commit_len": last["mean_commit_len"],
         "rows_per_request_step": round(runs[-1].verify_rows / steps, 3),
         "padding_rows_per_request_step": round(runs[-1].padding_rows / steps, 3),
@@ -63,8 +67,10 @@ def main() -> None:
     for rt in runtimes:
         rt.generate(prompts[:2], 8)  # warm up (first graph replays, allocator growth)
     stats: list[list[RunStats]] = [[] for _ in runtimes]
+    target_only: list[RunStats] = []
     lossless = [True] * len(runtimes)
     for _ in range(args.rounds):
+        target_only.append(runtimes[0].generate(prompts, args.max_new_tokens, target_only=True)[1])
         for i, rt in enumerate(runtimes):
             out, run = rt.generate(prompts, args.max_new_tokens)
             stats[i].append(run)
@@ -72,24 +78,29 @@ def main() -> None:
     rows = [summarize(rt.deployment.name, rt.deployment.verify_mode, s, ok)
             for rt, s, ok in zip(runtimes, stats, lossless, strict=True)]
     base = rows[0]["tokens_per_s"]
+    reference_decode = summarize("target-only", "-", target_only, True)["decode_tokens_per_s"]
     for row in rows:
         row["ratio_to_first"] = round(row["tokens_per_s"] / base, 3)
+        row["decode_ratio_to_target_only"] = round(row["decode_tokens_per_s"] / reference_decode, 3)
     if args.json:
         print(json.dumps({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                          "target_only_decode_tokens_per_s": reference_decode,
                           "max_running_requests": runtimes[0].deployment.serving.max_running_requests,
                           "results": rows}, indent=2))
         return
     print(f"{len(prompts)} held-out prompts x {args.max_new_tokens} tokens, median of {args.rounds} "
-          f"interleaved rounds, device {runtimes[0].device}")
-    head = (f"{'package':<28} {'mode':<10} {'tok/s':>8} {'ratio':>6} {'commit':>7} {'rows':>6} "
-            f"{'pad':>5} {'tau':>7} {'actual':>7} lossless")
+          f"interleaved rounds, device {runtimes[0].device}; target-only decode {reference_decode:.1f} tok/s")
+    head = (f"{'package':<28} {'mode':<10} {'tok/s':>8} {'ratio':>6} {'decode':>8} {'vs t-o':>6} "
+            f"{'commit':>7} {'rows':>6} {'pad':>5} {'tau':>7} {'actual':>7} lossless")
     print(head)
     for r in rows:
         tau = "-" if r["predicted_tau_per_step"] is None else f"{r['predicted_tau_per_step']:.2f}"
         act = "-" if r["committed_per_step"] is None else f"{r['committed_per_step']:.2f}"
         print(f"{r['package']:<28} {r['mode']:<10} {r['tokens_per_s']:>8.1f} {r['ratio_to_first']:>6.2f} "
+              f"{r['decode_tokens_per_s']:>8.1f} {r['decode_ratio_to_target_only']:>6.2f} "
               f"{r['mean_commit_len']:>7.2f} {r['rows_per_request_step']:>6.2f} "
               f"{r['padding_rows_per_request_step']:>5.2f} {tau:>7} {act:>7} {r['lossless']}")
+    print("decode = generated tokens / decode seconds; vs t-o = its ratio to target-only decoding")
     print("rows = verify rows run per request-step (compact: planned rows only); pad = tier padding "
           "rows per request-step; tau / actual = predicted vs committed tokens per step (B summed)")
 

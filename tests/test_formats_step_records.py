@@ -50,6 +50,18 @@ def test_survival_and_confidence_may_be_null() -> None:
     assert parsed.requests[1].confidence is None
 
 
+def test_accept_prob_round_trips_and_may_be_absent() -> None:
+    with_prob = replace(record(), step=0)
+    first = replace(with_prob.requests[0], accept_prob=(1.0, 0.25, 0.0))
+    with_prob = replace(with_prob, requests=(first, with_prob.requests[1]))
+    data = with_prob.to_json()
+    assert "accept_prob" not in data["requests"][1]  # written only where it was computed
+    assert StepRecord.from_json(data, GAMMA, "x").requests[0].accept_prob == (1.0, 0.25, 0.0)
+    data["requests"][0]["accept_prob"] = [1.0, 1.5, 0.0]
+    with pytest.raises(StepRecordError, match=r"x: requests\[0\]: accept_prob must hold probabilities"):
+        StepRecord.from_json(data, GAMMA, "x")
+
+
 def step_json(**changes: Any) -> dict[str, Any]:
     return {**replace(record(), step=0).to_json(), **changes}
 

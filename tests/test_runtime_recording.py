@@ -75,6 +75,10 @@ def test_cap_accept_records_every_request_with_labels_from_the_uncapped_match(tm
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["format"] == "dspark-run" and run["total_steps"] == stats.steps
     assert read_steps(tmp_path / "run" / "steps.jsonl", pkg.plan.gamma)[-1].step == stats.steps - 1
+    # Greedy, a draft's acceptance probability is whether it matches: the match's leading run is raw.
+    accept = torch.tensor([r["accept_prob"] for r in requests])
+    assert set(accept.unique().tolist()) <= {0.0, 1.0}
+    assert torch.equal(accept.cumprod(1).sum(1).long(), raw)
 
 
 def test_compact_records_only_fully_verified_requests_and_says_why(tmp_path) -> None:
@@ -129,6 +133,11 @@ def test_sampling_runs_record_the_rejection_sampling_event_under_their_policy(tm
     _, mask = _shards(out / "sts")
     raw = torch.tensor([r["raw_correct_len"] for s in _steps(out / "steps.jsonl") for r in s["requests"]])
     assert torch.equal(mask.sum(1), raw)  # labels are the verifier's own acceptance events
+    # Every accepted draft had a chance of acceptance, and some had one strictly between 0 and 1.
+    accept = torch.tensor([r["accept_prob"] for s in _steps(out / "steps.jsonl") for r in s["requests"]])
+    assert ((accept >= 0) & (accept <= 1)).all()
+    assert (accept[torch.arange(accept.shape[1])[None, :] < raw[:, None]] > 0).all()
+    assert ((accept > 0) & (accept < 1)).any()
 
 
 def test_a_recording_stopped_with_sigterm_still_writes_its_metadata(tmp_path) -> None:

@@ -133,7 +133,7 @@ def test_speculative_sampling_matches_the_exact_target_distribution(tmp_path, mo
         honest = rejection_accept(drafts, q_probs, p_probs, verify_lens, generator)
         correct = verify_lens.long() - 1
         bonus = honest.result.bonus
-        return SamplingAccept(AcceptResult(correct, correct + 1, bonus), correct)
+        return SamplingAccept(AcceptResult(correct, correct + 1, bonus), correct, honest.accept_prob)
 
     monkeypatch.setattr(speculative_module, "rejection_accept", accept_all)
     broken = joint(Runtime(pkg, sampling=params, seed=3))

@@ -20,6 +20,7 @@ from dspark.simulate.policies import (
     AdaptivePolicy,
     Batch,
     FixedPolicy,
+    InformedPolicy,
     OraclePolicy,
     StaticPolicy,
     StepLens,
@@ -260,3 +261,42 @@ def test_a_table_that_does_not_fit_says_why() -> None:
     assert sps.misfit(4, N) is None and "max_batch_tokens is 16" in (sps.misfit(5, N) or "")
     assert "largest graph tier 8" in (StepPricer(plan().table, tiers=(4, 8)).misfit(4, N) or "")
     assert additive.fitting([1, 4, 8], N) == [1, 4]
+
+
+def test_informed_plans_on_the_true_acceptance_probabilities() -> None:
+    adaptive_plan = plan()
+    raw = np.array(RAW)
+    # Greedy, the probabilities are 0 or 1: the informed plan verifies exactly the oracle's rows.
+    certain = (np.arange(GAMMA)[None, :] < raw[:, None]).astype(np.float32)
+    batch = Batch(np.zeros((len(RAW), GAMMA), np.float32), raw, accept_prob=certain)
+    informed = InformedPolicy(adaptive_plan).lens(batch)
+    assert informed.verify_lens.tolist() == OraclePolicy(N).lens(batch).verify_lens.tolist()
+    # Otherwise it is the plan itself, uncalibrated, on confidence whose sigmoid is the probability:
+    # the calibration the package carries does not apply to the truth.
+    prob = np.array([[0.9, 0.5, 0.1], [0.99, 0.95, 0.9], [0.2, 0.9, 0.9], [0.6, 0.6, 0.6]], np.float32)
+    calibrated = plan(temperatures=(2.0, 0.5, 1.0))
+    logits = torch.logit(torch.from_numpy(prob).double()).float().numpy()
+    expected = AdaptivePolicy(plan()).lens(Batch(logits, raw)).verify_lens
+    got = InformedPolicy(calibrated).lens(Batch(np.zeros_like(prob), raw, accept_prob=prob)).verify_lens
+    assert got.tolist() == expected.tolist()
+    with pytest.raises(ValueError, match="needs the trace's accept_prob"):
+        InformedPolicy(adaptive_plan).lens(Batch(logits, raw))
+
+
+def test_a_trace_with_acceptance_probabilities_adds_the_informed_bound(tmp_path: Path) -> None:
+    trace = hand_trace()
+    certain = (np.arange(GAMMA)[None, :] < trace.raw_correct_len[:, None]).astype(np.float32)
+    trace = Trace(**{**trace.__dict__, "accept_prob": certain})
+    adaptive_plan = plan()
+    pricer = StepPricer(adaptive_plan.table)
+    results = simulate(trace, policies_for(adaptive_plan, pricer.decode_time, informed=True), pricer, [4],
+                       steps=3, seed=0)
+    by = {r.policy: r for r in results if r.policy != "fixed"}
+    assert by["informed"].tokens_per_s == pytest.approx(by["oracle"].tokens_per_s)
+    comparison, = compare(results)
+    assert comparison.adaptive_on_over_informed == pytest.approx(
+        by["adaptive-on"].tokens_per_s / by["informed"].tokens_per_s)
+    assert compare(simulate(hand_trace(), policies_for(adaptive_plan, pricer.decode_time), pricer, [4],
+                            steps=3, seed=0))[0].adaptive_on_over_informed is None
+    with pytest.raises(TraceError, match="accept_prob has shape"):
+        Trace(**{**trace.__dict__, "accept_prob": certain[:, :2]})

@@ -45,7 +45,7 @@ def test_simulate_prints_every_policy_as_json_and_draws_the_plot(recording: Path
     for c in (1, 8):
         at = [r for r in results if r["concurrency"] == c]
         assert [r["policy"] for r in at] == (["target-only", "static"] + ["fixed"] * 8
-                                             + ["adaptive-on", "adaptive", "oracle"])
+                                             + ["adaptive-on", "adaptive", "informed", "oracle"])
         assert by_policy(at, "target-only")["tokens_per_step"] == c  # one token per request
         assert by_policy(at, "target-only")["off_share"] == 1.0 and by_policy(at, "static")["off_share"] == 0
         assert [r["verify_len"] for r in at if r["policy"] == "fixed"] == list(range(1, 9))
@@ -54,12 +54,15 @@ def test_simulate_prints_every_policy_as_json_and_draws_the_plot(recording: Path
         assert by["static", None]["tokens_per_s"] == by["fixed", 8]["tokens_per_s"]
         assert by["static", None]["rows_per_step"] == 8 * c
         assert all(by["oracle", None]["tokens_per_step"] >= r["tokens_per_step"] for r in at)
+        # A greedy trace's acceptance probabilities are 0 or 1: the informed bound is the oracle.
+        assert by["informed", None]["tokens_per_s"] == pytest.approx(by["oracle", None]["tokens_per_s"])
         assert all(r["tokens_per_s"] > 0 for r in at)
     comparisons = doc["comparisons"]
     assert [c["concurrency"] for c in comparisons] == [1, 8]
     assert set(comparisons[0]) == {"concurrency", "best_fixed_verify_len", "adaptive_over_best_fixed",
                                    "adaptive_over_oracle", "adaptive_over_static", "adaptive_dropped_drafts",
-                                   "adaptive_over_target_only", "adaptive_over_best", "adaptive_off_share"}
+                                   "adaptive_over_target_only", "adaptive_over_best", "adaptive_off_share",
+                                   "adaptive_on_over_informed"}
     dropped = comparisons[1]["adaptive_dropped_drafts"]
     assert 0 <= dropped["mean_survival"] <= 1 and 0 <= dropped["reach_rate"] <= 1
     adaptive_8 = next(r for r in results if r["concurrency"] == 8 and r["policy"] == "adaptive")

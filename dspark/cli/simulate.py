@@ -93,7 +93,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 raise CliError(f"--concurrency {c} does not fit the cost model ({setup.cost_model_source}): "
                                f"{reason}; profile larger steps or drop it")
         concurrencies = requested
-    policies = policies_for(setup.plan, setup.pricer.decode_time)
+    policies = policies_for(setup.plan, setup.pricer.decode_time, informed=trace.accept_prob is not None)
     results = simulate(trace, policies, setup.pricer, concurrencies, args.steps, args.seed,
                        setup.plan.lag_steps)
     report = SimulationReport(

@@ -7,6 +7,9 @@ and `read_steps` gives them back to the report with errors naming the file, line
 `tau`, `budget`, `decision_tau` and `predicted_step_seconds` are null where no planner ran (static
 mode); a request's `confidence` is null when the draft has no confidence head, and its `survival`
 when the step computed none (a static recording made before static runs computed survival).
+`accept_prob` (absent in recordings made before it) is each draft's acceptance probability given the
+drafts before it accepted: `min(1, p/q)` under rejection sampling, 0 or 1 greedy; `dspark simulate`
+plans with it for the `informed` bound.
 docs/formats.md lists the fields.
 """
 
@@ -50,7 +53,7 @@ def verify_mode(data: Mapping[str, Any], where: str, key: str = "mode") -> Verif
 
 
 _REQUEST_KEYS = ("slot", "generation", "verify_len", "correct_len", "raw_correct_len", "commit_len",
-                 "confidence", "survival")
+                 "confidence", "survival", "accept_prob")
 
 
 @dataclass(frozen=True)
@@ -65,13 +68,18 @@ class RequestRecord:
     commit_len: int  # tokens committed: correct_len + 1
     confidence: tuple[float, ...] | None  # raw confidence logits per draft position
     survival: tuple[float, ...] | None  # survival per draft position
+    # P(draft k accepted | drafts before it accepted), per position: min(1, p/q) sampled, 0/1 greedy
+    accept_prob: tuple[float, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"slot": self.slot, "generation": self.generation, "verify_len": self.verify_len,
-                "correct_len": self.correct_len, "raw_correct_len": self.raw_correct_len,
-                "commit_len": self.commit_len,
-                "confidence": None if self.confidence is None else list(self.confidence),
-                "survival": None if self.survival is None else list(self.survival)}
+        out = {"slot": self.slot, "generation": self.generation, "verify_len": self.verify_len,
+               "correct_len": self.correct_len, "raw_correct_len": self.raw_correct_len,
+               "commit_len": self.commit_len,
+               "confidence": None if self.confidence is None else list(self.confidence),
+               "survival": None if self.survival is None else list(self.survival)}
+        if self.accept_prob is not None:
+            out["accept_prob"] = list(self.accept_prob)
+        return out
 
     @classmethod
     @errors_as(StepRecordError)
@@ -82,8 +90,15 @@ class RequestRecord:
         if not 1 <= ints["verify_len"] <= gamma + 1:
             raise StepRecordError(f"{where}: verify_len {ints['verify_len']} is outside "
                                   f"[1, gamma+1={gamma + 1}]")
+        accept_prob = None
+        if "accept_prob" in data:
+            accept_prob = number_list(data, "accept_prob", where, gamma, nullable=True)
+            if accept_prob is not None and not all(0.0 <= a <= 1.0 for a in accept_prob):
+                raise StepRecordError(f"{where}: accept_prob must hold probabilities in [0, 1], got "
+                                      f"{list(accept_prob)}")
         return cls(**ints, confidence=number_list(data, "confidence", where, gamma, nullable=True),
-                   survival=number_list(data, "survival", where, gamma, nullable=True))
+                   survival=number_list(data, "survival", where, gamma, nullable=True),
+                   accept_prob=accept_prob)
 
 
 _STEP_KEYS = ("step", "num_reqs", "lag", "mode", "budget", "aligned_budget", "decision_tau", "planned_rows",

@@ -126,6 +126,7 @@ def sample(probs: torch.Tensor, generator: Generator) -> torch.Tensor:
 class SamplingAccept:
     result: AcceptResult
     raw_correct_len: torch.Tensor  # int64 [B]: acceptances ignoring the verify_len cap (labels)
+    accept_prob: torch.Tensor  # float32 [B, gamma]: min(1, p/q) of each draft, the chance it was accepted
 
 
 def rejection_accept(drafts: torch.Tensor, q_probs: torch.Tensor, p_probs: torch.Tensor,
@@ -154,7 +155,9 @@ def rejection_accept(drafts: torch.Tensor, q_probs: torch.Tensor, p_probs: torch
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_stop)
     stop_dist = torch.where(rejected[:, None], residual, p_stop)
     bonus = sample(stop_dist, generator)
-    return SamplingAccept(AcceptResult(correct, correct + 1, bonus), raw)
+    # q > 0 at a draft sampled from q; the clamp only guards a degenerate distribution.
+    accept_prob = (p / q.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0).float()
+    return SamplingAccept(AcceptResult(correct, correct + 1, bonus), raw, accept_prob)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,12 @@ def format_report(report: SimulationReport) -> str:
                      f"{comparison.adaptive_over_target_only:.3f} · adaptive / oracle "
                      f"{comparison.adaptive_over_oracle:.3f} · adaptive / static "
                      f"{comparison.adaptive_over_static:.3f}")
+        if comparison.adaptive_on_over_informed is not None:
+            informed = next(r.tokens_per_s for r in at if r.policy == "informed")
+            oracle = next(r.tokens_per_s for r in at if r.policy == "oracle")
+            lines.append(f"  adaptive-on / informed {comparison.adaptive_on_over_informed:.3f} · informed / "
+                         f"oracle {informed / oracle:.3f} (informed: the plan on the true acceptance "
+                         "probabilities)")
         dropped = comparison.adaptive_dropped
         if dropped is not None and dropped.count:
             lines.append(f"  adaptive left out {dropped.count / report.steps:.2f} drafts per step: survival "

@@ -10,6 +10,10 @@
   the table says they pay.
 - `adaptive-on`: the same plan with speculation pinned on (`verify.off: never`).
 - `target-only`: no speculation; every request commits one token per step, priced as a decode step.
+- `informed` (traces that recorded `accept_prob`): the adaptive plan, speculation on and no lag, given each
+  draft's true acceptance probability instead of the confidence head's estimate: the best a planner can do
+  without knowing the outcome. The oracle also knows the outcome, which under rejection sampling is a coin
+  flip no head can see; greedy, the two coincide (every probability is 0 or 1).
 
 Committed tokens of a request follow from the trace's uncapped match: `min(raw_correct_len, verify_len
 - 1) + 1`, exact because the trace's steps ran every row.
@@ -38,6 +42,7 @@ class Batch:
     raw_correct_len: np.ndarray  # int64 [B]
     lagged: np.ndarray | None = None  # float32 [B, gamma]
     lagged_known: np.ndarray | None = None  # bool [B]
+    accept_prob: np.ndarray | None = None  # float32 [B, gamma]: P(draft accepted | prefix accepted)
 
     @property
     def num_reqs(self) -> int:
@@ -191,10 +196,38 @@ class AdaptivePolicy:
         return StepLens(np.array(step.verify_lens, dtype=np.int64), int(sum(step.run_lens)), survival)
 
 
-def policies_for(plan: AdaptiveVerifyPlan, decode_time: Callable[[int], float]) -> list[Policy]:
+class InformedPolicy:
+    """The plan with speculation on and no lag, allocating by the survival the true acceptance
+    probabilities give (`cumprod(accept_prob)`), through the plan's own budget and cost model."""
+
+    name = "informed"
+    verify_len: int | None = None
+
+    def __init__(self, plan: AdaptiveVerifyPlan) -> None:
+        # Uncalibrated logits of the probabilities: the plan's survival is then their running product.
+        self.plan = plan.with_overrides(temperatures=None, lag_steps=0)
+
+    def reset(self) -> None:
+        pass
+
+    def lens(self, batch: Batch) -> StepLens:
+        if batch.accept_prob is None:
+            raise ValueError("the informed policy needs the trace's accept_prob; record the trace again "
+                             "with this version (`dspark run STATIC_PACKAGE --record DIR`)")
+        prob = torch.from_numpy(batch.accept_prob).double().clamp(1e-12, 1.0 - 1e-12)
+        num_reqs = batch.num_reqs
+        step = self.plan.plan_step(torch.logit(prob), num_reqs, list(range(num_reqs)), [0] * num_reqs)
+        survival = step.survival.detach().cpu().numpy() if step.survival is not None else None
+        return StepLens(np.array(step.verify_lens, dtype=np.int64), int(sum(step.run_lens)), survival)
+
+
+def policies_for(plan: AdaptiveVerifyPlan, decode_time: Callable[[int], float],
+                 informed: bool = False) -> list[Policy]:
     """Every policy a simulation compares: target-only, static, fixed k = 1..N, adaptive with speculation
-    pinned on and with its off state, oracle. `decode_time(B)` prices a target-only step for the planner."""
+    pinned on and with its off state, oracle, and with `informed` (a trace with acceptance
+    probabilities) the informed bound. `decode_time(B)` prices a target-only step for the planner."""
     n = plan.num_draft_tokens
     fixed = [FixedPolicy(k) for k in range(1, n + 1)]
+    bound: list[Policy] = [InformedPolicy(plan)] if informed else []
     return [TargetOnlyPolicy(), StaticPolicy(n), *fixed, AdaptivePolicy(plan),
-            AdaptivePolicy(plan, decode_time), OraclePolicy(n)]
+            AdaptivePolicy(plan, decode_time), *bound, OraclePolicy(n)]

@@ -93,11 +93,12 @@ class Tally:
 def trace_batch(trace: Trace, rows: np.ndarray, source: np.ndarray | None) -> Batch:
     """The batch of the trace's request-steps `rows`; with a lag, `source` holds each request's earlier
     row of the trace (-1: none), whose confidence the planner's budget reads."""
+    accept = None if trace.accept_prob is None else trace.accept_prob[rows]
     if source is None:
-        return Batch(trace.confidence[rows], trace.raw_correct_len[rows])
+        return Batch(trace.confidence[rows], trace.raw_correct_len[rows], accept_prob=accept)
     known = source >= 0
     return Batch(trace.confidence[rows], trace.raw_correct_len[rows],
-                 trace.confidence[np.where(known, source, 0)], known)
+                 trace.confidence[np.where(known, source, 0)], known, accept)
 
 
 def draw(rng: np.random.Generator, size: int, concurrency: int) -> np.ndarray:
@@ -146,6 +147,8 @@ class Comparison:
     adaptive_over_target_only: float
     adaptive_off_share: float  # share of adaptive's steps without speculation
     adaptive_dropped: DroppedDrafts | None = None
+    # adaptive-on over `informed` (the plan on the true acceptance probabilities), where the trace has them
+    adaptive_on_over_informed: float | None = None
 
     @property
     def adaptive_over_best(self) -> float:
@@ -161,6 +164,7 @@ class Comparison:
                 "adaptive_over_target_only": self.adaptive_over_target_only,
                 "adaptive_over_best": self.adaptive_over_best,
                 "adaptive_off_share": self.adaptive_off_share,
+                "adaptive_on_over_informed": self.adaptive_on_over_informed,
                 "adaptive_dropped_drafts": None if dropped is None else {
                     "count": dropped.count, "mean_survival": dropped.mean_survival,
                     "reach_rate": dropped.reach_rate}}
@@ -178,5 +182,7 @@ def compare(results: Sequence[PolicyResult]) -> list[Comparison]:
         assert best.verify_len is not None
         out.append(Comparison(c, best.verify_len, rate / best.tokens_per_s, rate / one["oracle"].tokens_per_s,
                               rate / one["static"].tokens_per_s, rate / one["target-only"].tokens_per_s,
-                              adaptive.off_share, adaptive.dropped))
+                              adaptive.off_share, adaptive.dropped,
+                              (one["adaptive-on"].tokens_per_s / one["informed"].tokens_per_s
+                               if "informed" in one and "adaptive-on" in one else None)))
     return out

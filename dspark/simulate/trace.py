@@ -49,6 +49,9 @@ class Trace:
     request: np.ndarray  # int64 [n]
     offset: np.ndarray  # int64 [n]
     commit_len: np.ndarray  # int64 [n]: what the recorded step committed
+    # float32 [n, gamma]: each draft's acceptance probability given its prefix (min(1, p/q) sampled,
+    # 0/1 greedy), where every request-step recorded it (recordings made before the field: None)
+    accept_prob: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = self.raw_correct_len.shape[0]
@@ -61,6 +64,9 @@ class Trace:
             if getattr(self, name).shape != (n,):
                 raise TraceError(f"{self.source}: {name} has {getattr(self, name).shape[0]} entries for "
                                  f"{n} request-steps")
+        if self.accept_prob is not None and self.accept_prob.shape != (n, self.gamma):
+            raise TraceError(f"{self.source}: accept_prob has shape {self.accept_prob.shape}, expected "
+                             f"({n}, gamma={self.gamma})")
         if int(self.raw_correct_len.min()) < 0 or int(self.raw_correct_len.max()) > self.gamma:
             raise TraceError(f"{self.source}: raw_correct_len must be in [0, gamma={self.gamma}]")
 
@@ -119,10 +125,12 @@ def trace_from_steps(steps: Sequence[StepRecord], gamma: int, policy: str, sourc
     lifetimes: dict[tuple[int, int], int] = {}
     committed: dict[int, int] = {}
     confidence, raw, step_index, request, offset, commit = [], [], [], [], [], []
+    accept: list[tuple[float, ...] | None] = []
     for step in steps:
         for req in step.requests:
             rid = lifetimes.setdefault((req.slot, req.generation), len(lifetimes))
             confidence.append(req.confidence)
+            accept.append(req.accept_prob)
             raw.append(req.raw_correct_len)
             step_index.append(step.step)
             request.append(rid)
@@ -133,7 +141,9 @@ def trace_from_steps(steps: Sequence[StepRecord], gamma: int, policy: str, sourc
                  confidence=np.array(confidence, dtype=np.float32),
                  raw_correct_len=np.array(raw, dtype=np.int64), step=np.array(step_index, dtype=np.int64),
                  request=np.array(request, dtype=np.int64), offset=np.array(offset, dtype=np.int64),
-                 commit_len=np.array(commit, dtype=np.int64))
+                 commit_len=np.array(commit, dtype=np.int64),
+                 accept_prob=(np.array(accept, dtype=np.float32) if all(a is not None for a in accept)
+                              else None))
 
 
 def recording_dir(path: str | os.PathLike[str]) -> Path:

@@ -110,16 +110,18 @@ class SpeculativeStep:
 
         # 4. Accept, back at the fixed stride; rows that did not run are never read.
         raw_correct: torch.Tensor | None = None
+        accept_prob: torch.Tensor | None = None
         if batch.all_greedy:
             pred = layout.unpack(logits.argmax(-1), fill=-1).view(num_reqs, n)
             acc: AcceptResult = greedy_accept(drafts, pred, layout.verify_lens)
             if self.recorder is not None:  # the uncapped match: exact labels wherever every row ran
                 raw_correct = greedy_accept(drafts, pred, torch.full_like(layout.verify_lens, n)).correct_len
+                accept_prob = (drafts == pred[:, :-1]).float()
         else:
             p_probs = warp_rows(layout.unpack(logits).view(num_reqs, n, -1), batch)
             verdict = rejection_accept(drafts, warp_rows(proposal.logits, batch), p_probs, layout.verify_lens,
                                        generator)
-            acc, raw_correct = verdict.result, verdict.raw_correct_len
+            acc, raw_correct, accept_prob = verdict.result, verdict.raw_correct_len, verdict.accept_prob
 
         # 5. Commit: the root and the accepted drafts become draft context; the bonus token is the next root.
         real = slice(0, layout.total_rows)
@@ -144,6 +146,7 @@ class SpeculativeStep:
             self.recorder.steps.append(step_record(
                 handles, step=plan, layout=layout, lens=list(plan.verify_lens), correct=correct,
                 raw=raw_correct.tolist(), conf_logits=proposal.conf_logits, seconds=seconds,
+                accept_prob=None if accept_prob is None else accept_prob.tolist(),
                 lag_steps=self.plan.lag_steps, mode=self.plan.mode, probe=self.probe,
                 off_steps=self._off_steps, off_seconds=self._off_seconds))
         self._off_steps, self._off_seconds = 0, 0.0

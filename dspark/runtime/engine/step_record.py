@@ -20,20 +20,25 @@ from dspark.runtime.planner.verify_plan import StepPlan
 def step_record(handles: Sequence[SlotHandle], *, step: StepPlan, layout: VerifyLayout, lens: Sequence[int],
                 correct: Sequence[int], raw: Sequence[int], conf_logits: torch.Tensor | None, seconds: float,
                 lag_steps: int, mode: VerifyMode, probe: bool = False, off_steps: int = 0,
-                off_seconds: float = 0.0) -> StepRecord:
+                off_seconds: float = 0.0,
+                accept_prob: Sequence[Sequence[float]] | None = None) -> StepRecord:
     """The step's record: `lens` the planned verify_lens, `correct` the accepted drafts, `raw` the uncapped
     match, `conf_logits` the draft's confidence logits (None without a confidence head); `probe`, `off_steps`
     and `off_seconds` the planner's off state (a drafted step while off, the target-only steps since the
-    previous drafted one)."""
+    previous drafted one); `accept_prob` each draft's acceptance probability given its prefix (rows that
+    did not run are recorded as they were computed, so only a fully verified request's are exact)."""
     decision = step.decision
     num_reqs = len(lens)
     survival = step.survival.tolist() if step.survival is not None else [None] * num_reqs
     confidence = conf_logits.float().tolist() if conf_logits is not None else [None] * num_reqs
+    accepts = accept_prob if accept_prob is not None else [None] * num_reqs
     requests = tuple(
         RequestRecord(slot=h.slot, generation=h.generation, verify_len=int(vl), correct_len=int(c),
                       raw_correct_len=int(rc), commit_len=int(c) + 1,
-                      confidence=None if z is None else tuple(z), survival=None if s is None else tuple(s))
-        for h, vl, c, rc, z, s in zip(handles, lens, correct, raw, confidence, survival, strict=True))
+                      confidence=None if z is None else tuple(z), survival=None if s is None else tuple(s),
+                      accept_prob=None if a is None else tuple(a))
+        for h, vl, c, rc, z, s, a in zip(handles, lens, correct, raw, confidence, survival, accepts,
+                                         strict=True))
     return StepRecord(
         num_reqs=num_reqs, lag=lag_steps, mode=mode,
         budget=decision.budget if decision else None, aligned_budget=step.aligned_budget,
