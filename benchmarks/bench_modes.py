@@ -29,6 +29,11 @@ from dspark.runtime.engine.stats import RunStats
 from dspark.runtime.package import load_package
 
 
+def decode_rate(run: RunStats) -> float:
+    """Decode tokens/s as `dspark run --json` reports it: generated tokens over decode seconds."""
+    return run.generated_tokens / max(run.decode_seconds, 1e-9)
+
+
 def summarize(name: str, mode: str, runs: list[RunStats], lossless: bool) -> dict[str, Any]:
     last = runs[-1].to_json()
     steps = runs[-1].request_steps or 1
@@ -38,8 +43,7 @@ def summarize(name: str, mode: str, runs: list[RunStats], lossless: bool) -> dic
         "package": name,
         "mode": mode,
         "tokens_per_s": statistics.median(r.to_json()["tokens_per_second"] for r in runs),
-        "decode_tokens_per_s": round(statistics.median(r.generated_tokens / max(r.decode_seconds, 1e-9)
-                                                       for r in runs), 2),
+        "decode_tokens_per_s": round(statistics.median(decode_rate(r) for r in runs), 2),
         "mean_commit_len": last["mean_commit_len"],
         "rows_per_request_step": round(runs[-1].verify_rows / steps, 3),
         "padding_rows_per_request_step": round(runs[-1].padding_rows / steps, 3),
@@ -89,15 +93,14 @@ def main() -> None:
     rows = [summarize(rt.deployment.name, rt.deployment.verify_mode, s, ok)
             for rt, s, ok in zip(runtimes, stats, lossless, strict=True)]
     base = rows[0]["tokens_per_s"]
-    reference_decode = summarize("target-only", "-", target_only, True)["decode_tokens_per_s"]
+    reference_decode = round(statistics.median(decode_rate(r) for r in target_only), 2)
     for row in rows:
         row["ratio_to_first"] = round(row["tokens_per_s"] / base, 3)
         row["decode_ratio_to_target_only"] = round(row["decode_tokens_per_s"] / reference_decode, 3)
     for row, runs_of in zip(rows, stats, strict=True):
         # Paired: each round's decode tokens/s over the first package's in the same round, the median.
         row["paired_decode_ratio_to_first"] = round(statistics.median(
-            (r.generated_tokens / r.decode_seconds) / (f.generated_tokens / f.decode_seconds)
-            for r, f in zip(runs_of, stats[0], strict=True)), 3)
+            decode_rate(r) / decode_rate(f) for r, f in zip(runs_of, stats[0], strict=True)), 3)
     if args.json:
         print(json.dumps({"prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                           "target_only_decode_tokens_per_s": reference_decode,

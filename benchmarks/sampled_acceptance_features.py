@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark.measure.calibration_metrics import roc_auc
 from dspark.measure.recording import RunRecorder
 from dspark.runtime.engine import speculative
 from dspark.runtime.engine.runtime import Runtime
@@ -97,14 +98,6 @@ def fit_logistic(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return w.detach().numpy()
 
 
-def auc(score: np.ndarray, label: np.ndarray) -> float:
-    """Mann-Whitney AUC (ties broken by order: the scores here are continuous)."""
-    ranks = np.empty(len(score))
-    ranks[np.argsort(score, kind="stable")] = np.arange(1, len(score) + 1)
-    pos = label.sum()
-    return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * (len(label) - pos)))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("static_package", type=Path, help="a static build of the sampled deployment")
@@ -134,8 +127,8 @@ def main() -> None:
         for name, with_q in (("platt z", False), ("z + log q", True)):
             w = fit_logistic(features(fit, j, with_q)[fit_rows], fit_label)
             logits[name][:, j] = features(score, j, with_q) @ w
-            line += f" {auc(logits[name][score_rows, j], label):>{7 if not with_q else 12}.3f}"
-        print(line + f" {auc(score.trace.accept_prob[score_rows, j], label):>11.3f}")
+            line += f" {roc_auc(logits[name][score_rows, j], label):>{7 if not with_q else 12}.3f}"
+        print(line + f" {roc_auc(score.trace.accept_prob[score_rows, j], label):>11.3f}")
 
     plan: AdaptiveVerifyPlan = load_package(args.compact_package).plan
     plan = plan.with_overrides(speculation_off="never")
