@@ -144,7 +144,8 @@ def _paged_step(heads: int, kv_heads: int, dim: int) -> None:
         pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
         kv = [p + e for p, e in zip(prefix, extend, strict=True)]
         return TorchPagedMetadata(qo, torch.tensor(kv), table, pos, cache_slots(table, row_req, pos, page),
-                                  max(extend), QueryBlocks.plan(qo.tolist(), kv, pos, table, page))
+                                  max(extend), QueryBlocks.plan(qo.tolist(), kv, pos, table, page,
+                                                                query_group=heads // kv_heads))
 
     torch.manual_seed(2)
     page, ctx = 4, 70

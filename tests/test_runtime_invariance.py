@@ -6,6 +6,7 @@ import torch
 
 from dspark.runtime.attention.metadata import (
     KV_CHUNK,
+    PAIR_TILE,
     SLAB_ROWS,
     QueryBlocks,
     TorchPagedMetadata,
@@ -30,14 +31,16 @@ def test_linear_rows_do_not_depend_on_row_count(in_features: int, out_features: 
     assert torch.equal(ops.linear(x[13:20], w), full[13:20])
 
 
-def _meta(prefix: list[int], extend: list[int], page_table: torch.Tensor, page: int) -> TorchPagedMetadata:
+def _meta(prefix: list[int], extend: list[int], page_table: torch.Tensor, page: int,
+          query_group: int = 2) -> TorchPagedMetadata:
     qo = torch.tensor([0, *torch.tensor(extend).cumsum(0).tolist()], dtype=torch.int32)
     row_req = torch.repeat_interleave(torch.arange(len(extend)), torch.tensor(extend))
     pos = torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, extend, strict=True)])
     kv = [p + e for p, e in zip(prefix, extend, strict=True)]
     return TorchPagedMetadata(qo, torch.tensor(kv), page_table, pos,
                               cache_slots(page_table, row_req, pos, page), max(extend),
-                              QueryBlocks.plan(qo.tolist(), kv, pos, page_table, page))
+                              QueryBlocks.plan(qo.tolist(), kv, pos, page_table, page,
+                                               query_group=query_group))
 
 
 # GQA; MHA and a single head, whose one-row blocks are padded so the products keep two columns
@@ -53,15 +56,16 @@ def test_paged_attention_row_is_the_same_alone_or_in_a_verify_block(heads: int, 
     k = torch.randn(ctx + 5, kv_heads, dim)
     v = torch.randn(ctx + 5, kv_heads, dim)
     q = torch.randn(ctx + 5, heads, dim)
-    prefill = _meta([0], [ctx], table[:1], page)
+    group = heads // kv_heads
+    prefill = _meta([0], [ctx], table[:1], page, group)
     attn.attend(0, q[:ctx], k[:ctx], v[:ctx], prefill)
-    block = _meta([ctx, 0], [5, 3], table, page)  # 5 verify rows beside another request
+    block = _meta([ctx, 0], [5, 3], table, page, group)  # 5 verify rows beside another request
     q2 = torch.cat((q[ctx:], torch.randn(3, heads, dim)))
     k2 = torch.cat((k[ctx:], torch.randn(3, kv_heads, dim)))
     v2 = torch.cat((v[ctx:], torch.randn(3, kv_heads, dim)))
     out_block = attn.attend(0, q2, k2, v2, block)
     for i in range(5):  # the same rows one at a time, as target-only decoding runs them
-        single = _meta([ctx + i], [1], table[:1], page)
+        single = _meta([ctx + i], [1], table[:1], page, group)
         out = attn.attend(0, q[ctx + i:ctx + i + 1], k[ctx + i:ctx + i + 1], v[ctx + i:ctx + i + 1], single)
         assert torch.equal(out[0], out_block[i]), i
     # and it is ordinary causal attention
@@ -96,26 +100,33 @@ def test_a_row_does_not_depend_on_how_far_other_requests_keys_go() -> None:
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (8, 2)])  # MHA, and GQA groups of 3 and 4
 def test_a_row_is_the_same_in_a_block_of_any_width(heads: int, kv_heads: int) -> None:
-    """Requests run in blocks of 1, 2, 4 or 8 rows (by their own row count): a request's rows must come
-    out the same whichever block it lands in and whoever shares it, down to a block of one row with
-    one query head per KV head (a single column in each product)."""
+    """Requests run in blocks by the product tiles their rows fill, padded to the widest request of
+    the block: a request's rows must come out the same whichever block it lands in and whoever
+    shares it, down to a block of one row with one query head per KV head (a single column in each
+    product)."""
     torch.manual_seed(3)
     page, dim, ctx = 8, 16, 21
+    group = heads // kv_heads
+
+    def tiles(rows: int) -> int:
+        return -(-rows * group // PAIR_TILE)
+
     cache = PagedKVCache(1, 40, page, kv_heads, dim, torch.float32)
     attn = TorchPagedAttention(cache, page, heads, dim ** -0.5)
     table = torch.arange(1, 37, dtype=torch.int32).view(4, 9)
     for r in range(4):
         attn.attend(0, torch.randn(ctx + r, heads, dim), torch.randn(ctx + r, kv_heads, dim),
-                    torch.randn(ctx + r, kv_heads, dim), _meta([0], [ctx + r], table[r:r + 1], page))
+                    torch.randn(ctx + r, kv_heads, dim), _meta([0], [ctx + r], table[r:r + 1], page, group))
     q, k, v = torch.randn(7, heads, dim), torch.randn(7, kv_heads, dim), torch.randn(7, kv_heads, dim)
     outs = []
     for rows in (1, 2, 3, 5, 7):  # request 0's first `rows` rows, beside requests of other widths
         others = [1, 4, 8][: rows % 3 + 1]
         extra = sum(others)
         meta = _meta([ctx, *(ctx + 1 + i for i in range(len(others)))], [rows, *others],
-                     table[: 1 + len(others)], page)
+                     table[: 1 + len(others)], page, group)
         blocks = meta.blocks.blocks
-        assert sum(b.gather.numel() for b in blocks) <= 2 * (rows + extra)  # padding at most doubles the rows
+        # padding at most doubles the product tiles a request fills
+        assert sum(b.num_requests * tiles(b.width) for b in blocks) <= 2 * sum(map(tiles, [rows, *others]))
         out = attn.attend(0, torch.cat((q[:rows], torch.randn(extra, heads, dim))),
                           torch.cat((k[:rows], torch.randn(extra, kv_heads, dim))),
                           torch.cat((v[:rows], torch.randn(extra, kv_heads, dim))), meta)
@@ -124,24 +135,30 @@ def test_a_row_is_the_same_in_a_block_of_any_width(heads: int, kv_heads: int) ->
         assert torch.equal(out, outs[-1][: out.shape[0]])
 
 
-def test_query_blocks_group_requests_by_row_count() -> None:
+def test_query_blocks_group_requests_by_the_product_tiles_their_rows_fill() -> None:
     qo = [0, 1, 9, 9, 12, 14, 19]  # rows 1, 8, 0, 3, 2, 5
     kv = [100, 30, 5, 200, 64, 65]
     positions = torch.arange(19)
     table = torch.arange(6 * 3, dtype=torch.int32).view(6, 3)  # 3 pages of 64 per request
-    blocks = QueryBlocks.plan(qo, kv, positions, table, page_size=64)
-    # Widths 1, 2, 3 (joins 4), 8 (8 and 5 rows); the request with no rows joins none; each block reads
-    # its own longest KV length, page by page (past the page table: its last page again, masked).
+    # Four query heads per KV head: up to four rows fill one tile of PAIR_TILE pairs, five to eight two.
+    assert PAIR_TILE == 16
+    blocks = QueryBlocks.plan(qo, kv, positions, table, page_size=64, query_group=4)
+    # Rows 1, 3 and 2 share a block of width 3, rows 8 and 5 one of width 8; the request with no rows
+    # joins none; each block reads its own longest KV length, page by page (past the page table: its
+    # last page again, masked).
     assert [(b.width, b.kv_bound, b.pages.tolist()) for b in blocks.blocks] == [
-        (1, 128, [0, 1]), (2, 64, [12]), (3, 256, [9, 10, 11, 11]), (8, 128, [3, 4, 15, 16])]
+        (3, 256, [0, 1, 2, 2, 9, 10, 11, 11, 12, 13, 14, 14]), (8, 128, [3, 4, 15, 16])]
     wide = blocks.blocks[-1]
     assert wide.gather.tolist() == [list(range(1, 9)), [14, 15, 16, 17, 18, 19, 19, 19]]  # 19: zero row
     assert wide.hidden.shape == (2, 128, 1, 8)
     assert wide.hidden[0, :4, 0, 0].tolist() == [False, False, True, True]  # row at position 1
     assert wide.hidden[1, :, 0, 5:].all()  # padding entries see no key
-    # Laid end to end the blocks' rows are 1 + 2 + 3 + 16; scatter finds every row's place.
+    # Laid end to end the blocks' rows are 9 + 16; scatter finds every row's place.
     flat = torch.cat([b.gather.flatten() for b in blocks.blocks])
     assert flat[blocks.scatter].tolist() == list(range(19))
+    # One query head per KV head: sixteen rows fill a tile, so every request joins one block.
+    single = QueryBlocks.plan(qo, kv, positions, table, page_size=64, query_group=1)
+    assert [(b.width, b.num_requests) for b in single.blocks] == [(8, 5)]
 
 
 def test_a_long_prefill_chunk_runs_in_slabs_that_read_only_their_keys() -> None:

@@ -186,7 +186,8 @@ def _backend_vs_reference(layout: VerifyLayout | ExtendLayout, max_rows: int, nu
                               out_cache_loc=layout.out_cache_loc,
                               max_seqlen_q=max_rows,
                               blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens,
-                                                      layout.positions, layout.page_table, page_size))
+                                                      layout.positions, layout.page_table, page_size,
+                                                      query_group=group))
     scale = head_dim ** -0.5
     backend = TorchPagedAttention(cache, page_size, group * num_kv, scale).attend(0, q, k, v, meta)
     ours = paged_attention(q, cache.k[0], cache.v[0], meta.qo_indptr, meta.kv_lens, meta.positions,

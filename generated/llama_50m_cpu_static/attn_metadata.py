@@ -13,6 +13,8 @@ from .deployment import NUM_DRAFT_TOKENS, PAGE_SIZE
 
 # The widest query block of a verify step: every request runs all N rows.
 MAX_SEQLEN_Q = NUM_DRAFT_TOKENS
+# Query heads per KV head: how many of a request's rows fill one of the attention's product tiles.
+QUERY_GROUP = 3
 
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
@@ -27,7 +29,7 @@ def build_extend_metadata(layout: ExtendLayout) -> TorchPagedMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=layout.max_rows,
         blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
-                                layout.page_table, PAGE_SIZE),
+                                layout.page_table, PAGE_SIZE, query_group=QUERY_GROUP),
     )
 
 
@@ -47,5 +49,5 @@ def build_verify_metadata(layout: VerifyLayout) -> TorchPagedMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=MAX_SEQLEN_Q,
         blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
-                                layout.page_table, PAGE_SIZE),
+                                layout.page_table, PAGE_SIZE, query_group=QUERY_GROUP),
     )

@@ -13,6 +13,8 @@ from .deployment import MAX_VERIFY_LEN, PAGE_SIZE
 
 # The widest query block of a verify step: a request runs at most max_verify_len rows.
 MAX_SEQLEN_Q = MAX_VERIFY_LEN
+# Query heads per KV head: how many of a request's rows fill one of the attention's product tiles.
+QUERY_GROUP = 4
 
 __all__ = ["AttentionBackend", "build_extend_metadata", "build_verify_metadata"]
 
@@ -27,7 +29,7 @@ def build_extend_metadata(layout: ExtendLayout) -> TorchPagedMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=layout.max_rows,
         blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
-                                layout.page_table, PAGE_SIZE),
+                                layout.page_table, PAGE_SIZE, query_group=QUERY_GROUP),
     )
 
 
@@ -48,5 +50,5 @@ def build_verify_metadata(layout: VerifyLayout) -> TorchPagedMetadata:
         out_cache_loc=layout.out_cache_loc,
         max_seqlen_q=MAX_SEQLEN_Q,
         blocks=QueryBlocks.plan(layout.host_qo_indptr, layout.host_kv_lens, layout.positions,
-                                layout.page_table, PAGE_SIZE),
+                                layout.page_table, PAGE_SIZE, query_group=QUERY_GROUP),
     )

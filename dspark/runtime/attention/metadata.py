@@ -20,6 +20,9 @@ import torch
 # The torch attention reads keys in chunks of this many positions, always in the same order, so a
 # row's result does not depend on how far other requests' keys go (see torch_paged.py).
 KV_CHUNK = 64
+# The (query row, query head) pairs of one of its problems: the products' vector lanes, a whole number
+# of AVX-512 registers.
+PAIR_TILE = 16
 
 
 def kv_read_bound(kv_lens: Sequence[int]) -> int:
@@ -33,10 +36,15 @@ def kv_read_bound(kv_lens: Sequence[int]) -> int:
 SLAB_ROWS = 128
 
 
-def block_width(rows: int) -> int:
-    """The query block a request with `rows` rows joins: the next power of two, so a step's requests
-    fall into a few blocks and no block pads a request to more than twice its rows."""
-    return 1 << (rows - 1).bit_length()
+def block_class(rows: int, query_group: int) -> int:
+    """The query block a request with `rows` rows joins: the number of the attention's product tiles
+    its (row, query head of a KV group) pairs fill, rounded up to a power of two. Padding a request to
+    the widest of its class costs no products (the pairs of a one-tile class fill one tile however
+    few rows a request has) and at most doubles a wider request's tiles, while every class is one
+    more attention call per layer, which on a CPU costs more than a small block's products: a compact
+    step's mixed verify lengths must not split into a block per power of two of rows."""
+    tiles = -(-rows * query_group // PAIR_TILE)
+    return 1 << (tiles - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -73,10 +81,10 @@ class QueryBlock:
 class QueryBlocks:
     """A step's ragged query rows as dense blocks of requests with similar row counts.
 
-    Requests are grouped by `block_width` of their row count, so the attention's work follows the
-    rows a step runs (a compact step of two rows per request does a quarter of the work of eight
-    rows) instead of padding every request to the widest one; a request of more than `SLAB_ROWS`
-    rows runs as slabs, one block each. Requests with no rows join no block.
+    Requests are grouped by `block_class` of their row count, so the attention's work follows the
+    rows a step runs (a compact step of two rows per request does half the products of eight rows
+    with four query heads per KV head) instead of padding every request to the widest one; a request
+    of more than `SLAB_ROWS` rows runs as slabs, one block each. Requests with no rows join no block.
     `scatter[t]` is row t's index in the blocks' `[b * width]` outputs laid end to end.
     """
 
@@ -85,7 +93,8 @@ class QueryBlocks:
 
     @staticmethod
     def plan(host_qo_indptr: Sequence[int], host_kv_lens: Sequence[int], positions: torch.Tensor,
-             page_table: torch.Tensor, page_size: int) -> QueryBlocks:
+             page_table: torch.Tensor, page_size: int, *, query_group: int) -> QueryBlocks:
+        """`query_group` is the model's query heads per KV head (a rank's, under tensor parallelism)."""
         device = positions.device
         total = positions.shape[0]
         lens = [end - start for start, end in itertools.pairwise(host_qo_indptr)]
@@ -96,7 +105,7 @@ class QueryBlocks:
                 for first in range(0, rows, SLAB_ROWS):
                     members[(-1, req, first)] = [(req, first, min(SLAB_ROWS, rows - first))]
             elif rows:
-                members.setdefault((block_width(rows),), []).append((req, 0, rows))
+                members.setdefault((block_class(rows, query_group),), []).append((req, 0, rows))
         padded_pos = torch.cat((positions.long(), positions.new_full((1,), -1).long()))
         last_page = page_table.shape[1] - 1
         blocks, scatter, offset = [], [0] * total, 0

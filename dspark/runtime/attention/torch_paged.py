@@ -31,6 +31,11 @@ class TorchPagedAttention:
         self._masks_of: QueryBlocks | None = None
         self._masks: dict[int, ops.PairMask] = {}
 
+    @property
+    def query_group(self) -> int:
+        """Query heads per KV head, which `QueryBlocks.plan` groups a step's requests by."""
+        return self.num_heads // self.cache.k.shape[-2]
+
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: TorchPagedMetadata) -> torch.Tensor:
         self.cache.write(layer_id, meta.out_cache_loc, k, v)

@@ -169,7 +169,8 @@ class PagedDraftBlock:
                 raise ValueError("the torch paged attention plans its query blocks on the host: "
                                  "pass prefix_host")
             blocks = QueryBlocks.plan([gamma * b for b in range(num_reqs + 1)],
-                                      [p + gamma for p in prefix_host], last_visible, page_table, page_size)
+                                      [p + gamma for p in prefix_host], last_visible, page_table, page_size,
+                                      query_group=backend.query_group)
             return cls(backend, TorchPagedMetadata(**fields, blocks=blocks))
         return cls(backend, PagedAttnMetadata(**fields))
 

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from dspark.formats.hf_config import RopeScaling
-from dspark.runtime.attention.metadata import KV_CHUNK
+from dspark.runtime.attention.metadata import KV_CHUNK, PAIR_TILE
 from dspark.runtime.kernels import rms_norm as rms_norm_kernels
 
 # Rows of every CPU linear call. 16 keeps a one-row decode step as cheap as the smallest efficient
@@ -52,9 +52,6 @@ BLAS_MIN_OUT = 64
 # Problems in every CPU batched-product call: a call costs about 6 us plus 0.9 us a problem here, so 32
 # keeps a small step's padding problems cheap and a large step's calls few.
 PROBLEMS_PER_CALL = 32
-# The (query row, query head) pairs of one attention problem: the products' vector lanes, a whole
-# number of AVX-512 registers.
-PAIR_TILE = 16
 # Elements of every elementwise transcendental call: a multiple of 2 x 16 float32 lanes (AVX-512's
 # loop step; AVX2's is half) and below torch's parallel grain (32768), so it never splits.
 ELEMENT_TILE = 16384
