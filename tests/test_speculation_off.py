@@ -121,8 +121,11 @@ class ScriptedSwitch:
         self.probing = False
         self.observed = 0
 
-    def predict(self, requests: list[tuple[int, int]]) -> Prediction:
+    def predict(self, requests: list[tuple[int, int]], offset_seconds: float = 0.0) -> Prediction:
         return Prediction(len(requests), 1.0, 1.0, 1.0)
+
+    def decode_time(self, num_reqs: int) -> float:
+        return 1.0
 
     def speculates(self, prediction: Prediction) -> bool:
         self.speculating = next(self.decisions)

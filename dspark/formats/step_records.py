@@ -103,7 +103,7 @@ class RequestRecord:
 
 _STEP_KEYS = ("step", "num_reqs", "lag", "mode", "budget", "aligned_budget", "decision_tau", "planned_rows",
               "rows", "tier", "padding_rows", "tau", "committed", "predicted_step_seconds", "step_seconds",
-              "requests", "probe", "off_steps", "off_seconds")
+              "requests", "probe", "off_steps", "off_seconds", "offset_seconds")
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,9 @@ class StepRecord:
     probe: bool = False
     off_steps: int = 0
     off_seconds: float = 0.0
+    # The measured step offset the planner added to every price it weighed (`predicted_step_seconds`
+    # includes it); absent, 0, in recordings made before the planner measured it.
+    offset_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         if self.step is None:
@@ -142,7 +145,8 @@ class StepRecord:
                 "padding_rows": self.padding_rows, "tau": self.tau, "committed": self.committed,
                 "predicted_step_seconds": self.predicted_step_seconds, "step_seconds": self.step_seconds,
                 "requests": [r.to_json() for r in self.requests], "probe": self.probe,
-                "off_steps": self.off_steps, "off_seconds": self.off_seconds}
+                "off_steps": self.off_steps, "off_seconds": self.off_seconds,
+                "offset_seconds": self.offset_seconds}
 
     @classmethod
     @errors_as(StepRecordError)
@@ -168,7 +172,15 @@ class StepRecord:
             tau=number_field(data, "tau", where, nullable=True),
             committed=int_field(data, "committed", where),
             predicted_step_seconds=number_field(data, "predicted_step_seconds", where, nullable=True),
-            step_seconds=step_seconds, requests=requests, **_off_state(data, where))
+            step_seconds=step_seconds, requests=requests, **_off_state(data, where),
+            offset_seconds=_offset(data, where))
+
+
+def _offset(data: Mapping[str, Any], where: str) -> float:
+    offset = number_field(data, "offset_seconds", where) if "offset_seconds" in data else 0.0
+    if offset < 0:
+        raise StepRecordError(f"{where}: offset_seconds must be >= 0, got {offset}")
+    return offset
 
 
 def _off_state(data: Mapping[str, Any], where: str) -> dict[str, Any]:

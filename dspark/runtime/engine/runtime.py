@@ -286,10 +286,14 @@ class Runtime:
         one decision for every DP rank); a drafted step's committed tokens are what the switch learns."""
         keys = [(r.handle.slot, r.handle.generation) for r in decoding]
         was = switch.speculating
-        speculates = switch.speculates(self.sync.agree_prediction(switch.predict(keys)))
+        offset = self.speculative.offset
+        speculates = switch.speculates(self.sync.agree_prediction(switch.predict(keys, offset.seconds)))
         stats.switches += int(switch.speculating != was)
         if not speculates:
-            return self.extend.decode(decoding, stats, with_draft=True), False
+            off = self.extend.decode(decoding, stats, with_draft=True)
+            if off is not None:
+                offset.observe(switch.decode_time(off.num_reqs), off.seconds)
+            return off, False
         self.speculative.probe = switch.probing
         prefix = [r.seq_len for r in decoding]
         step = self.speculative(decoding, stats)

@@ -29,6 +29,7 @@ from dspark.runtime.engine.step_sync import GlobalVerify, StepSync, VerifyReport
 from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
 from dspark.runtime.kv_cache import SlotHandle
 from dspark.runtime.layout import tier_for
+from dspark.runtime.planner.step_offset import StepOffset
 from dspark.runtime.planner.survival import LaggedSurvival
 from dspark.runtime.planner.verify_plan import StepPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams, pick_rows, rejection_accept, warp_rows
@@ -66,6 +67,9 @@ class SpeculativeStep:
         self.policy = policy  # the run's default policy: the one recorded labels describe
         # The lagged-confidence history belongs to the runtime; a plan is shared, immutable config.
         self.history = LaggedSurvival(plan.lag_steps, plan.gamma) if plan.lag_steps else None
+        # What a step costs here beyond its table price, measured over the last steps and added to every
+        # price the planner weighs (the off state's included).
+        self.offset = StepOffset(plan.step_offset_window)
         self.recorder: StepRecorder | None = None
         # the planner's off state, for the next step's record: is it a probe, and the steps without
         # speculation since the last drafted one (`note_off_step`)
@@ -96,7 +100,8 @@ class SpeculativeStep:
 
         # 2. Plan: the planner's verify_lens, then the step's layout, once.
         handles = [r.handle for r in running]
-        plan, tier, logit_rows = self._plan(proposal.conf_logits, handles)
+        offset = self.offset.seconds
+        plan, tier, logit_rows = self._plan(proposal.conf_logits, handles, offset)
         self._check(tier, logit_rows)
 
         # 3. Verify: the step's layout, once, and the target's forward of its rows (packed when some
@@ -135,6 +140,9 @@ class SpeculativeStep:
             commit_tokens(r, d[:c] + [b], self.eos_ids)
         stats.record_step(correct, list(plan.verify_lens), layout, plan)
         seconds = time.perf_counter() - start  # the step's wall time, before any recording work
+        decision = plan.decision
+        if decision is not None and decision.predicted_step_seconds is not None:
+            self.offset.observe(decision.predicted_step_seconds - offset, seconds)
 
         # 6. Record (`dspark run --record`): calibration labels and the step's record.
         if self.recorder is not None and proposal.conf_logits is not None and raw_correct is not None:
@@ -148,9 +156,8 @@ class SpeculativeStep:
                 raw=raw_correct.tolist(), conf_logits=proposal.conf_logits, seconds=seconds,
                 accept_prob=None if accept_prob is None else accept_prob.tolist(),
                 lag_steps=self.plan.lag_steps, mode=self.plan.mode, probe=self.probe,
-                off_steps=self._off_steps, off_seconds=self._off_seconds))
+                off_steps=self._off_steps, off_seconds=self._off_seconds, offset_seconds=offset))
         self._off_steps, self._off_seconds = 0, 0.0
-        decision = plan.decision
         return StepInfo(num_reqs=num_reqs, committed=sum(correct) + num_reqs, rows=layout.total_rows,
                         planned_rows=sum(plan.verify_lens), padding_rows=layout.num_padding_rows,
                         tier=layout.tier, budget=decision.budget if decision else None, tau=plan.tau,
@@ -161,14 +168,14 @@ class SpeculativeStep:
         self._off_steps += 1
         self._off_seconds += seconds
 
-    def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle]
+    def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle], offset: float
               ) -> tuple[StepPlan, int, int]:
         """The step's plan, and the tier and logit rows every engine that runs it runs."""
         num_reqs = len(handles)
         slots, generations = [h.slot for h in handles], [h.generation for h in handles]
         own: StepPlan | None
         try:
-            own = self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history)
+            own = self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history, offset)
             rows = sum(own.run_lens)
             report = VerifyReport(num_reqs, rows, self._tier_of(rows), True)
         except ValueError as error:  # the planner's refusals, and a step past the largest tier

@@ -89,8 +89,9 @@ class ScheduleConfig:
 class BudgetDecision:
     """The chosen number of extra rows and what the planner expects from it.
 
-    `predicted_step_seconds` is the verify step plus the draft term, so `objective = tau /
-    predicted_step_seconds` (tokens per second); both are None when there is no cost model.
+    `predicted_step_seconds` is the verify step plus the draft term and the step offset the planner was
+    given, so `objective = tau / predicted_step_seconds` (tokens per second); both are None when there is
+    no cost model.
     """
 
     budget: int
@@ -248,21 +249,22 @@ def _check_cost_model(cost_model: CostModel | None) -> None:
 
 
 def choose_budget(survival: torch.Tensor, cost_model: CostModel | None, cfg: ScheduleConfig,
-                  max_rows: int | None = None) -> BudgetDecision:
+                  max_rows: int | None = None, offset_seconds: float = 0.0) -> BudgetDecision:
     """The budget b (extra rows beyond the floor) maximising expected progress per second.
 
     The objective is `tau(b) * SPS(M)` for an `SpsTable` and `tau(b) / T(B, M)` for an
     `AdditiveCostTable` or a `TierCostTable`; with a draft term it is `tau(b) / (step seconds +
-    draft_time(B))`. Only budgets with M within `cost_model.max_rows` (a tier table's last tier) and
-    `max_rows` are feasible; the first maximum wins ties. Without a cost model every candidate is
-    verified, as far as `max_rows` allows.
+    draft_time(B))`, and `offset_seconds` (the measured excess of a step over its price, `step_offset`) is
+    added to every step's seconds. Only budgets with M within `cost_model.max_rows` (a tier table's last
+    tier) and `max_rows` are feasible; the first maximum wins ties. Without a cost model every candidate
+    is verified, as far as `max_rows` allows.
     """
     _check_cost_model(cost_model)
-    return decide_budget(Ranking.of(survival, cfg), cost_model, cfg, max_rows)
+    return decide_budget(Ranking.of(survival, cfg), cost_model, cfg, max_rows, offset_seconds)
 
 
 def decide_budget(ranking: Ranking, cost_model: CostModel | None, cfg: ScheduleConfig,
-                  max_rows: int | None = None) -> BudgetDecision:
+                  max_rows: int | None = None, offset_seconds: float = 0.0) -> BudgetDecision:
     """`choose_budget` of an already ranked survival."""
     num_reqs = ranking.num_reqs
     base_rows = num_reqs * cfg.floor
@@ -282,23 +284,26 @@ def decide_budget(ranking: Ranking, cost_model: CostModel | None, cfg: ScheduleC
 
     # The budgets' M values are consecutive, so each table answers with a slice of its values
     # tabulated at every M (cost_models: `rates_for_rows`, `step_time_for_rows`).
-    draft_seconds = cost_model.draft_time(num_reqs)
+    if not offset_seconds >= 0:
+        raise ValueError(f"offset_seconds must be >= 0, got {offset_seconds}")
+    # Seconds every budget's step pays on top of its verify rows: the draft and the measured offset.
+    extra_seconds = cost_model.draft_time(num_reqs) + offset_seconds
     if isinstance(cost_model, SpsTable):
         steps_per_sec = cost_model.rates_for_rows(base_rows, top + 1)
-        if draft_seconds == 0:
+        if extra_seconds == 0:
             # Without a draft term use the table's rate directly: tau * SPS is the source's formula.
             objective = tau * steps_per_sec
         else:
-            objective = tau / (1.0 / steps_per_sec + draft_seconds)
+            objective = tau / (1.0 / steps_per_sec + extra_seconds)
     else:
         step_seconds = cost_model.step_time_for_rows(num_reqs, base_rows, top + 1)
-        if draft_seconds:
-            step_seconds = step_seconds + draft_seconds
+        if extra_seconds:
+            step_seconds = step_seconds + extra_seconds
         objective = tau / step_seconds
     best = objective.max()
     budget = int(np.argmax(objective >= best - TIE_RTOL * best))
     if isinstance(cost_model, SpsTable):
-        seconds = 1.0 / float(steps_per_sec[budget]) + draft_seconds
+        seconds = 1.0 / float(steps_per_sec[budget]) + extra_seconds
     else:
         seconds = float(step_seconds[budget])
     return BudgetDecision(budget, base_rows + budget, float(tau[budget]), seconds, float(objective[budget]))

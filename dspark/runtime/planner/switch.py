@@ -121,20 +121,21 @@ class SpeculationSwitch:
         total, steps = self._requests.get(key, (0.0, 0))
         return (total + PRIOR_STEPS * prior) / (steps + PRIOR_STEPS)
 
-    def predict(self, requests: Sequence[RequestKey]) -> Prediction:
+    def predict(self, requests: Sequence[RequestKey], offset_seconds: float = 0.0) -> Prediction:
         """Both prices for a step of `requests`, from their drafted steps (the batch's for one not drafted
-        yet) at the last drafted step's rows per request."""
+        yet) at the last drafted step's rows per request; `offset_seconds` (the engine's measured
+        `StepOffset`) is added to both."""
         num_reqs = len(requests)
         if not num_reqs:
             return NO_PREDICTION
-        off = self.decode_time(num_reqs)
+        off = self.decode_time(num_reqs) + offset_seconds
         if self._rows is None:  # nothing drafted yet: speculating is all there is to go by
             return Prediction(num_reqs, float("inf"), 1.0, off)
         rows = min(max(round(self._rows * num_reqs), num_reqs), num_reqs * self.cap)
         if self.max_rows is not None:
             rows = min(rows, self.max_rows)
         tokens = sum(self._expected_tokens(key) for key in requests)
-        on = self.table.step_time(num_reqs, rows) + self.table.draft_time(num_reqs)
+        on = self.table.step_time(num_reqs, rows) + self.table.draft_time(num_reqs) + offset_seconds
         return Prediction(num_reqs, tokens, on, off)
 
     def speculates(self, prediction: Prediction) -> bool:

@@ -65,8 +65,18 @@ class VerifyPlan(Protocol):
     @property
     def num_draft_tokens(self) -> int: ...
 
+    @property
+    def step_offset_window(self) -> int:
+        """Steps the engine's measured `StepOffset` is the median of (0: the planner prices by the table
+        alone)."""
+        ...
+
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
-                  generations: Sequence[int], history: LaggedSurvival | None) -> StepPlan: ...
+                  generations: Sequence[int], history: LaggedSurvival | None,
+                  offset_seconds: float = 0.0) -> StepPlan:
+        """The step's `verify_lens`; `offset_seconds` (the engine's measured `StepOffset`) is added to
+        every price the budget weighs."""
+        ...
 
     def speculation_switch(self) -> SpeculationSwitch | None:
         """A runtime's off-state machine, or None where every step speculates."""
@@ -104,6 +114,7 @@ class StaticVerifyPlan:
     temperatures: tuple[float, ...] | None = None
     mode: VerifyMode = VerifyMode.STATIC
     lag_steps: int = 0
+    step_offset_window: int = 0  # nothing is priced
 
     def __post_init__(self) -> None:
         if self.gamma < 1:
@@ -116,7 +127,8 @@ class StaticVerifyPlan:
         return num_draft_tokens(self.gamma)
 
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int] = (),
-                  generations: Sequence[int] = (), history: LaggedSurvival | None = None) -> StepPlan:
+                  generations: Sequence[int] = (), history: LaggedSurvival | None = None,
+                  offset_seconds: float = 0.0) -> StepPlan:
         full = (self.num_draft_tokens,) * num_reqs
         survival = None
         if confidence_logits is not None:
@@ -163,6 +175,7 @@ class AdaptiveVerifyPlan:
     off_margin: float = SwitchConfig.margin  # ... and its hysteresis (`SwitchConfig`)
     off_patience: int = SwitchConfig.patience
     probe_every: int = SwitchConfig.probe_every
+    step_offset_window: int = 64  # the measured step offset's window (`StepOffset`; 0 turns it off)
 
     def __post_init__(self) -> None:
         if not self.mode.plans:
@@ -172,6 +185,9 @@ class AdaptiveVerifyPlan:
                              "give one per draft position")
         if self.align_to_graph_tier and not self.token_tiers:
             raise ValueError("align_to_graph_tier needs the graph's token_tiers")
+        if self.step_offset_window < 0:
+            raise ValueError(f"step_offset_window must be >= 0 (0 turns the measured offset off), got "
+                             f"{self.step_offset_window}")
         if self.forced_budget_fraction is not None and not 0.0 <= self.forced_budget_fraction <= 1.0:
             raise ValueError(f"forced_budget_fraction must be in [0, 1], got "
                              f"{self.forced_budget_fraction}")
@@ -230,7 +246,8 @@ class AdaptiveVerifyPlan:
         return dataclasses.replace(self, **changes)
 
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
-                  generations: Sequence[int], history: LaggedSurvival | None = None) -> StepPlan:
+                  generations: Sequence[int], history: LaggedSurvival | None = None,
+                  offset_seconds: float = 0.0) -> StepPlan:
         if confidence_logits is None:
             raise ValueError(f"{self.mode} planning needs the draft's confidence logits; use a draft "
                              "with a confidence head")
@@ -245,7 +262,8 @@ class AdaptiveVerifyPlan:
         budget_ranking = Ranking.of(budget_survival, cfg)
         # Packed rows must fit the largest captured tier; a full-block step always runs B x N rows.
         max_rows = self.tier_row_limit
-        decision = decide_budget(budget_ranking, self.table, cfg, max_rows=max_rows)
+        decision = decide_budget(budget_ranking, self.table, cfg, max_rows=max_rows,
+                                 offset_seconds=offset_seconds)
         ranking = budget_ranking if budget_survival is survival else Ranking.of(survival, cfg)
         budget = decision.budget
         if self.forced_budget_fraction is not None:  # in [0, 1]: checked by __post_init__

@@ -74,6 +74,8 @@ class ServingMetrics:
         self.state_seconds = {state: state_seconds.labels(*values, state) for state in ("on", "off")}
         self.switches = counter("dspark_speculation_switches", "times the planner switched speculation "
                                 "off or on again").labels(*values)
+        self.step_offset = gauge("dspark_step_offset_seconds", "seconds the planner adds to every step "
+                                 "price: the median excess of the last measured decode steps over the table")
         self.queue_depth = gauge("dspark_queue_depth", "requests waiting for a slot or KV pages")
         self.running = gauge("dspark_running_requests", "requests holding a slot")
         self.free_pages = gauge("dspark_kv_free_pages", "free KV pages")
@@ -120,6 +122,7 @@ class ServingMetrics:
                 self._tau += step.tau
                 self._planned_committed += step.committed
                 self.tau_bias.set((self._planned_committed - self._tau) / max(self._planned_committed, 1))
+        self.step_offset.set(runtime.speculative.offset.seconds)
         speculating = not runtime.target_only and (runtime.switch is None or runtime.switch.speculating)
         if self._speculating != speculating:
             self._speculating = speculating
