@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -463,5 +464,46 @@ def test_help_names_the_sweep(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--sweep", "--concurrency-list", "--request-rates", "--policies", "--fixed-k", "--out"):
+    for flag in ("--sweep", "--concurrency-list", "--request-rates", "--policies", "--fixed-k", "--out",
+                 "--rounds"):
         assert flag in text
+
+
+def test_rounds_interleave_every_policy_with_every_server_up(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["bench", "--sweep", str(COMPACT), "--concurrency-list", "1,2", "--policies",
+                   "target-only,fixed,adaptive", "--fixed-k", "8", "--num-prompts", "2", "--max-tokens", "6",
+                   "--rounds", "2", "--out", str(tmp_path), "--no-progress"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "2 rounds, every server up" in captured.out
+    assert "greedy outputs identical to target-only's: 3 of 3 policies" in captured.out
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert data["settings"]["rounds"] == 2 and "--rounds 2" in data["command"]
+    order = [(p["round"], p["load"]["label"], p["policy"]) for p in data["points"]]
+    policies = ["target-only", "fixed-8", "adaptive"]
+    expected = []
+    for round_index in range(2):
+        for load_index, load in enumerate(("c=1", "c=2")):
+            shift = (round_index + load_index) % 3
+            expected += [(round_index, load, p) for p in policies[shift:] + policies[:shift]]
+    assert order == expected  # every (policy, load) once a round, the order rotated
+
+
+def test_a_point_of_several_rounds_is_its_median_round() -> None:
+    def point(policy: str, tok_s: float, round_index: int) -> SweepPoint:
+        return dataclasses.replace(_point(policy, C1, tok_s), round=round_index)
+
+    points = [point("fixed-8", 100.0, 0), point("adaptive", 90.0, 0), point("fixed-8", 300.0, 1),
+              point("adaptive", 120.0, 1), point("fixed-8", 110.0, 2), point("adaptive", 105.0, 2)]
+    result = _synthetic(points)
+    assert result.point("fixed-8", C1).output_throughput == pytest.approx(110.0)  # type: ignore[union-attr]
+    assert result.point("adaptive", C1).output_throughput == pytest.approx(105.0)  # type: ignore[union-attr]
+    assert result.ratio(C1) == pytest.approx(105.0 / 110.0)
+    assert [p["round"] for p in result.to_json()["points"]] == [0, 0, 1, 1, 2, 2]
+
+
+def test_rounds_below_one_are_refused() -> None:
+    runs, _ = plan_runs([COMPACT_PKG], ["adaptive"])
+    with pytest.raises(SweepUsageError, match="--rounds must be >= 1"):
+        SweepConfig((COMPACT_PKG,), tuple(runs), rounds=0)

@@ -183,8 +183,11 @@ class SweepConfig:
     server_timeout_s: float = 300.0
     notes: tuple[str, ...] = ()
     command: str = ""  # the command line, as recorded in sweep.json
+    rounds: int = 1  # > 1: every server up at once, each load run by every policy once a round
 
     def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise SweepUsageError(f"--rounds must be >= 1, got {self.rounds}")
         if not self.runs:
             raise SweepUsageError("--policies: no policy left to run")
         if not self.concurrency and not self.request_rates:
@@ -246,6 +249,7 @@ class SweepPoint:
     load: Load
     result: BenchResult
     requests: tuple[RequestRecord, ...]
+    round: int = 0
 
     @property
     def output_throughput(self) -> float:
@@ -257,7 +261,8 @@ class SweepPoint:
 
     def to_json(self) -> dict[str, Any]:
         return {"policy": self.policy, "package": self.package, "load": self.load.to_json(),
-                **self.result.to_json(), "requests": [r.to_json() for r in self.requests]}
+                "round": self.round, **self.result.to_json(),
+                "requests": [r.to_json() for r in self.requests]}
 
 
 @dataclass(frozen=True)
@@ -295,14 +300,19 @@ class SweepResult:
         return list(dict.fromkeys(p.load for p in self.points))
 
     def point(self, policy: str, load: Load) -> SweepPoint | None:
-        return next((p for p in self.points if p.policy == policy and p.load == load), None)
+        """The policy's point at `load`; over several rounds the round with the median tokens/s (the lower
+        middle of an even count), so that every figure in its row comes from one measured run."""
+        runs = sorted((p for p in self.points if p.policy == policy and p.load == load),
+                      key=lambda p: p.output_throughput)
+        return runs[(len(runs) - 1) // 2] if runs else None
 
     def ratio(self, load: Load) -> float | None:
         """Adaptive tok/s over the best baseline's (target-only or any fixed k) at `load`; None when a side
         is missing."""
         adaptive = self.point("adaptive", load)
-        baselines = [p.output_throughput for p in self.points if p.load == load
-                     and (p.policy == "target-only" or p.policy.startswith("fixed-"))]
+        medians = (self.point(policy, load) for policy in self.policies
+                   if policy == "target-only" or policy.startswith("fixed-"))
+        baselines = [point.output_throughput for point in medians if point is not None]
         if adaptive is None or not baselines or max(baselines) <= 0:
             return None
         return adaptive.output_throughput / max(baselines)
@@ -354,6 +364,7 @@ class SweepResult:
             "notes": list(c.notes),
             "settings": {"concurrency": list(c.concurrency), "request_rates": list(c.request_rates),
                          "num_prompts": c.num_prompts, "max_tokens": c.max_tokens, "seed": c.seed,
+                         "rounds": c.rounds,
                          "temperature": 0.0, "ignore_eos": True,
                          "requests_per_load": {load.label: c.requests_at(load) for load in c.loads}},
             "prompts": list(self.prompts),
@@ -535,11 +546,11 @@ def _all_failed(what: str, result: BenchResult) -> SweepError:
     return SweepError(f"{what}: all {result.failed} requests failed: {first}")
 
 
-def _measure(server: ServerProcess, config: SweepConfig, prompts: Sequence[str]) -> Iterator[SweepPoint]:
-    """The points of one server: a warm-up burst (not kept), then every load in turn."""
+def _warm(server: ServerProcess, config: SweepConfig, prompts: Sequence[str]) -> None:
+    """A warm-up burst (not kept): the first requests pay for lazy initialisation (allocator, kernels,
+    thread pools)."""
     run = server.run
     try:
-        # The first requests pay for lazy initialisation (allocator, kernels, thread pools).
         result, _ = _bench(server.url, prompts, config, None, WARMUP_REQUESTS,
                            min(config.max_tokens, WARMUP_MAX_TOKENS))
     except BenchSetupError as err:
@@ -547,17 +558,28 @@ def _measure(server: ServerProcess, config: SweepConfig, prompts: Sequence[str])
     server.check_alive()
     if not result.completed:
         raise _all_failed(f"{run.policy}, warming up", result)
+
+
+def _point(server: ServerProcess, config: SweepConfig, prompts: Sequence[str], load: Load,
+           round_index: int) -> SweepPoint:
+    run = server.run
+    try:
+        result, outcomes = _bench(server.url, prompts, config, load, config.requests_at(load),
+                                  config.max_tokens)
+    except BenchSetupError as err:
+        raise SweepError(f"{run.policy} at {load.label}: {err}") from None
+    server.check_alive()  # a server that died mid-point failed its requests: say why it died instead
+    if not result.completed:
+        raise _all_failed(f"{run.policy} at {load.label}", result)
+    return SweepPoint(run.policy, run.package.name, load, result,
+                      tuple(RequestRecord.of(o, len(prompts)) for o in outcomes), round_index)
+
+
+def _measure(server: ServerProcess, config: SweepConfig, prompts: Sequence[str]) -> Iterator[SweepPoint]:
+    """The points of one server: a warm-up burst, then every load in turn."""
+    _warm(server, config, prompts)
     for load in config.loads:
-        try:
-            result, outcomes = _bench(server.url, prompts, config, load, config.requests_at(load),
-                                      config.max_tokens)
-        except BenchSetupError as err:
-            raise SweepError(f"{run.policy} at {load.label}: {err}") from None
-        server.check_alive()  # a server that died mid-point failed its requests: say why it died instead
-        if not result.completed:
-            raise _all_failed(f"{run.policy} at {load.label}", result)
-        yield SweepPoint(run.policy, run.package.name, load, result,
-                         tuple(RequestRecord.of(o, len(prompts)) for o in outcomes))
+        yield _point(server, config, prompts, load, 0)
 
 
 def _progress_line(point: SweepPoint, done: int, total: int) -> str:
@@ -578,12 +600,38 @@ def run_sweep(config: SweepConfig, prompts: Sequence[str], log: Callable[[str], 
         raise SweepUsageError("no prompts to send")
     started = _now()
     points: list[SweepPoint] = []
-    total = len(config.runs) * len(config.loads)
     with termination_as_interrupt():
+        if config.rounds == 1:
+            total = len(config.runs) * len(config.loads)
+            for run in config.runs:
+                say(f"{run.policy}: starting {' '.join(['dspark serve', str(run.package.path), *run.flags])}")
+                with ServerProcess(run, config.server_timeout_s, python) as server:
+                    for point in _measure(server, config, prompts):
+                        points.append(point)
+                        say(_progress_line(point, len(points), total))
+        else:
+            _interleaved(config, prompts, python, say, points)
+    return SweepResult(config, prompts, tuple(points), started, _now(), machine_info())
+
+
+def _interleaved(config: SweepConfig, prompts: Sequence[str], python: str, say: Callable[[str], None],
+                 points: list[SweepPoint]) -> None:
+    """`config.rounds` rounds with every server up: at each load every policy runs once a round, the
+    order rotated by one per load and per round, so that no policy always runs first or after the same
+    one, and a machine that drifts during the sweep moves every policy's rounds alike."""
+    total = config.rounds * len(config.runs) * len(config.loads)
+    with contextlib.ExitStack() as stack:
+        servers = []
         for run in config.runs:
             say(f"{run.policy}: starting {' '.join(['dspark serve', str(run.package.path), *run.flags])}")
-            with ServerProcess(run, config.server_timeout_s, python) as server:
-                for point in _measure(server, config, prompts):
+            servers.append(stack.enter_context(ServerProcess(run, config.server_timeout_s, python)))
+        for server in servers:
+            _warm(server, config, prompts)
+        for round_index in range(config.rounds):
+            for load_index, load in enumerate(config.loads):
+                shift = (round_index + load_index) % len(servers)
+                for server in servers[shift:] + servers[:shift]:
+                    point = _point(server, config, prompts, load, round_index)
                     points.append(point)
-                    say(_progress_line(point, len(points), total))
-    return SweepResult(config, prompts, tuple(points), started, _now(), machine_info())
+                    say(f"round {round_index + 1}/{config.rounds} "
+                        + _progress_line(point, len(points), total))

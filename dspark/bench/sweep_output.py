@@ -49,6 +49,8 @@ def format_table(result: SweepResult) -> str:
         f"{c.max_tokens} output tokens each (ignore_eos, greedy); c = requests kept in flight",
         "  tok/s = output tokens/s; TPOT50/99 = time per output token p50/p99 (ms); TTFT50 = time to first "
         "token p50 (ms); tok/st = tokens per decode step",
+        *([f"  {c.rounds} rounds, every server up, the policies' order rotated each load and round; each "
+           "cell is the policy's median round there (sweep.json has every round)"] if c.rounds > 1 else []),
         "",
         " | ".join([f"{'':<{LOAD_WIDTH}}", *(f"{_policy_title(p):^{GROUP_WIDTH}}" for p in policies),
                     RATIO_HEADER[0]]),

@@ -89,6 +89,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     sweep.add_argument("--out", type=Path, default=None, metavar="DIR",
                        help="write sweep.json (every point and request), sweep.txt (the table) and "
                             "sweep.png (tokens/s against concurrency) here")
+    sweep.add_argument("--rounds", type=int, default=None, metavar="R",
+                       help="run every load R times by every policy, with every server up at once and the "
+                            "order rotated each time; the table shows each point's median round "
+                            "(default: 1, one server after another)")
     sweep.add_argument("--server-timeout", type=float, default=None, metavar="SECONDS",
                        help=f"how long a server may take to start answering (default: {SERVER_TIMEOUT_S:g})")
     return p
@@ -145,7 +149,7 @@ def run_bench(args: argparse.Namespace) -> int:
 # -- --sweep ----------------------------------------------------------------------------------------
 SWEEP_ONLY = (("--concurrency-list", "concurrency_list"), ("--request-rates", "request_rates"),
               ("--policies", "policies"), ("--fixed-k", "fixed_k"), ("--out", "out"),
-              ("--server-timeout", "server_timeout"))
+              ("--server-timeout", "server_timeout"), ("--rounds", "rounds"))
 SERVER_TIMEOUT_S = 300.0
 
 
@@ -226,11 +230,15 @@ def sweep_config_from_args(args: argparse.Namespace) -> SweepConfig:
         command += ["--request-rates", ",".join(f"{r:g}" for r in rates)]
     if fixed_k is not None:
         command += ["--fixed-k", ",".join(map(str, fixed_k))]
+    rounds = 1 if args.rounds is None else args.rounds
+    if rounds > 1:
+        command += ["--rounds", str(rounds)]
     if args.prompts_file is not None:
         command += ["--prompts-file", str(args.prompts_file)]
     return SweepConfig(packages=packages, runs=tuple(runs), concurrency=concurrency, request_rates=rates,
                        num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
-                       server_timeout_s=timeout, notes=tuple(notes), command=shlex.join(command))
+                       server_timeout_s=timeout, notes=tuple(notes), command=shlex.join(command),
+                       rounds=rounds)
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
