@@ -604,14 +604,20 @@ def run_sweep(config: SweepConfig, prompts: Sequence[str], log: Callable[[str], 
         if config.rounds == 1:
             total = len(config.runs) * len(config.loads)
             for run in config.runs:
-                say(f"{run.policy}: starting {' '.join(['dspark serve', str(run.package.path), *run.flags])}")
-                with ServerProcess(run, config.server_timeout_s, python) as server:
+                with _started(run, config, python, say) as server:
                     for point in _measure(server, config, prompts):
                         points.append(point)
                         say(_progress_line(point, len(points), total))
         else:
             _interleaved(config, prompts, python, say, points)
     return SweepResult(config, prompts, tuple(points), started, _now(), machine_info())
+
+
+def _started(run: ServerRun, config: SweepConfig, python: str, say: Callable[[str], None]) -> ServerProcess:
+    """The policy's server, not started yet (`with` starts it), its command said first."""
+    server = ServerProcess(run, config.server_timeout_s, python)
+    say(f"{run.policy}: starting {server.describe()}")
+    return server
 
 
 def _interleaved(config: SweepConfig, prompts: Sequence[str], python: str, say: Callable[[str], None],
@@ -623,8 +629,7 @@ def _interleaved(config: SweepConfig, prompts: Sequence[str], python: str, say: 
     with contextlib.ExitStack() as stack:
         servers = []
         for run in config.runs:
-            say(f"{run.policy}: starting {' '.join(['dspark serve', str(run.package.path), *run.flags])}")
-            servers.append(stack.enter_context(ServerProcess(run, config.server_timeout_s, python)))
+            servers.append(stack.enter_context(_started(run, config, python, say)))
         for server in servers:
             _warm(server, config, prompts)
         for round_index in range(config.rounds):
