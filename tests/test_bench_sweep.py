@@ -469,8 +469,21 @@ def test_help_names_the_sweep(capsys: pytest.CaptureFixture[str]) -> None:
         assert flag in text
 
 
-def test_rounds_interleave_every_policy_with_every_server_up(tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_rounds_interleave_every_policy_with_every_server_up(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str]] = []  # ("warm" or "point", policy), in the order they ran
+    warm, point = sweep_module._warm, sweep_module._point
+
+    def recorded_warm(server: sweep_module.ServerProcess, *args: object) -> None:
+        calls.append(("warm", server.run.policy))
+        warm(server, *args)  # type: ignore[arg-type]
+
+    def recorded_point(server: sweep_module.ServerProcess, *args: object) -> SweepPoint:
+        calls.append(("point", server.run.policy))
+        return point(server, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sweep_module, "_warm", recorded_warm)
+    monkeypatch.setattr(sweep_module, "_point", recorded_point)
     status = main(["bench", "--sweep", str(COMPACT), "--concurrency-list", "1,2", "--policies",
                    "target-only,fixed,adaptive", "--fixed-k", "8", "--num-prompts", "2", "--max-tokens", "6",
                    "--rounds", "2", "--out", str(tmp_path), "--no-progress"])
@@ -488,6 +501,8 @@ def test_rounds_interleave_every_policy_with_every_server_up(tmp_path: Path,
             shift = (round_index + load_index) % 3
             expected += [(round_index, load, p) for p in policies[shift:] + policies[:shift]]
     assert order == expected  # every (policy, load) once a round, the order rotated
+    # every timed point right after a warm-up burst of its own server, never after another server's run
+    assert calls == [c for p in order for c in (("warm", p[2]), ("point", p[2]))]
 
 
 def test_a_point_of_several_rounds_is_its_median_round() -> None:

@@ -623,19 +623,22 @@ def _started(run: ServerRun, config: SweepConfig, python: str, say: Callable[[st
 def _interleaved(config: SweepConfig, prompts: Sequence[str], python: str, say: Callable[[str], None],
                  points: list[SweepPoint]) -> None:
     """`config.rounds` rounds with every server up: at each load every policy runs once a round, the
-    order rotated by one per load and per round, so that no policy always runs first or after the same
-    one, and a machine that drifts during the sweep moves every policy's rounds alike."""
+    order rotated by one per load and per round, so that no policy always runs first and a machine that
+    drifts during the sweep moves every policy's rounds alike. A rotation keeps each policy's predecessor
+    (the one before it in the cycle); the warm-up burst before every point separates it from that run."""
     total = config.rounds * len(config.runs) * len(config.loads)
     with contextlib.ExitStack() as stack:
         servers = []
         for run in config.runs:
             servers.append(stack.enter_context(_started(run, config, python, say)))
-        for server in servers:
-            _warm(server, config, prompts)
         for round_index in range(config.rounds):
             for load_index, load in enumerate(config.loads):
                 shift = (round_index + load_index) % len(servers)
                 for server in servers[shift:] + servers[:shift]:
+                    # On 2 cores a decode run right after another runtime's measured 10-15 % slower than
+                    # one right after its own (benchmarks/bench_modes.py), so every timed point follows
+                    # a short burst of its own server.
+                    _warm(server, config, prompts)
                     point = _point(server, config, prompts, load, round_index)
                     points.append(point)
                     say(f"round {round_index + 1}/{config.rounds} "
