@@ -1,29 +1,71 @@
-"""The measured step offset: what a step costs here beyond its table price, added to every price the
-planner weighs (dspark.runtime.planner.step_offset)."""
+"""The measured step offset: the fixed part of what a step costs here beyond its table price, added to
+every price the planner weighs (dspark.runtime.planner.step_offset)."""
 
+import numpy as np
 import pytest
 import torch
 
 from dspark.runtime.planner.budget import ScheduleConfig, choose_budget
 from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable
-from dspark.runtime.planner.step_offset import StepOffset
+from dspark.runtime.planner.step_offset import SLOPE_RANGE, StepOffset, robust_line
 from dspark.runtime.planner.switch import SpeculationSwitch, SwitchConfig
 
 
-def test_offset_is_the_running_median_excess_clipped_at_zero() -> None:
-    offset = StepOffset(window=4, min_samples=3)
+def _fed(offset: StepOffset, priced: list[float], measured: list[float]) -> StepOffset:
+    for p, m in zip(priced, measured, strict=True):
+        offset.observe(p, m)
+    return offset
+
+
+PRICES = [0.010, 0.020, 0.030, 0.040] * 4  # steps of four shapes, as a planner's budgets and batches vary
+
+
+def test_a_fixed_excess_is_the_offset_and_a_proportional_one_is_none() -> None:
+    fixed = _fed(StepOffset(window=16), PRICES, [p + 0.02 for p in PRICES])
+    assert fixed.seconds == pytest.approx(0.02) and fixed.slope == pytest.approx(1.0)
+    # a machine 1.6x slower than the table's: every price scales alike, nothing to add
+    scaled = _fed(StepOffset(window=16), PRICES, [1.6 * p for p in PRICES])
+    assert scaled.seconds == pytest.approx(0.0, abs=1e-12) and scaled.slope == pytest.approx(1.6)
+    # both: the fixed part in the table's units (weighing a * cost + b picks what cost + b / a does)
+    both = _fed(StepOffset(window=16), PRICES, [2.0 * p + 0.01 for p in PRICES])
+    assert both.seconds == pytest.approx(0.005) and both.slope == pytest.approx(2.0)
+
+
+def test_rows_dearer_than_the_table_clip_at_zero_and_free_rows_read_as_all_fixed() -> None:
+    dearer = _fed(StepOffset(window=16), PRICES, [2.2 * p - 0.005 for p in PRICES])
+    assert dearer.seconds == 0.0  # the table's own choice stands
+    flat = _fed(StepOffset(window=16), PRICES, [0.09] * len(PRICES))  # more rows cost nothing measurable
+    assert flat.slope == pytest.approx(SLOPE_RANGE[0])
+    assert flat.seconds == pytest.approx((0.09 - 0.1 * 0.025) / 0.1)  # intercept at the median price
+
+
+def test_the_fit_is_robust_waits_for_pairs_holds_on_one_shape_and_forgets() -> None:
+    offset = StepOffset(window=16, min_samples=3)
     offset.observe(0.010, 0.030)
-    offset.observe(0.010, 0.040)
-    assert offset.seconds == 0.0  # fewer than min_samples steps seen
-    offset.observe(0.010, 0.020)
-    assert offset.seconds == pytest.approx(0.020)  # median of 0.02, 0.03, 0.01
-    offset.observe(0.010, 1.0)  # one stalled step moves a median little
-    assert offset.seconds == pytest.approx(0.025)
-    for _ in range(4):  # the window forgets: a table faster than the machine is never a negative offset
-        offset.observe(0.010, 0.005)
-    assert offset.seconds == 0.0
+    offset.observe(0.020, 0.040)
+    assert offset.seconds == 0.0  # two steps: fewer than min_samples on each side
+    _fed(offset, PRICES, [p + 0.02 for p in PRICES])
+    assert offset.seconds == pytest.approx(0.02)
+    offset.observe(0.020, 1.0)  # one stalled step moves a median little
+    assert offset.seconds == pytest.approx(0.02, abs=0.002)
+    for _ in range(16):  # every step one shape: a fixed excess cannot be told from a proportional one
+        offset.observe(0.030, 0.050)
+    assert robust_line(np.full(16, 0.030), np.full(16, 0.050), 1) is None
+    assert robust_line(np.array([0.02] + [0.03] * 15), np.array([1.0] + [0.05] * 15), 1) is None
+    assert offset.seconds == pytest.approx(0.02, abs=0.002)  # the last estimate is held
+    _fed(offset, PRICES, [1.5 * p for p in PRICES])  # the window forgets what it held
+    assert offset.seconds == pytest.approx(0.0, abs=1e-12)
     offset.observe(None, 5.0)  # an unpriced step is not evidence
-    assert offset.seconds == 0.0 and offset.samples == 8
+    assert offset.samples == 2 + 16 + 1 + 16 + 16
+
+
+def test_robust_line_needs_prices_apart() -> None:
+    same = np.full(10, 0.02)
+    assert robust_line(same, same * 2, 1) is None
+    assert robust_line(np.array([0.02]), np.array([0.03]), 1) is None
+    assert robust_line(np.array([0.01, 0.02, 0.04, 0.05]), np.array([0.03, 0.05, 0.09, 0.11]), 3) is None
+    slope, intercept = robust_line(np.array([0.01, 0.02, 0.04, 0.05]), np.array([0.03, 0.05, 0.09, 0.11]), 2)
+    assert slope == pytest.approx(2.0) and intercept == pytest.approx(0.01)
 
 
 def test_window_zero_turns_the_offset_off_and_bad_settings_are_refused() -> None:

@@ -1,19 +1,23 @@
-"""The seconds a decode step costs here beyond its cost-table price (docs/planner.md, "Step offset").
+"""The fixed seconds a decode step costs here beyond its cost-table price (docs/planner.md, "Step offset").
 
 A cost table is profiled once, on one machine, at one context length, with the engine alone on it. A
 served step pays for more: a machine of another make, longer contexts, the HTTP threads and a load
-generator sharing the cores. Where that extra is a fixed cost per step it changes the planner's choice,
-since a step's fixed cost is what verifying more rows spreads over more tokens: priced by the table alone
-the planner trims rows that cost nothing here and commits fewer tokens per step than a fixed full-width
-verify does. So the engine measures every decode step it prices and the planner adds the median excess
-of the last `window` steps to every price it weighs (a drafted step's and a step without speculation's
-alike).
+generator sharing the cores. Only the part of that extra that is fixed per step changes the planner's
+choice, since a step's fixed cost is what verifying more rows spreads over more tokens; an extra in
+proportion to the step (a uniformly slower machine, cores shared with a client) scales every price
+alike and leaves every choice as the table makes it.
 
-A median per step cannot tell a fixed excess from one in proportion to the step (a uniformly slower
-machine): it reads both as fixed, which moves the planner towards longer verifies than a proportional
-excess calls for, and never below the table's own choice at zero excess. An excess below zero (a faster
-machine than the table's) is clipped at zero for the same reason. Refitting the table itself from the
-measured steps replaces this where it is done.
+So the engine measures every decode step it prices and fits measured ≈ a · priced + b over the last
+`window` steps, robustly (Theil-Sen: the median slope over pairs of steps whose prices differ, then the
+median intercept). The planner adds `b / a`, the fixed part in the table's units, to every price it
+weighs (a drafted step's and a step without speculation's alike): weighing tokens against a · cost + b
+picks what weighing them against cost + b / a does. A negative intercept (rows dearer here than the
+table says) is clipped at zero, where the table's own choice stands.
+
+While the window's prices hardly differ (every step the same shape) a fixed excess cannot be told from a
+proportional one, and the estimate keeps its last value: a fallback to zero would let the planner trim,
+and one to the median excess would lock it into full-width verifies that never show what rows cost.
+Refitting the table itself from the measured steps replaces this where it is done.
 """
 
 from __future__ import annotations
@@ -22,26 +26,58 @@ from collections import deque
 
 import numpy as np
 
+# Two steps' prices must differ by this share of the window's median price for their pair to carry a slope.
+MIN_PRICE_SPREAD = 0.05
+# The slope is held to this range: a step measured as costing nothing more for more rows (a flat slope)
+# reads as an excess that is all fixed, and one far steeper than the table as noise in a few pairs.
+SLOPE_RANGE = (0.1, 10.0)
+
 
 class StepOffset:
-    """The running median of (measured − priced) step seconds over the last `window` priced steps, >= 0;
-    zero until `min_samples` steps were seen, and always zero with `window = 0` (the offset off)."""
+    """The fixed part `b / a` of the robust fit measured ≈ a · priced + b over the last `window` priced
+    steps, >= 0 (`seconds`, in the table's units); zero until the window holds `min_samples` cheaper and
+    `min_samples` dearer steps whose prices differ (`robust_line`), held while it does not, and always
+    zero with `window = 0` (off)."""
 
     def __init__(self, window: int = 64, min_samples: int = 8) -> None:
         if window < 0 or min_samples < 1:
             raise ValueError(f"the step offset's window must be >= 0 (0 turns it off) and min_samples >= 1, "
                              f"got {window} and {min_samples}")
         self.window = window
-        self.min_samples = min(min_samples, window) if window else min_samples
-        self._excess: deque[float] = deque(maxlen=window or 1)
+        self.min_samples = min_samples
+        self._priced: deque[float] = deque(maxlen=window or 1)
+        self._measured: deque[float] = deque(maxlen=window or 1)
         self.seconds = 0.0
+        self.slope = 1.0  # `a` of the last fit: measured seconds per priced second beyond the fixed part
         self.samples = 0  # priced steps observed in all
 
     def observe(self, priced_seconds: float | None, measured_seconds: float) -> None:
         """One decode step: what the table priced it at (None: unpriced, ignored) and what it took."""
         if not self.window or priced_seconds is None:
             return
-        self._excess.append(measured_seconds - priced_seconds)
+        self._priced.append(priced_seconds)
+        self._measured.append(measured_seconds)
         self.samples += 1
-        if len(self._excess) >= self.min_samples:
-            self.seconds = max(0.0, float(np.median(np.fromiter(self._excess, np.float64))))
+        fit = robust_line(np.fromiter(self._priced, np.float64), np.fromiter(self._measured, np.float64),
+                          self.min_samples)
+        if fit is not None:
+            self.slope, intercept = fit
+            self.seconds = max(0.0, intercept / self.slope)
+
+
+def robust_line(priced: np.ndarray, measured: np.ndarray, min_points: int) -> tuple[float, float] | None:
+    """Theil-Sen (slope, intercept) of measured against priced, the slope held to `SLOPE_RANGE`; None
+    unless the cheaper and the dearer half of the points, `min_points` or more each, have median prices
+    `MIN_PRICE_SPREAD` apart (a few odd prices among one shape would make every pair one point's)."""
+    half = len(priced) // 2
+    if half < max(min_points, 1):
+        return None
+    spread = MIN_PRICE_SPREAD * float(np.median(priced))
+    ordered = np.sort(priced)
+    if float(np.median(ordered[-half:]) - np.median(ordered[:half])) < spread:
+        return None
+    dp = priced[None, :] - priced[:, None]
+    dm = measured[None, :] - measured[:, None]
+    apart = np.triu(np.abs(dp) >= spread, k=1)
+    slope = float(np.clip(np.median(dm[apart] / dp[apart]), *SLOPE_RANGE))
+    return slope, float(np.median(measured - slope * priced))

@@ -75,7 +75,7 @@ class ServingMetrics:
         self.switches = counter("dspark_speculation_switches", "times the planner switched speculation "
                                 "off or on again").labels(*values)
         self.step_offset = gauge("dspark_step_offset_seconds", "seconds the planner adds to every step "
-                                 "price: the median excess of the last measured decode steps over the table")
+                                 "price: the fixed part of recent decode steps' excess over the table")
         self.queue_depth = gauge("dspark_queue_depth", "requests waiting for a slot or KV pages")
         self.running = gauge("dspark_running_requests", "requests holding a slot")
         self.free_pages = gauge("dspark_kv_free_pages", "free KV pages")
