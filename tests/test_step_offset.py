@@ -21,26 +21,27 @@ PRICES = [0.010, 0.020, 0.030, 0.040] * 4  # steps of four shapes, as a planner'
 
 
 def test_a_fixed_excess_is_the_offset_and_a_proportional_one_is_none() -> None:
-    fixed = _fed(StepOffset(window=16), PRICES, [p + 0.02 for p in PRICES])
+    fixed = _fed(StepOffset(window=16, refit_every=1), PRICES, [p + 0.02 for p in PRICES])
     assert fixed.seconds == pytest.approx(0.02) and fixed.slope == pytest.approx(1.0)
     # a machine 1.6x slower than the table's: every price scales alike, nothing to add
-    scaled = _fed(StepOffset(window=16), PRICES, [1.6 * p for p in PRICES])
+    scaled = _fed(StepOffset(window=16, refit_every=1), PRICES, [1.6 * p for p in PRICES])
     assert scaled.seconds == pytest.approx(0.0, abs=1e-12) and scaled.slope == pytest.approx(1.6)
     # both: the fixed part in the table's units (weighing a * cost + b picks what cost + b / a does)
-    both = _fed(StepOffset(window=16), PRICES, [2.0 * p + 0.01 for p in PRICES])
+    both = _fed(StepOffset(window=16, refit_every=1), PRICES, [2.0 * p + 0.01 for p in PRICES])
     assert both.seconds == pytest.approx(0.005) and both.slope == pytest.approx(2.0)
 
 
 def test_rows_dearer_than_the_table_clip_at_zero_and_free_rows_read_as_all_fixed() -> None:
-    dearer = _fed(StepOffset(window=16), PRICES, [2.2 * p - 0.005 for p in PRICES])
+    dearer = _fed(StepOffset(window=16, refit_every=1), PRICES, [2.2 * p - 0.005 for p in PRICES])
     assert dearer.seconds == 0.0  # the table's own choice stands
-    flat = _fed(StepOffset(window=16), PRICES, [0.09] * len(PRICES))  # more rows cost nothing measurable
+    # more rows cost nothing measurable
+    flat = _fed(StepOffset(window=16, refit_every=1), PRICES, [0.09] * len(PRICES))
     assert flat.slope == pytest.approx(SLOPE_RANGE[0])
     assert flat.seconds == pytest.approx((0.09 - 0.1 * 0.025) / 0.1)  # intercept at the median price
 
 
 def test_the_fit_is_robust_waits_for_pairs_holds_on_one_shape_and_forgets() -> None:
-    offset = StepOffset(window=16, min_samples=3)
+    offset = StepOffset(window=16, min_samples=3, refit_every=1)
     offset.observe(0.010, 0.030)
     offset.observe(0.020, 0.040)
     assert offset.seconds == 0.0  # two steps: fewer than min_samples on each side
@@ -57,6 +58,16 @@ def test_the_fit_is_robust_waits_for_pairs_holds_on_one_shape_and_forgets() -> N
     assert offset.seconds == pytest.approx(0.0, abs=1e-12)
     offset.observe(None, 5.0)  # an unpriced step is not evidence
     assert offset.samples == 2 + 16 + 1 + 16 + 16
+
+
+def test_the_fit_runs_every_refit_every_steps() -> None:
+    offset = StepOffset(window=16, refit_every=8)
+    _fed(offset, PRICES[:15], [p + 0.02 for p in PRICES[:15]])
+    assert offset.seconds == 0.0  # one fit at step 8: too few steps on each side of the prices then
+    offset.observe(PRICES[15], PRICES[15] + 0.02)
+    assert offset.seconds == pytest.approx(0.02)  # the fit at step 16
+    with pytest.raises(ValueError, match="refit_every"):
+        StepOffset(refit_every=0)
 
 
 def test_robust_line_needs_prices_apart() -> None:
