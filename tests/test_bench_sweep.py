@@ -497,10 +497,14 @@ def test_rounds_interleave_every_policy_with_every_server_up(
     policies = ["target-only", "fixed-8", "adaptive"]
     expected = []
     for round_index in range(2):
+        cycle = policies if round_index % 2 == 0 else policies[::-1]
         for load_index, load in enumerate(("c=1", "c=2")):
             shift = (round_index + load_index) % 3
-            expected += [(round_index, load, p) for p in policies[shift:] + policies[:shift]]
-    assert order == expected  # every (policy, load) once a round, the order rotated
+            expected += [(round_index, load, p) for p in cycle[shift:] + cycle[:shift]]
+    # every (policy, load) once a round, the order rotated, and backwards in the odd rounds
+    assert order == expected
+    assert order[:2] == [(0, "c=1", "target-only"), (0, "c=1", "fixed-8")]
+    assert order[6:8] == [(1, "c=1", "fixed-8"), (1, "c=1", "target-only")]  # now fixed-8 goes first
     # every timed point right after a warm-up burst of its own server, never after another server's run
     assert calls == [c for p in order for c in (("warm", p[2]), ("point", p[2]))]
 

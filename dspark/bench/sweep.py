@@ -624,8 +624,8 @@ def _interleaved(config: SweepConfig, prompts: Sequence[str], python: str, say: 
                  points: list[SweepPoint]) -> None:
     """`config.rounds` rounds with every server up: at each load every policy runs once a round, the
     order rotated by one per load and per round, so that no policy always runs first and a machine that
-    drifts during the sweep moves every policy's rounds alike. A rotation keeps each policy's predecessor
-    (the one before it in the cycle); the warm-up burst before every point separates it from that run."""
+    drifts during the sweep moves every policy's rounds alike; odd rounds run the cycle backwards, so a
+    policy does not always follow the same one (a rotation alone keeps every predecessor)."""
     total = config.rounds * len(config.runs) * len(config.loads)
     with contextlib.ExitStack() as stack:
         servers = []
@@ -633,8 +633,9 @@ def _interleaved(config: SweepConfig, prompts: Sequence[str], python: str, say: 
             servers.append(stack.enter_context(_started(run, config, python, say)))
         for round_index in range(config.rounds):
             for load_index, load in enumerate(config.loads):
-                shift = (round_index + load_index) % len(servers)
-                for server in servers[shift:] + servers[:shift]:
+                cycle = servers if round_index % 2 == 0 else servers[::-1]
+                shift = (round_index + load_index) % len(cycle)
+                for server in cycle[shift:] + cycle[:shift]:
                     # On 2 cores a decode run right after another runtime's measured 10-15 % slower than
                     # one right after its own (benchmarks/bench_modes.py), so every timed point follows
                     # a short burst of its own server.
