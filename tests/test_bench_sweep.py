@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dspark.bench import servers as servers_module
 from dspark.bench import sweep as sweep_module
 from dspark.bench.client import BenchConfig, RequestOutcome, summarize
 from dspark.bench.sweep import (
@@ -318,7 +319,7 @@ def test_the_server_is_stopped_on_ctrl_c(tmp_path: Path, monkeypatch: pytest.Mon
                                          ignores_sigint: bool) -> None:
     body = HEALTHY + ("signal.signal(signal.SIGINT, signal.SIG_IGN)\n" if ignores_sigint else "")
     python = _fake_python(tmp_path, body + "HTTPServer(('127.0.0.1', port), H).serve_forever()\n")
-    monkeypatch.setattr(sweep_module, "STOP_GRACE_S", 0.5)  # a server deaf to SIGINT gets SIGTERM soon
+    monkeypatch.setattr(servers_module, "STOP_GRACE_S", 0.5)  # a server deaf to SIGINT gets SIGTERM soon
     pid = 0
     with pytest.raises(KeyboardInterrupt), ServerProcess(RUN, 30, python) as server:
         assert server.proc is not None
