@@ -519,8 +519,68 @@ def test_a_point_of_several_rounds_is_its_median_round() -> None:
     result = _synthetic(points)
     assert result.point("fixed-8", C1).output_throughput == pytest.approx(110.0)  # type: ignore[union-attr]
     assert result.point("adaptive", C1).output_throughput == pytest.approx(105.0)  # type: ignore[union-attr]
-    assert result.ratio(C1) == pytest.approx(105.0 / 110.0)
+    # the ratio pairs the two policies round by round: 0.9, 0.4, 0.9545 -> 0.9
+    assert result.ratio(C1) == pytest.approx(0.9)
+    assert result.ratio_interval(C1) is None  # three rounds: too few for an interval
     assert [p["round"] for p in result.to_json()["points"]] == [0, 0, 1, 1, 2, 2]
+
+
+def _rounds(rows: Sequence[tuple[str, Sequence[float]]], load: Load = C1) -> list[SweepPoint]:
+    return [dataclasses.replace(_point(policy, load, tok_s), round=r)
+            for policy, values in rows for r, tok_s in enumerate(values)]
+
+
+def test_the_paired_ratio_is_unmoved_by_a_machine_that_drifts_between_rounds() -> None:
+    speed = [1.0, 0.6, 1.3, 0.8, 1.1]  # the whole machine slower or faster from one round to the next
+    result = _synthetic(_rounds([("fixed-8", [200 * s for s in speed]),
+                                 ("target-only", [100 * s for s in speed]),
+                                 ("adaptive", [196 * s for s in speed])]))
+    assert result.best_base(C1) == "fixed-8"
+    assert result.ratio(C1) == pytest.approx(0.98)
+    lo, hi = result.ratio_interval(C1)  # type: ignore[misc]
+    assert lo == pytest.approx(0.98) and hi == pytest.approx(0.98)  # the drift cancels in every round
+
+
+def test_the_interval_covers_the_ratio_and_is_reproducible() -> None:
+    result = _synthetic(_rounds([("fixed-8", [200, 210, 190, 205, 195, 200]),
+                                 ("adaptive", [180, 230, 185, 200, 210, 190])]))
+    interval = result.ratio_interval(C1)
+    assert interval is not None
+    lo, hi = interval
+    ratio = result.ratio(C1)
+    assert ratio is not None and lo < ratio < hi and lo < 1 < hi
+    assert result.ratio_interval(C1) == interval  # a fixed seed: the table is reproducible from the points
+    data = result.to_json()
+    assert tuple(data["ratio_intervals"]["c=1"]) == interval
+    assert data["best_bases"]["c=1"] == "fixed-8" and "twin_ratios" not in data
+    row = next(line for line in format_table(result).splitlines() if line.startswith("c=1"))
+    assert row.endswith(f"{ratio:.2f}x [{lo:.2f}, {hi:.2f}]")
+
+
+def test_a_twin_is_a_second_adaptive_server_and_never_a_baseline() -> None:
+    runs, _ = plan_runs([COMPACT_PKG], ["fixed", "adaptive"], fixed_k=[8], twin=True)
+    assert [(r.policy, r.package, r.flags) for r in runs][-2:] == [("adaptive", COMPACT_PKG, ()),
+                                                                   ("adaptive-twin", COMPACT_PKG, ())]
+    with pytest.raises(SweepUsageError, match="--twin .* needs the adaptive policy"):
+        plan_runs([COMPACT_PKG], ["fixed"], fixed_k=[8], twin=True)
+    # the twin is faster than every baseline here, yet the best base stays fixed-8
+    result = _synthetic(_rounds([("fixed-8", [200, 200, 200, 200]), ("adaptive", [190, 194, 198, 202]),
+                                 ("adaptive-twin", [250, 250, 250, 250])]))
+    assert result.best_base(C1) == "fixed-8"
+    assert result.ratio(C1) == pytest.approx(0.98)
+    assert result.ratio(C1, "adaptive-twin") == pytest.approx(1.25)
+    assert result.to_json()["twin_ratios"]["c=1"] == pytest.approx(1.25)
+    table = format_table(result)
+    header = next(line for line in table.splitlines() if "adaptive /" in line)
+    assert "twin /" in header and header.index("adaptive /") < header.index("twin /")
+    row = next(line for line in table.splitlines() if line.startswith("c=1"))
+    assert row.split("|")[-1].strip().startswith("1.25x [")
+    assert "twin = a second adaptive server" in table
+
+
+def test_twin_is_a_sweep_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    _bench_fails(["--url", "http://127.0.0.1:1", "--twin"], capsys, 2, "--twin belongs to a sweep")
+    _bench_fails(["--sweep", str(STATIC), "--twin"], capsys, 2, "--twin", "needs the adaptive policy")
 
 
 def test_rounds_below_one_are_refused() -> None:

@@ -13,6 +13,14 @@ Policies, each its own server:
 - `static`: the static package, as compiled (every request verifies all N = gamma + 1 rows).
 - `fixed-K`: the compact (or cap-accept) package with `--fixed-verify-len K`: K rows per request per step.
 - `adaptive`: the compact (or cap-accept) package as compiled: the planner picks the rows.
+- `adaptive-twin` (`--twin`): a second, identical adaptive server, never a baseline. Two servers of one
+  policy measure apart by the machine's noise alone, so the twin's ratio to the best baseline, printed
+  beside adaptive's, says how far a ratio in this run can be trusted.
+
+Adaptive's ratio to the best baseline at a load is paired by round: the median over rounds of adaptive's
+tok/s over the baseline's in the same round, so that a machine whose speed drifts between rounds (a 2-core
+cloud VM's single-thread matmul rate moved 25-60 % from one second to the next) moves both sides alike;
+with 4 or more rounds it comes with a 90 % bootstrap interval over the rounds.
 
 Speculation is lossless, so under greedy decoding every policy's text for a prompt equals target-only's;
 the sweep records each request's text and says whether they do (`lossless`). The servers are
@@ -27,6 +35,8 @@ import datetime
 import math
 import os
 import platform
+import random
+import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +48,7 @@ from dspark.bench.servers import ServerProcess, ServerRun, SweepError, SweepPack
 __all__ = [
     "DEFAULT_CONCURRENCY", "POLICIES", "Load", "LosslessCheck", "RequestRecord", "ServerProcess", "ServerRun",
     "SweepConfig", "SweepError", "SweepPackage", "SweepPoint", "SweepResult", "SweepUsageError",
-    "machine_info", "plan_runs", "run_sweep",
+    "TWIN", "machine_info", "plan_runs", "run_sweep",
 ]
 
 POLICIES = ("target-only", "static", "fixed", "adaptive")
@@ -46,6 +56,10 @@ DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 WARMUP_REQUESTS = 4
 WARMUP_MAX_TOKENS = 16
 MIN_REQUESTS_PER_SLOT = 2  # a closed-loop level sends at least this many requests per concurrent slot
+TWIN = "adaptive-twin"
+INTERVAL_MIN_ROUNDS = 4  # fewer rounds than this: no bootstrap interval (3 rounds give 10 distinct resamples)
+BOOTSTRAP_RESAMPLES = 2000
+INTERVAL_LEVEL = 0.90
 
 
 class SweepUsageError(ValueError):
@@ -54,9 +68,10 @@ class SweepUsageError(ValueError):
 
 # -- what runs --------------------------------------------------------------------------------------
 def plan_runs(packages: Sequence[SweepPackage], policies: Sequence[str] | None = None,
-              fixed_k: Sequence[int] | None = None) -> tuple[list[ServerRun], list[str]]:
+              fixed_k: Sequence[int] | None = None, twin: bool = False) -> tuple[list[ServerRun], list[str]]:
     """(the servers to run, in table order, and notes on the policies skipped). `policies` None: every
-    policy the packages allow (a missing one is a note); named policies must all be possible."""
+    policy the packages allow (a missing one is a note); named policies must all be possible. `twin`: a
+    second adaptive server after the first (needs adaptive)."""
     explicit = policies is not None
     wanted = set(POLICIES if policies is None else policies)
     unknown = sorted(wanted - set(POLICIES))
@@ -108,6 +123,11 @@ def plan_runs(packages: Sequence[SweepPackage], policies: Sequence[str] | None =
             runs += [ServerRun(f"fixed-{k}", adaptive, ("--fixed-verify-len", str(k))) for k in ks]
         else:
             runs.append(ServerRun(policy, adaptive))
+    if twin:
+        if not any(run.policy == "adaptive" for run in runs):
+            raise SweepUsageError("--twin runs a second adaptive server: it needs the adaptive policy (a "
+                                  "compact or cap-accept package, and adaptive in --policies)")
+        runs.append(ServerRun(TWIN, next(run.package for run in runs if run.policy == "adaptive")))
     return runs, notes
 
 
@@ -262,16 +282,39 @@ class SweepResult:
                       key=lambda p: p.output_throughput)
         return runs[(len(runs) - 1) // 2] if runs else None
 
-    def ratio(self, load: Load) -> float | None:
-        """Adaptive tok/s over the best baseline's (target-only or any fixed k) at `load`; None when a side
-        is missing."""
-        adaptive = self.point("adaptive", load)
-        medians = (self.point(policy, load) for policy in self.policies
-                   if policy == "target-only" or policy.startswith("fixed-"))
-        baselines = [point.output_throughput for point in medians if point is not None]
-        if adaptive is None or not baselines or max(baselines) <= 0:
+    def best_base(self, load: Load) -> str | None:
+        """The baseline (target-only or a fixed k) with the highest median-round tok/s at `load`."""
+        medians = {policy: point.output_throughput for policy in self.policies
+                   if (policy == "target-only" or policy.startswith("fixed-"))
+                   and (point := self.point(policy, load)) is not None}
+        return max(medians, key=medians.__getitem__) if medians else None
+
+    def _paired(self, policy: str, load: Load) -> list[float]:
+        """`policy`'s tok/s over the best baseline's, one per round both ran (paired by round)."""
+        base = self.best_base(load)
+        if base is None:
+            return []
+        by_round = {p.round: p.output_throughput for p in self.points if p.policy == base and p.load == load}
+        return [p.output_throughput / by_round[p.round] for p in self.points
+                if p.policy == policy and p.load == load and by_round.get(p.round, 0) > 0]
+
+    def ratio(self, load: Load, policy: str = "adaptive") -> float | None:
+        """`policy`'s tok/s over the best baseline's at `load`, the median over rounds of the two measured
+        in the same round; None when a side is missing."""
+        ratios = self._paired(policy, load)
+        return statistics.median(ratios) if ratios else None
+
+    def ratio_interval(self, load: Load, policy: str = "adaptive") -> tuple[float, float] | None:
+        """The 90 % bootstrap interval of `ratio` (rounds resampled with replacement, a fixed seed so the
+        table is reproducible from sweep.json); None under INTERVAL_MIN_ROUNDS paired rounds."""
+        ratios = self._paired(policy, load)
+        if len(ratios) < INTERVAL_MIN_ROUNDS:
             return None
-        return adaptive.output_throughput / max(baselines)
+        rng = random.Random(0)
+        medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                         for _ in range(BOOTSTRAP_RESAMPLES))
+        tail = (1 - INTERVAL_LEVEL) / 2
+        return medians[int(tail * BOOTSTRAP_RESAMPLES)], medians[int((1 - tail) * BOOTSTRAP_RESAMPLES) - 1]
 
     def lossless(self) -> list[LosslessCheck]:
         """Each policy's texts against target-only's (its first text per prompt); empty without
@@ -325,6 +368,11 @@ class SweepResult:
                          "requests_per_load": {load.label: c.requests_at(load) for load in c.loads}},
             "prompts": list(self.prompts),
             "ratios": {load.label: self.ratio(load) for load in self.loads},
+            "ratio_intervals": {load.label: self.ratio_interval(load) for load in self.loads},
+            "best_bases": {load.label: self.best_base(load) for load in self.loads},
+            **({"twin_ratios": {load.label: self.ratio(load, TWIN) for load in self.loads},
+                "twin_ratio_intervals": {load.label: self.ratio_interval(load, TWIN) for load in self.loads}}
+               if TWIN in self.policies else {}),
             "lossless": [check.to_json() for check in self.lossless()],
             "points": [p.to_json() for p in self.points],
         }

@@ -8,13 +8,14 @@ import json
 from pathlib import Path
 
 from dspark.atomic import atomic_write, atomic_write_text
-from dspark.bench.sweep import MIN_REQUESTS_PER_SLOT, SweepPoint, SweepResult
+from dspark.bench.sweep import INTERVAL_LEVEL, MIN_REQUESTS_PER_SLOT, TWIN, Load, SweepPoint, SweepResult
 
 DPI = 110
 SUBCOLUMNS = (("tok/s", 7), ("TPOT50", 6), ("TPOT99", 6), ("TTFT50", 7), ("tok/st", 6))
 GROUP_WIDTH = sum(w for _, w in SUBCOLUMNS) + len(SUBCOLUMNS) - 1
 LOAD_WIDTH = 11
 RATIO_HEADER = ("adaptive /", "best base")
+TWIN_HEADER = ("twin /", "best base")
 
 
 def _policy_title(policy: str) -> str:
@@ -35,11 +36,23 @@ def _cells(point: SweepPoint | None) -> str:
     return " ".join(f"{v:>{w}}" for v, (_, w) in zip(values, SUBCOLUMNS, strict=True))
 
 
+def _ratio(result: SweepResult, load: Load, policy: str) -> str:
+    ratio = result.ratio(load, policy)
+    if ratio is None:
+        return "-"
+    interval = result.ratio_interval(load, policy)
+    return f"{ratio:.2f}x" + ("" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]")
+
+
 def format_table(result: SweepResult) -> str:
     """The sweep as one table: a row per load, a column group per policy, and adaptive's ratio to the best
     of target-only and every fixed k."""
     c = result.config
     policies = result.policies
+    ratio_of = ["adaptive", *([TWIN] if TWIN in policies else [])]
+    headers = [RATIO_HEADER, *([TWIN_HEADER] if TWIN in policies else [])]
+    intervals = any(result.ratio_interval(load, p) is not None for load in result.loads for p in ratio_of)
+    ratio_width = 21 if intervals else 10
     packages = " + ".join(f"{p.name} ({p.verify_mode})" for p in c.packages)
     counts = sorted({c.requests_at(load) for load in result.loads})
     per_load = str(counts[0]) if len(counts) == 1 else f"{counts[0]}..{counts[-1]}"
@@ -53,18 +66,25 @@ def format_table(result: SweepResult) -> str:
            "cell is the policy's median round there (sweep.json has every round)"] if c.rounds > 1 else []),
         "",
         " | ".join([f"{'':<{LOAD_WIDTH}}", *(f"{_policy_title(p):^{GROUP_WIDTH}}" for p in policies),
-                    RATIO_HEADER[0]]),
+                    *(f"{h[0]:<{ratio_width}}" for h in headers)]).rstrip(),
         " | ".join([f"{'load':<{LOAD_WIDTH}}", *(" ".join(f"{n:>{w}}" for n, w in SUBCOLUMNS)
-                                                 for _ in policies), RATIO_HEADER[1]]),
+                                                 for _ in policies),
+                    *(f"{h[1]:<{ratio_width}}" for h in headers)]).rstrip(),
     ]
     lines.append("-" * len(lines[-1]))
     for load in result.loads:
-        ratio = result.ratio(load)
         lines.append(" | ".join([f"{load.label:<{LOAD_WIDTH}}",
                                  *(_cells(result.point(p, load)) for p in policies),
-                                 "-" if ratio is None else f"{ratio:.2f}x"]))
+                                 *(f"{_ratio(result, load, p):<{ratio_width}}" for p in ratio_of)]).rstrip())
     lines.append("")
-    lines.append("  best base = the faster of target-only and every fixed k at that load")
+    lines.append("  best base = the faster of target-only and every fixed k at that load (median round); "
+                 + ("adaptive / best base = the median over rounds of the two measured in the same round"
+                    if c.rounds > 1 else "adaptive / best base = their tok/s"))
+    if intervals:
+        lines.append(f"  [lo, hi] = {INTERVAL_LEVEL:.0%} bootstrap interval of that median over the rounds")
+    if TWIN in policies:
+        lines.append("  twin = a second adaptive server, never a baseline: adaptive and its twin differ by "
+                     "the machine's noise alone")
     lines += [f"  note: {note}" for note in c.notes]
     checks = result.lossless()
     if checks:
@@ -94,7 +114,7 @@ def plot_sweep(result: SweepResult, path: Path) -> Path:
     fixed = [p for p in policies if p.startswith("fixed-")]
     cmap = plt.get_cmap("viridis")
     styles = {"target-only": ("black", "-", 1.8), "static": ("tab:blue", "-", 1.8),
-              "adaptive": ("tab:red", "-", 2.2)}
+              "adaptive": ("tab:red", "-", 2.2), TWIN: ("tab:orange", ":", 1.6)}
     for ax, kind in zip(axes[0], kinds, strict=True):
         loads = [load for load in result.loads if load.kind == kind]
         xs = [load.value for load in loads]

@@ -93,6 +93,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="run every load R times by every policy, with every server up at once and the "
                             "order rotated each time; the table shows each point's median round "
                             "(default: 1, one server after another)")
+    sweep.add_argument("--twin", action="store_const", const=True, default=None,
+                       help="also run a second, identical adaptive server (adaptive-twin, never a "
+                            "baseline): its ratio to the best baseline, printed beside adaptive's, is how "
+                            "far apart two servers of one policy measure on this machine in this run")
     sweep.add_argument("--server-timeout", type=float, default=None, metavar="SECONDS",
                        help=f"how long a server may take to start answering (default: {SERVER_TIMEOUT_S:g})")
     return p
@@ -149,7 +153,8 @@ def run_bench(args: argparse.Namespace) -> int:
 # -- --sweep ----------------------------------------------------------------------------------------
 SWEEP_ONLY = (("--concurrency-list", "concurrency_list"), ("--request-rates", "request_rates"),
               ("--policies", "policies"), ("--fixed-k", "fixed_k"), ("--out", "out"),
-              ("--server-timeout", "server_timeout"), ("--rounds", "rounds"))
+              ("--server-timeout", "server_timeout"), ("--rounds", "rounds"),
+              ("--twin", "twin"))
 SERVER_TIMEOUT_S = 300.0
 
 
@@ -221,7 +226,7 @@ def sweep_config_from_args(args: argparse.Namespace) -> SweepConfig:
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise SweepUsageError(f"--out {args.out} is a file; pass a directory (it is created if missing)")
     packages = tuple(sweep_package(path) for path in args.sweep)
-    runs, notes = plan_runs(packages, policies, fixed_k)
+    runs, notes = plan_runs(packages, policies, fixed_k, twin=bool(args.twin))
     command = ["dspark", "bench", "--sweep", *map(str, args.sweep),
                "--concurrency-list", ",".join(map(str, concurrency)),
                "--policies", ",".join(policies or POLICIES), "--num-prompts", str(args.num_prompts),
@@ -233,6 +238,8 @@ def sweep_config_from_args(args: argparse.Namespace) -> SweepConfig:
     rounds = 1 if args.rounds is None else args.rounds
     if rounds > 1:
         command += ["--rounds", str(rounds)]
+    if args.twin:
+        command += ["--twin"]
     if args.prompts_file is not None:
         command += ["--prompts-file", str(args.prompts_file)]
     return SweepConfig(packages=packages, runs=tuple(runs), concurrency=concurrency, request_rates=rates,
