@@ -43,6 +43,7 @@ class Batch:
     lagged: np.ndarray | None = None  # float32 [B, gamma]
     lagged_known: np.ndarray | None = None  # bool [B]
     accept_prob: np.ndarray | None = None  # float32 [B, gamma]: P(draft accepted | prefix accepted)
+    sampled: bool = False  # the drafts were sampled: the budget reads `lagged` (one step back)
 
     @property
     def num_reqs(self) -> int:
@@ -176,19 +177,21 @@ class AdaptivePolicy:
         num_reqs, plan = batch.num_reqs, self.plan
         slots, generations = list(range(num_reqs)), [0] * num_reqs
         history = None
-        if plan.lag_steps:
+        if plan.lag_steps or batch.sampled:
+            lag = plan.history_lag()
             if batch.lagged is None or batch.lagged_known is None:
-                raise ValueError(f"the plan lags {plan.lag_steps} steps; give the batch its lagged "
-                                 "confidence")
-            # The engine's own history object, filled so that its oldest entry is the step `lag_steps`
-            # ago: requests absent then fall back to survival 1.0 exactly as they do when serving.
-            history = LaggedSurvival(plan.lag_steps, plan.gamma)
+                raise ValueError(f"the plan's budget reads confidence {lag} steps back; give the batch "
+                                 "its lagged confidence")
+            # The engine's own history object, filled so that its oldest entry is the step `lag` ago:
+            # requests absent then fall back to survival 1.0 exactly as they do when serving.
+            history = LaggedSurvival(lag, plan.gamma)
             known = np.flatnonzero(batch.lagged_known)
             past = survival_from_logits(torch.from_numpy(batch.lagged[known]), plan.temperatures)
             history.record([slots[i] for i in known], [0] * known.size, past)
-            for _ in range(plan.lag_steps - 1):
+            for _ in range(lag - 1):
                 history.record([], [], torch.empty((0, plan.gamma)))
-        step = plan.plan_step(torch.from_numpy(batch.confidence), num_reqs, slots, generations, history)
+        step = plan.plan_step(torch.from_numpy(batch.confidence), num_reqs, slots, generations, history,
+                              sampled=(True,) * num_reqs if batch.sampled else ())
         if switch is not None:
             commits = commit_lens(batch.raw_correct_len, np.array(step.verify_lens))
             switch.observe(keys, commits.tolist(), sum(step.run_lens))

@@ -64,6 +64,7 @@ def replay_run(trace: Trace, policy: Policy, pricer: StepPricer, lag_steps: int 
                max_steps: int = 1_000_000) -> RunReplay:
     """Replay every request of the trace's run under `policy` until each has committed its length."""
     requests = _requests(trace)
+    lag_steps = trace.budget_lag(lag_steps)
     position = np.zeros(len(requests), dtype=np.int64)
     done = np.zeros(len(requests), dtype=bool)
     recent: deque[dict[int, int]] = deque(maxlen=max(lag_steps, 1))  # request -> trace row, per step

@@ -95,10 +95,11 @@ def trace_batch(trace: Trace, rows: np.ndarray, source: np.ndarray | None) -> Ba
     row of the trace (-1: none), whose confidence the planner's budget reads."""
     accept = None if trace.accept_prob is None else trace.accept_prob[rows]
     if source is None:
-        return Batch(trace.confidence[rows], trace.raw_correct_len[rows], accept_prob=accept)
+        return Batch(trace.confidence[rows], trace.raw_correct_len[rows], accept_prob=accept,
+                     sampled=trace.sampled)
     known = source >= 0
     return Batch(trace.confidence[rows], trace.raw_correct_len[rows],
-                 trace.confidence[np.where(known, source, 0)], known, accept)
+                 trace.confidence[np.where(known, source, 0)], known, accept, trace.sampled)
 
 
 def draw(rng: np.random.Generator, size: int, concurrency: int) -> np.ndarray:
@@ -111,7 +112,8 @@ def simulate_concurrency(trace: Trace, policies: Sequence[Policy], pricer: StepP
     if concurrency < 1 or steps < 1:
         raise ValueError(f"concurrency and steps must be >= 1, got {concurrency} and {steps}")
     rng = np.random.default_rng((seed, concurrency))
-    lag_source = trace.lag_source(lag_steps) if lag_steps else None
+    lag = trace.budget_lag(lag_steps)
+    lag_source = trace.lag_source(lag) if lag else None
     tallies = [Tally() for _ in policies]
     for policy in policies:
         policy.reset()

@@ -75,6 +75,16 @@ class Trace:
         return int(self.raw_correct_len.shape[0])
 
     @property
+    def sampled(self) -> bool:
+        """The drafts were sampled: the planner's budget then reads each request's previous step
+        (`AdaptiveVerifyPlan.plan_step`)."""
+        return self.policy != "greedy"
+
+    def budget_lag(self, lag_steps: int) -> int:
+        """How many steps back the adaptive budget reads: the plan's lag, or 1 for sampled drafts."""
+        return lag_steps or int(self.sampled)
+
+    @property
     def num_draft_tokens(self) -> int:
         return num_draft_tokens(self.gamma)
 

@@ -66,7 +66,8 @@ class SpeculativeStep:
         self.eos_ids = eos_ids
         self.policy = policy  # the run's default policy: the one recorded labels describe
         # The lagged-confidence history belongs to the runtime; a plan is shared, immutable config.
-        self.history = LaggedSurvival(plan.lag_steps, plan.gamma) if plan.lag_steps else None
+        lag = plan.history_lag()
+        self.history = LaggedSurvival(lag, plan.gamma) if lag else None
         # What a step costs here beyond its table price, measured over the last steps and added to every
         # price the planner weighs (the off state's included).
         self.offset = StepOffset(plan.step_offset_window)
@@ -101,7 +102,8 @@ class SpeculativeStep:
         # 2. Plan: the planner's verify_lens, then the step's layout, once.
         handles = [r.handle for r in running]
         offset = self.offset.seconds
-        plan, tier, logit_rows = self._plan(proposal.conf_logits, handles, offset)
+        plan, tier, logit_rows = self._plan(proposal.conf_logits, handles, offset,
+                                            [not r.sampling.greedy for r in running])
         self._check(tier, logit_rows)
 
         # 3. Verify: the step's layout, once, and the target's forward of its rows (packed when some
@@ -168,14 +170,15 @@ class SpeculativeStep:
         self._off_steps += 1
         self._off_seconds += seconds
 
-    def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle], offset: float
-              ) -> tuple[StepPlan, int, int]:
+    def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle], offset: float,
+              sampled: list[bool]) -> tuple[StepPlan, int, int]:
         """The step's plan, and the tier and logit rows every engine that runs it runs."""
         num_reqs = len(handles)
         slots, generations = [h.slot for h in handles], [h.generation for h in handles]
         own: StepPlan | None
         try:
-            own = self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history, offset)
+            own = self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history, offset,
+                                      sampled)
             rows = sum(own.run_lens)
             report = VerifyReport(num_reqs, rows, self._tier_of(rows), True)
         except ValueError as error:  # the planner's refusals, and a step past the largest tier

@@ -73,9 +73,13 @@ class VerifyPlan(Protocol):
 
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
                   generations: Sequence[int], history: LaggedSurvival | None,
-                  offset_seconds: float = 0.0) -> StepPlan:
+                  offset_seconds: float = 0.0, sampled: Sequence[bool] = ()) -> StepPlan:
         """The step's `verify_lens`; `offset_seconds` (the engine's measured `StepOffset`) is added to
-        every price the budget weighs."""
+        every price the budget weighs; `sampled[r]`: request r's drafts were sampled."""
+        ...
+
+    def history_lag(self) -> int:
+        """The lag of the survival history the runtime keeps for `plan_step` (0: none)."""
         ...
 
     def speculation_switch(self) -> SpeculationSwitch | None:
@@ -126,9 +130,12 @@ class StaticVerifyPlan:
     def num_draft_tokens(self) -> int:
         return num_draft_tokens(self.gamma)
 
+    def history_lag(self) -> int:
+        return 0  # every request verifies every row: nothing to remember
+
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int] = (),
                   generations: Sequence[int] = (), history: LaggedSurvival | None = None,
-                  offset_seconds: float = 0.0) -> StepPlan:
+                  offset_seconds: float = 0.0, sampled: Sequence[bool] = ()) -> StepPlan:
         full = (self.num_draft_tokens,) * num_reqs
         survival = None
         if confidence_logits is not None:
@@ -245,18 +252,45 @@ class AdaptiveVerifyPlan:
         """A copy with some fields replaced (e.g. a forced budget fraction for an experiment)."""
         return dataclasses.replace(self, **changes)
 
+    def history_lag(self) -> int:
+        """The lag of the survival history a runtime keeps for this plan: `lag_steps`, or 1 without a lag,
+        for the budget of requests that sample (`plan_step`)."""
+        return self.lag_steps or 1
+
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
                   generations: Sequence[int], history: LaggedSurvival | None = None,
-                  offset_seconds: float = 0.0) -> StepPlan:
+                  offset_seconds: float = 0.0, sampled: Sequence[bool] = ()) -> StepPlan:
+        """`sampled[r]`: request r's drafts were sampled, not greedy (empty: none were). `history` (lag
+        `history_lag()`) is needed with a lag and with any sampled request."""
         if confidence_logits is None:
             raise ValueError(f"{self.mode} planning needs the draft's confidence logits; use a draft "
                              "with a confidence head")
         cfg = self.schedule
         survival = survival_from_logits(confidence_logits, self.temperatures)
         budget_survival = survival
+        any_sampled = any(sampled)
         if history is not None:
-            budget_survival = history.lagged(slots, generations, survival)
+            if history.lag_steps != self.history_lag():
+                raise ValueError(f"the survival history lags {history.lag_steps} steps; this plan needs "
+                                 f"{self.history_lag()} (history_lag())")
+            earlier = history.lagged(slots, generations, survival)
             history.record(slots, generations, survival)
+            if self.lag_steps:
+                budget_survival = earlier
+            elif any_sampled:
+                # Slot k's confidence reads the token drawn at slot k - 1, so a sampled request's
+                # survival past draft j depends on draft j's draw. A budget chosen from it would make
+                # whether draft j is verified depend on its own draw, and the committed token would no
+                # longer follow the target's distribution (docs/planner.md, "Sampled drafts"); the
+                # budget reads such a request's survival from its previous step instead, and the
+                # allocation by this step's survival stays a stopping rule along each row.
+                if len(sampled) != num_reqs:
+                    raise ValueError(f"sampled has {len(sampled)} flags for {num_reqs} requests")
+                mask = torch.tensor(list(sampled), dtype=torch.bool, device=survival.device)
+                budget_survival = torch.where(mask[:, None], earlier, survival)
+        elif self.lag_steps or any_sampled:
+            raise ValueError("plan_step needs the runtime's survival history (LaggedSurvival(history_lag())) "
+                             + ("for its lag" if self.lag_steps else "for requests that sample"))
         # One copy to the host and one ranking of each survival: without lag the budget and the
         # allocation share both.
         budget_ranking = Ranking.of(budget_survival, cfg)
@@ -267,7 +301,7 @@ class AdaptiveVerifyPlan:
         ranking = budget_ranking if budget_survival is survival else Ranking.of(survival, cfg)
         budget = decision.budget
         if self.forced_budget_fraction is not None:  # in [0, 1]: checked by __post_init__
-            budget = fraction_of(ranking.num_candidates, self.forced_budget_fraction)
+            budget = fraction_of(budget_ranking.num_candidates, self.forced_budget_fraction)
             if max_rows is not None:
                 budget = min(budget, max_rows - num_reqs * cfg.floor)
         aligned = None

@@ -1,0 +1,131 @@
+"""The adaptive plan under sampled drafts keeps the target's distribution exactly.
+
+Rejection sampling commits a token with the target's distribution only if whether draft j is verified
+does not depend on draft j's own draw. Slot j + 1's confidence reads the token drawn at slot j (the
+Markov input of the confidence head), so a budget chosen from this step's survival would make draft j's
+verification depend on its draw through the later drafts' survival; for sampled requests the budget reads
+their previous step instead (`AdaptiveVerifyPlan.plan_step`, docs/planner.md "Sampled drafts").
+
+- Property: for a sampled request, "draft j verified" is a function of its confidence at positions <= j
+  (and of the other requests and the past), on seeded random tables, tiers and configurations; the same
+  search finds cases where a greedy plan's (this step's survival) is not, which greedy drafts may afford
+  (they are not drawn).
+- Exact: the first committed token's distribution, enumerated over a two-token draft, equals the
+  target's with the plan as the engine calls it, and differs when the budget reads this step.
+"""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import pytest
+import torch
+
+from dspark.modes import VerifyMode
+from dspark.runtime.planner.survival import LaggedSurvival
+from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
+
+from .test_planner_fast_path import probes, random_table
+
+
+def _random_plan(rng: random.Random, gamma: int, num_reqs: int) -> AdaptiveVerifyPlan:
+    n = gamma + 1
+    kind = rng.choice(["sps-1d", "additive", "tier"])
+    mode = rng.choice([VerifyMode.COMPACT, VerifyMode.CAP_ACCEPT])
+    tiers = tuple(sorted(set(probes(rng, num_reqs * n, rng.randint(1, 5)) + [num_reqs * n])))
+    return AdaptiveVerifyPlan(
+        gamma=gamma, mode=mode, min_verify_len=rng.randint(1, 2), survival_eps=rng.choice([1e-6, 0.05]),
+        align_to_graph_tier=mode.packs_rows and rng.random() < 0.5,
+        cost_model=random_table(rng, kind, num_reqs * n, num_reqs), token_tiers=tiers)
+
+
+def _plan(plan: AdaptiveVerifyPlan, logits: torch.Tensor, earlier: torch.Tensor | None,
+          sampled: bool) -> tuple[int, ...]:
+    """verify_lens as the engine gets them: the runtime's history holds the previous step (or nothing)."""
+    num_reqs = logits.shape[0]
+    slots, gens = list(range(num_reqs)), [0] * num_reqs
+    history = LaggedSurvival(plan.history_lag(), plan.gamma)
+    if earlier is not None:
+        history.record(slots, gens, torch.cumprod(torch.sigmoid(earlier), dim=1))
+    step = plan.plan_step(logits, num_reqs, slots, gens, history,
+                          sampled=(True,) * num_reqs if sampled else ())
+    return step.verify_lens
+
+
+def _dependence(seed: int, sampled: bool) -> str | None:
+    """A case where draft j's verification changes with the confidence after it, or None."""
+    rng = random.Random(seed)
+    gamma, num_reqs = rng.randint(2, 7), rng.randint(1, 6)
+    plan = _random_plan(rng, gamma, num_reqs)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_reqs, gamma, generator=gen) * 3
+    earlier = None if rng.random() < 0.3 else torch.randn(num_reqs, gamma, generator=gen) * 3
+    try:
+        base = _plan(plan, logits, earlier, sampled)
+    except ValueError:  # the floor alone does not fit the random table's row limit
+        return None
+    for _ in range(6):
+        r, j = rng.randrange(num_reqs), rng.randint(1, gamma - 1)
+        changed = logits.clone()
+        changed[r, j:] = torch.randn(gamma - j, generator=gen) * 3  # what another draw of draft j reads
+        lens = _plan(plan, changed, earlier, sampled)
+        if (base[r] > j) != (lens[r] > j):  # draft j is verified when verify_len >= j + 1
+            return f"seed {seed}: request {r}, draft {j}: verify_len {base[r]} -> {lens[r]}"
+    return None
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_a_sampled_drafts_verification_never_reads_the_confidence_after_it(seed: int) -> None:
+    assert _dependence(seed, sampled=True) is None
+
+
+def test_a_budget_from_this_steps_survival_would_read_it() -> None:
+    found = [case for seed in range(300) if (case := _dependence(seed, sampled=False)) is not None]
+    assert found, "no case found: the property test above would not notice the budget reading this step"
+
+
+# --- the committed token's distribution, exactly ---------------------------------------------------------
+P = (Fraction(8, 10), Fraction(2, 10))  # the target's next-token distribution
+Q = (Fraction(5, 10), Fraction(5, 10))  # the draft's at slot 1
+
+
+def _first_token(verified: dict[int, bool]) -> tuple[Fraction, Fraction]:
+    """P(first committed token = y): draft 1 is x ~ Q; verified (`verified[x]`) it is accepted with
+    min(1, P/Q), else the token comes from the residual (P - Q)+; not verified, the bonus is drawn from P."""
+    residual = [max(p - q, Fraction(0)) for p, q in zip(P, Q, strict=True)]
+    mass = sum(residual)
+    out = [Fraction(0), Fraction(0)]
+    for x in (0, 1):
+        if verified[x]:
+            accept = min(Fraction(1), P[x] / Q[x])
+            out[x] += Q[x] * accept
+            for y in (0, 1):
+                out[y] += Q[x] * (1 - accept) * residual[y] / mass
+        else:
+            for y in (0, 1):
+                out[y] += Q[x] * P[y]
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_the_first_committed_token_follows_the_target_exactly(sampled: bool) -> None:
+    # One request, two drafts. Draft 1's confidence is 0.6; draft 2's reads draft 1's token: 0.95 after
+    # token 0, 0.01 after token 1. The table prices one row at 1 s and two or three rows at 2 s: verifying
+    # draft 1 alone never pays (1.6 tokens in 2 s), drafts 1 and 2 together do after token 0 (2.17 in 2 s).
+    plan = AdaptiveVerifyPlan(gamma=2, mode=VerifyMode.COMPACT, cost_model={
+        "type": "sps-1d", "sample_batch_tokens": (1, 2, 3), "max_batch_tokens": 3,
+        "sample_steps_per_sec": (1.0, 0.5, 0.5)})
+    logit = torch.logit(torch.tensor([0.6, 0.95, 0.01], dtype=torch.float64)).float()
+    earlier = torch.stack((logit[0], logit[1]))[None]  # the previous step drafted token 0 at slot 1
+    verified = {}
+    for x, second in ((0, logit[1]), (1, logit[2])):
+        lens = _plan(plan, torch.stack((logit[0], second))[None], earlier, sampled)
+        verified[x] = lens[0] > 1
+    distribution = _first_token(verified)
+    if sampled:
+        assert verified[0] == verified[1]
+        assert distribution == P
+    else:  # the budget read this step: draft 1 is verified only after token 0 was drawn
+        assert verified == {0: True, 1: False}
+        assert distribution != P
