@@ -273,11 +273,13 @@ class AdaptiveVerifyPlan:
             if history.lag_steps != self.history_lag():
                 raise ValueError(f"the survival history lags {history.lag_steps} steps; this plan needs "
                                  f"{self.history_lag()} (history_lag())")
-            earlier = history.lagged(slots, generations, survival)
+            # Greedy steps without a lag only record: the history is there for a sampled request later.
+            earlier = history.lagged(slots, generations, survival) if self.lag_steps or any_sampled else None
             history.record(slots, generations, survival)
             if self.lag_steps:
+                assert earlier is not None
                 budget_survival = earlier
-            elif any_sampled:
+            elif earlier is not None:
                 # Slot k's confidence reads the token drawn at slot k - 1, so a sampled request's
                 # survival past draft j depends on draft j's draw. A budget chosen from it would make
                 # whether draft j is verified depend on its own draw, and the committed token would no
