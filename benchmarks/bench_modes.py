@@ -12,6 +12,10 @@ equals target-only greedy decoding (it must).
 
     .venv/bin/python benchmarks/bench_modes.py generated/tiny_cpu_static generated/tiny_cpu_cap_accept \\
         generated/tiny_cpu_compact --prompts 32 --max-new-tokens 128
+
+`--fixed-k 4,8` adds the last package run with every request verifying exactly k rows per step (as
+`dspark serve --fixed-verify-len k`), one runtime per k, to compare adaptive with every fixed length in
+the same interleaved rounds; "paired" then reads against the first of them.
 """
 
 from __future__ import annotations
@@ -62,10 +66,16 @@ def main() -> None:
     parser.add_argument("--prompt-chars", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fixed-k", default=None, metavar="K1,K2,...",
+                        help="also the last package at each fixed verify length k, listed first")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    runtimes = [Runtime(load_package(p)) for p in args.packages]
+    fixed = [] if args.fixed_k is None else [int(k) for k in args.fixed_k.split(",")]
+    last = load_package(args.packages[-1])
+    runtimes = [*(Runtime(last, fixed_verify_len=k) for k in fixed),
+                *(Runtime(load_package(p)) for p in args.packages)]
+    names = [*(f"fixed-{k}" for k in fixed), *(rt.deployment.name for rt in runtimes[len(fixed):])]
     tokenizer = runtimes[0].package.tokenizer
     prompts = [tokenizer.encode(p) for p in held_out_prompts(args.prompts, args.prompt_chars)]
     reference, _ = runtimes[0].generate(prompts, args.max_new_tokens, target_only=True)
@@ -90,8 +100,8 @@ def main() -> None:
             out, run = runtimes[i].generate(prompts, args.max_new_tokens)
             stats[i].append(run)
             lossless[i] &= out == reference
-    rows = [summarize(rt.deployment.name, rt.deployment.verify_mode, s, ok)
-            for rt, s, ok in zip(runtimes, stats, lossless, strict=True)]
+    rows = [summarize(name, rt.deployment.verify_mode, s, ok)
+            for name, rt, s, ok in zip(names, runtimes, stats, lossless, strict=True)]
     base = rows[0]["tokens_per_s"]
     reference_decode = round(statistics.median(decode_rate(r) for r in target_only), 2)
     for row in rows:
