@@ -1,6 +1,6 @@
-"""The output of `dspark bench --sweep` (`dspark.bench.sweep` runs it): one table of every policy at
-every load with adaptive's ratio to the best baseline, `sweep.json` with every point and request, and
-`sweep.png` of tokens/s against the load."""
+"""The output of `dspark bench --sweep` (`dspark.bench.sweep` runs it, `dspark.bench.sweep_data` holds its
+results): one table of every policy at every load with adaptive's ratio to the best baseline, `sweep.json`
+with every point and request, and `sweep.png` of tokens/s against the load."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from dspark.atomic import atomic_write, atomic_write_text
-from dspark.bench.sweep import INTERVAL_LEVEL, MIN_REQUESTS_PER_SLOT, TWIN, Load, SweepPoint, SweepResult
+from dspark.bench.sweep_data import INTERVAL_LEVEL, MIN_REQUESTS_PER_SLOT, TWIN, Load, SweepPoint, SweepResult
 
 DPI = 110
 SUBCOLUMNS = (("tok/s", 7), ("TPOT50", 6), ("TPOT99", 6), ("TTFT50", 7), ("tok/st", 6))

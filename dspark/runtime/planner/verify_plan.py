@@ -274,12 +274,10 @@ class AdaptiveVerifyPlan:
                 raise ValueError(f"the survival history lags {history.lag_steps} steps; this plan needs "
                                  f"{self.history_lag()} (history_lag())")
             # Greedy steps without a lag only record: the history is there for a sampled request later.
-            earlier = history.lagged(slots, generations, survival) if self.lag_steps or any_sampled else None
+            if self.lag_steps or any_sampled:
+                budget_survival = history.lagged(slots, generations, survival)
             history.record(slots, generations, survival)
-            if self.lag_steps:
-                assert earlier is not None
-                budget_survival = earlier
-            elif earlier is not None:
+            if not self.lag_steps and any_sampled:
                 # Slot k's confidence reads the token drawn at slot k - 1, so a sampled request's
                 # survival past draft j depends on draft j's draw. A budget chosen from it would make
                 # whether draft j is verified depend on its own draw, and the committed token would no
@@ -289,7 +287,7 @@ class AdaptiveVerifyPlan:
                 if len(sampled) != num_reqs:
                     raise ValueError(f"sampled has {len(sampled)} flags for {num_reqs} requests")
                 mask = torch.tensor(list(sampled), dtype=torch.bool, device=survival.device)
-                budget_survival = torch.where(mask[:, None], earlier, survival)
+                budget_survival = torch.where(mask[:, None], budget_survival, survival)
         elif self.lag_steps or any_sampled:
             raise ValueError("plan_step needs the runtime's survival history (LaggedSurvival(history_lag())) "
                              + ("for its lag" if self.lag_steps else "for requests that sample"))
