@@ -22,11 +22,24 @@ TWIN = "adaptive-twin"
 INTERVAL_MIN_ROUNDS = 4  # fewer rounds than this: no bootstrap interval (3 rounds give 10 distinct resamples)
 BOOTSTRAP_RESAMPLES = 2000
 INTERVAL_LEVEL = 0.90
+DEFAULT_SLICE_S = 0.5  # an engine's turn in an interleaved sweep (`dspark.bench.interleave`)
 
 
 class SweepUsageError(ValueError):
     """Arguments the sweep cannot run with (exit status 2); the message names the flag."""
 
+
+
+def median_interval(ratios: list[float]) -> tuple[float, float] | None:
+    """The INTERVAL_LEVEL bootstrap interval of the median of paired ratios (one per round, resampled with
+    replacement, a fixed seed so a table is reproducible from its JSON); None under INTERVAL_MIN_ROUNDS."""
+    if len(ratios) < INTERVAL_MIN_ROUNDS:
+        return None
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
+                     for _ in range(BOOTSTRAP_RESAMPLES))
+    tail = (1 - INTERVAL_LEVEL) / 2
+    return medians[int(tail * BOOTSTRAP_RESAMPLES)], medians[int((1 - tail) * BOOTSTRAP_RESAMPLES) - 1]
 
 
 # -- what is asked -----------------------------------------------------------------------------------
@@ -207,14 +220,7 @@ class SweepResult:
     def ratio_interval(self, load: Load, policy: str = "adaptive") -> tuple[float, float] | None:
         """The 90 % bootstrap interval of `ratio` (rounds resampled with replacement, a fixed seed so the
         table is reproducible from sweep.json); None under INTERVAL_MIN_ROUNDS paired rounds."""
-        ratios = self._paired(policy, load)
-        if len(ratios) < INTERVAL_MIN_ROUNDS:
-            return None
-        rng = random.Random(0)
-        medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios)))
-                         for _ in range(BOOTSTRAP_RESAMPLES))
-        tail = (1 - INTERVAL_LEVEL) / 2
-        return medians[int(tail * BOOTSTRAP_RESAMPLES)], medians[int((1 - tail) * BOOTSTRAP_RESAMPLES) - 1]
+        return median_interval(self._paired(policy, load))
 
     def lossless(self) -> list[LosslessCheck]:
         """Each policy's texts against target-only's (its first text per prompt); empty without

@@ -11,6 +11,7 @@ import json
 import math
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from dspark.bench.sweep import (
     plan_runs,
     run_sweep,
 )
+from dspark.bench.sweep_data import DEFAULT_SLICE_S
 from dspark.bench.sweep_output import format_table, write_outputs
 from dspark.cli.common import CliError, load_package_or_fail, read_prompts_file
 from dspark.corpus import held_out_prompts
@@ -97,6 +99,15 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                        help="also run a second, identical adaptive server (adaptive-twin, never a "
                             "baseline): its ratio to the best baseline, printed beside adaptive's, is how "
                             "far apart two servers of one policy measure on this machine in this run")
+    sweep.add_argument("--interleave", action="store_const", const=True, default=None,
+                       help="instead of servers, run every policy's engine in this process, each its own "
+                            "closed loop at the concurrency, taking turns of --slice-seconds in a shuffled "
+                            "order, so that a machine whose speed drifts within seconds slows every policy "
+                            "alike; --rounds passes of the same requests per load (default 4); prints "
+                            "tokens/s and tokens per step, no latencies (closed-loop loads only)")
+    sweep.add_argument("--slice-seconds", type=float, default=None, metavar="SECONDS",
+                       help="with --interleave: the length of an engine's turn (default: "
+                            f"{DEFAULT_SLICE_S:g})")
     sweep.add_argument("--server-timeout", type=float, default=None, metavar="SECONDS",
                        help=f"how long a server may take to start answering (default: {SERVER_TIMEOUT_S:g})")
     return p
@@ -154,7 +165,8 @@ def run_bench(args: argparse.Namespace) -> int:
 SWEEP_ONLY = (("--concurrency-list", "concurrency_list"), ("--request-rates", "request_rates"),
               ("--policies", "policies"), ("--fixed-k", "fixed_k"), ("--out", "out"),
               ("--server-timeout", "server_timeout"), ("--rounds", "rounds"),
-              ("--twin", "twin"))
+              ("--twin", "twin"), ("--interleave", "interleave"), ("--slice-seconds", "slice_seconds"))
+INTERLEAVE_ROUNDS = 4  # passes per load by default: the fewest that give a bootstrap interval
 SERVER_TIMEOUT_S = 300.0
 
 
@@ -235,17 +247,52 @@ def sweep_config_from_args(args: argparse.Namespace) -> SweepConfig:
         command += ["--request-rates", ",".join(f"{r:g}" for r in rates)]
     if fixed_k is not None:
         command += ["--fixed-k", ",".join(map(str, fixed_k))]
-    rounds = 1 if args.rounds is None else args.rounds
-    if rounds > 1:
+    rounds = (INTERLEAVE_ROUNDS if args.interleave else 1) if args.rounds is None else args.rounds
+    if rounds > 1 or args.interleave:
         command += ["--rounds", str(rounds)]
     if args.twin:
         command += ["--twin"]
+    if args.interleave:
+        if rates:
+            raise SweepUsageError("--request-rates: an interleaved sweep runs closed-loop loads only (a "
+                                  "Poisson stream cannot pause while other engines take their turns); drop "
+                                  "--request-rates or --interleave")
+        if args.server_timeout is not None:
+            raise SweepUsageError("--server-timeout: an interleaved sweep starts no server; drop it")
+        command += ["--interleave", "--slice-seconds", f"{slice_seconds(args):g}"]
+    elif args.slice_seconds is not None:
+        raise SweepUsageError("--slice-seconds is the turn of an interleaved sweep; add --interleave")
     if args.prompts_file is not None:
         command += ["--prompts-file", str(args.prompts_file)]
     return SweepConfig(packages=packages, runs=tuple(runs), concurrency=concurrency, request_rates=rates,
                        num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed,
                        server_timeout_s=timeout, notes=tuple(notes), command=shlex.join(command),
                        rounds=rounds)
+
+
+def slice_seconds(args: argparse.Namespace) -> float:
+    value = DEFAULT_SLICE_S if args.slice_seconds is None else args.slice_seconds
+    if not 0 < value < math.inf:
+        raise SweepUsageError(f"--slice-seconds must be a positive number of seconds, got {value:g}")
+    return value
+
+
+def run_interleave_command(args: argparse.Namespace, config: SweepConfig, prompts: list[str],
+                           log: Callable[[str], None]) -> int:
+    """`dspark bench --sweep ... --interleave`: 1 when a policy's output differs from target-only's."""
+    from dspark.bench.interleave import format_interleaved, run_interleaved, write_interleaved
+
+    result = run_interleaved(config, prompts, slice_seconds(args), log)
+    table = format_interleaved(result)
+    print(json.dumps(result.to_json(), indent=1) if args.json else table)
+    if args.out is not None:
+        written = write_interleaved(result, args.out, table)
+        log(f"wrote {', '.join(map(str, written))}")
+    differing = [check.policy for check in result.lossless if not check.identical]
+    if differing:
+        return _fail(f"greedy outputs of {', '.join(differing)} differ from target-only's (speculation must "
+                     "be lossless)", 1)
+    return 0
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
@@ -263,6 +310,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         if not args.no_progress:
             print(f"dspark bench: {line}", file=sys.stderr, flush=True)
 
+    if args.interleave:
+        return run_interleave_command(args, config, prompts, log)
     try:
         result = run_sweep(config, prompts, log)
     except SweepError as err:
