@@ -144,8 +144,16 @@ class VerifyStepTimer:
         return sample(warp(logits, self.runtime.sampling), self.runtime.models.generator)
 
     def __call__(self, num_reqs: int, num_rows: int) -> float:
+        return self.time_lens(spread_rows(num_rows, num_reqs, self.floor, self.cap))
+
+    def time_lens(self, verify_lens: Sequence[int]) -> float:
+        """Wall seconds of one verify step whose requests verify `verify_lens` rows each (a ragged
+        layout, as the planner makes them; `__call__` spreads the rows evenly)."""
         rt = self.runtime
-        lens = tuple(spread_rows(num_rows, num_reqs, self.floor, self.cap))
+        lens = tuple(verify_lens)
+        num_reqs = len(lens)
+        if not lens or not all(self.floor <= n <= self.cap for n in lens):
+            raise ProfileError(f"verify_lens {list(lens)}: every request runs {self.floor}..{self.cap} rows")
         vocab = rt.target.cfg.vocab_size
         fixed = num_reqs * rt.plan.num_draft_tokens  # ids at the fixed stride, which the layout packs
         ids = torch.randint(vocab, (fixed,), generator=self.generator).to(rt.device)
