@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from dspark.modes import VerifyMode
+from dspark.runtime.attention.metadata import row_class_bounds
 from dspark.runtime.planner.survival import LaggedSurvival
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
@@ -37,7 +38,8 @@ def _random_plan(rng: random.Random, gamma: int, num_reqs: int) -> AdaptiveVerif
     return AdaptiveVerifyPlan(
         gamma=gamma, mode=mode, min_verify_len=rng.randint(1, 2), survival_eps=rng.choice([1e-6, 0.05]),
         align_to_graph_tier=mode.packs_rows and rng.random() < 0.5,
-        cost_model=random_table(rng, kind, num_reqs * n, num_reqs), token_tiers=tiers)
+        cost_model=random_table(rng, kind, num_reqs * n, num_reqs), token_tiers=tiers,
+        row_classes=row_class_bounds(n, rng.choice([1, 2, 4, 8])) if rng.random() < 0.5 else ())
 
 
 def _plan(plan: AdaptiveVerifyPlan, logits: torch.Tensor, earlier: torch.Tensor | None,

@@ -47,6 +47,14 @@ def block_class(rows: int, query_group: int) -> int:
     return 1 << (tiles - 1).bit_length()
 
 
+def row_class_bounds(max_rows: int, query_group: int) -> tuple[int, ...]:
+    """The most rows of each block class a request of 1..`max_rows` rows can join, in order: (4, 8)
+    for 8 rows and 4 query heads per KV head. A step whose requests span two classes runs an attention
+    call per class per layer (`AdaptiveVerifyPlan.row_classes`)."""
+    return tuple(rows for rows in range(1, max_rows + 1)
+                 if rows == max_rows or block_class(rows + 1, query_group) != block_class(rows, query_group))
+
+
 @dataclass(frozen=True)
 class QueryBlock:
     """Requests whose query rows run as one dense `[requests, width]` block of the torch attention,

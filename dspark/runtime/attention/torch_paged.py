@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.runtime.attention.metadata import QueryBlock, QueryBlocks, TorchPagedMetadata
+from dspark.runtime.attention.metadata import QueryBlock, QueryBlocks, TorchPagedMetadata, row_class_bounds
 from dspark.runtime.kv_cache import PagedKVCache
 from dspark.runtime.models import ops
 
@@ -35,6 +35,11 @@ class TorchPagedAttention:
     def query_group(self) -> int:
         """Query heads per KV head, which `QueryBlocks.plan` groups a step's requests by."""
         return self.num_heads // self.cache.k.shape[-2]
+
+    def row_classes(self, max_rows: int) -> tuple[int, ...]:
+        """The most rows of each query-block class (`row_class_bounds`): a step across classes pays an
+        attention call per class, which a plan that keeps its requests in one class saves."""
+        return row_class_bounds(max_rows, self.query_group)
 
     def attend(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: TorchPagedMetadata) -> torch.Tensor:

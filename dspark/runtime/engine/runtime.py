@@ -22,6 +22,7 @@ import torch
 from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.modes import SpeculationOff
 from dspark.runtime.attention.metadata import AttentionBackend
+from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.attention.triton_paged import TritonPagedAttention
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
 from dspark.runtime.distributed.dp_engine import DPDispatch, RequestSpec, serve_engine
@@ -89,6 +90,9 @@ class Runtime:
         draft = load_draft_model(dep, package.directory, self.device, self._draft_shares(target))
         self._check_models(target, draft)
         attn = rank_attention(package, target, self.device)
+        if isinstance(attn, TorchPagedAttention) and isinstance(self.plan, AdaptiveVerifyPlan):
+            # this backend pays an attention call per class of rows per request: plans keep one class
+            self.plan = self.plan.with_overrides(row_classes=attn.row_classes(self.plan.schedule.cap))
         self.slots = RequestSlots(s.max_running_requests, s.pages_per_request, num_pages, s.page_size)
         dc = draft.cfg
         draft_kv = PagedKVCache(dc.num_layers, num_pages, s.page_size, dc.num_kv_heads, dc.head_dim,

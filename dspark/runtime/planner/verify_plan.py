@@ -7,6 +7,7 @@ passed in.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -183,6 +184,10 @@ class AdaptiveVerifyPlan:
     off_patience: int = SwitchConfig.patience
     probe_every: int = SwitchConfig.probe_every
     step_offset_window: int = 64  # the measured step offset's window (`StepOffset`; 0 turns it off)
+    # The most rows of each query-block class of the attention backend, where it pays per class
+    # (`TorchPagedAttention.row_classes`; empty: the backend's cost follows the rows): a packed step's
+    # greedy requests are kept in one class (`one_row_class`), unless its steps run graph tiers.
+    row_classes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.mode.plans:
@@ -192,6 +197,8 @@ class AdaptiveVerifyPlan:
                              "give one per draft position")
         if self.align_to_graph_tier and not self.token_tiers:
             raise ValueError("align_to_graph_tier needs the graph's token_tiers")
+        if any(b < 1 for b in self.row_classes) or list(self.row_classes) != sorted(set(self.row_classes)):
+            raise ValueError(f"row_classes must be increasing positive row counts, got {self.row_classes}")
         if self.step_offset_window < 0:
             raise ValueError(f"step_offset_window must be >= 0 (0 turns the measured offset off), got "
                              f"{self.step_offset_window}")
@@ -309,6 +316,9 @@ class AdaptiveVerifyPlan:
             aligned = tier_aligned_budget(num_reqs, budget, cfg.floor, cfg.cap, self.token_tiers)
             budget = aligned
         verify_lens = tuple(ranking.verify_lens(budget).tolist())
+        if self.row_classes and self.mode.packs_rows and not self.token_tiers:
+            # (a step padded to a graph tier pays for the tier's rows, which alignment may fill)
+            verify_lens = one_row_class(verify_lens, self.row_classes, sampled, cfg.cap)
         run_lens = verify_lens if self.mode.packs_rows else (self.num_draft_tokens,) * num_reqs
         return StepPlan(verify_lens, run_lens, survival, decision, aligned)
 
@@ -339,3 +349,29 @@ class AdaptiveVerifyPlan:
     def uniform_step(self, num_reqs: int, rows: int) -> StepPlan:
         lens = (rows,) * num_reqs
         return StepPlan(lens, lens if self.mode.packs_rows else (self.num_draft_tokens,) * num_reqs)
+
+
+def one_row_class(verify_lens: Sequence[int], bounds: Sequence[int], sampled: Sequence[bool],
+                  cap: int) -> tuple[int, ...]:
+    """`verify_lens` with every greedy request below the step's widest query-block class raised to that
+    class's fewest rows (never past `cap`).
+
+    Where the attention pays a call per class of rows per request (the CPU backend's tiles of
+    (row, query head) pairs), a step whose requests span two classes costs more than its rows say:
+    measured at B = 16, 12 requests of 8 rows and 4 of 3 cost more than all 16 at 8 rows, while layouts
+    within one class cost what their rows do (benchmarks/verify_step_layouts.py). The cost table prices
+    rows alone, so the budget cannot see this; raising the short requests into the widest class saves
+    the call and verifies drafts for the rows' price alone. Greedy requests only: a sampled request's
+    draft j must be verified or not whatever it drew (docs/planner.md, "Sampled drafts"), and whether
+    any request reaches the widest class can depend on another request's survival past its own draws.
+    """
+    def row_class(rows: int) -> int:
+        return bisect.bisect_left(bounds, rows)
+
+    widest = max((row_class(rows) for rows in verify_lens), default=0)
+    if widest == 0:
+        return tuple(verify_lens)
+    fewest = min(bounds[widest - 1] + 1, cap)
+    flags = sampled or (False,) * len(verify_lens)
+    return tuple(rows if is_sampled else max(rows, fewest)
+                 for rows, is_sampled in zip(verify_lens, flags, strict=True))
