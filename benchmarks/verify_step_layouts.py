@@ -61,10 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         timer = VerifyStepTimer(runtime, args.context_len)
         timer.batch_sizes(sorted({len(lens) for lens in args.layout}))
         steps: dict[str, tuple[int, ...]] = {}
+        even_of: dict[str, str] = {}  # each layout's even spread of the same rows (itself when even)
         for lens in args.layout:
-            steps[layout_name(lens)] = lens
             even = tuple(spread_rows(sum(lens), len(lens), timer.floor, timer.cap))
+            steps[layout_name(lens)] = lens
             steps.setdefault(layout_name(even), even)
+            even_of[layout_name(lens)] = even_of[layout_name(even)] = layout_name(even)
         seconds: dict[str, list[float]] = {name: [] for name in steps}
         with torch.inference_mode():
             for lens in steps.values():
@@ -83,8 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "(theta + alpha + bias, no draft)")
     print(f"{'layout':<24}{'B':>4}{'M':>6}{'ms':>9}{'even ms':>9}{'/ even':>8}{'table ms':>10}")
     for name, lens in steps.items():
-        even = layout_name(tuple(spread_rows(sum(lens), len(lens), timer.floor, timer.cap)))
-        ms, even_ms = statistics.median(seconds[name]) * 1e3, statistics.median(seconds[even]) * 1e3
+        ms, even_ms = statistics.median(seconds[name]) * 1e3, statistics.median(seconds[even_of[name]]) * 1e3
         price = table.step_time(len(lens), sum(lens)) * 1e3
         print(f"{name:<24}{len(lens):>4}{sum(lens):>6}{ms:>9.2f}{even_ms:>9.2f}{ms / even_ms:>8.3f}"
               f"{price:>10.2f}")

@@ -87,14 +87,14 @@ def test_fewer_passes_than_an_interval_needs_give_none() -> None:
 
 def test_a_differing_output_is_called_out() -> None:
     checks = {c.policy: c for c in lossless_checks({
-        "target-only": {(C4, 0): [1, 2, 3], (C4, 1): [4, 5]},
-        "adaptive": {(C4, 0): [1, 2, 3], (C4, 1): [4, 6]},
-        "fixed-8": {(C4, 0): [1, 2, 3]},
+        "target-only": [("c=4", 0, [1, 2, 3]), ("c=4", 1, [4, 5])],
+        "adaptive": [("c=4", 0, [1, 2, 3]), ("c=4", 1, [4, 6])],
+        "fixed-8": [("c=4", 0, [1, 2, 3])],
     })}
     assert checks["fixed-8"].identical and checks["fixed-8"].compared == 1
     assert not checks["adaptive"].identical and checks["adaptive"].mismatched == 1
     assert "prompt 1" in (checks["adaptive"].first_mismatch or "")
-    assert lossless_checks({"adaptive": {(C4, 0): [1]}}) == ()
+    assert lossless_checks({"adaptive": [("c=4", 0, [1])]}) == []
 
 
 # -- a real run ---------------------------------------------------------------------------------------
@@ -139,8 +139,8 @@ def test_an_output_that_differs_exits_1(monkeypatch: pytest.MonkeyPatch,
 
     def broken(*args: object, **kwargs: object) -> InterleaveResult:
         result = real(*args, **kwargs)  # type: ignore[arg-type]
-        bad = lossless_checks({"target-only": {(C4, 0): [1]}, "adaptive": {(C4, 0): [2]}})
-        return InterleaveResult(result.config, result.slice_s, result.passes, bad, result.started,
+        bad = lossless_checks({"target-only": [("c=4", 0, [1])], "adaptive": [("c=4", 0, [2])]})
+        return InterleaveResult(result.config, result.slice_s, result.passes, tuple(bad), result.started,
                                 result.finished, result.machine)
 
     monkeypatch.setattr("dspark.bench.interleave.run_interleaved", broken)

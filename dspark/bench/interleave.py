@@ -19,7 +19,6 @@ as in `dspark.bench.sweep`.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import random
 import statistics
@@ -37,8 +36,11 @@ from dspark.bench.sweep_data import (
     Load,
     LosslessCheck,
     SweepConfig,
+    best_baseline,
+    lossless_checks,
     machine_info,
     median_interval,
+    now_utc,
 )
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.runtime import Runtime
@@ -171,10 +173,7 @@ class InterleaveResult:
 
     def best_base(self, load: Load) -> str | None:
         """The baseline (target-only or a fixed k) with the highest tokens/s over every pass at `load`."""
-        rates = {policy: rate for policy in self.policies
-                 if (policy == "target-only" or policy.startswith("fixed-"))
-                 and (rate := self.throughput(policy, load)) is not None}
-        return max(rates, key=rates.__getitem__) if rates else None
+        return best_baseline({policy: self.throughput(policy, load) for policy in self.policies})
 
     def paired(self, load: Load, policy: str = "adaptive") -> list[float]:
         """`policy`'s tokens/s over the best baseline's, one per pass (the same requests, the same
@@ -213,40 +212,12 @@ class InterleaveResult:
         }
 
 
-def lossless_checks(outputs: dict[str, dict[tuple[Load, int], list[int]]]) -> tuple[LosslessCheck, ...]:
-    """Each policy's outputs (by load and prompt index) against target-only's for the same prompt at any
-    load; empty without target-only."""
-    reference: dict[int, list[int]] = {}
-    for (_, index), tokens in outputs.get("target-only", {}).items():
-        reference.setdefault(index, tokens)
-    if not reference:
-        return ()
-    checks = []
-    for policy, by_prompt in outputs.items():
-        compared = mismatched = 0
-        first = None
-        for (load, index), tokens in by_prompt.items():
-            if index not in reference:
-                continue
-            compared += 1
-            if tokens != reference[index]:
-                mismatched += 1
-                want = reference[index][:8]
-                first = first or f"{load.label}, prompt {index}: {tokens[:8]} vs target-only {want}"
-        checks.append(LosslessCheck(policy, compared, mismatched, first))
-    return tuple(checks)
-
-
 # -- the run ----------------------------------------------------------------------------------------
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def run_interleaved(config: SweepConfig, prompts: Sequence[str], slice_s: float = DEFAULT_SLICE_S,
                     log: Callable[[str], None] | None = None) -> InterleaveResult:
     """Every policy at every closed-loop load, `config.rounds` passes each, the engines in turns."""
     say = log or (lambda _: None)
-    started = _now()
+    started = now_utc()
     packages: dict[Path, GeneratedPackage] = {}
     engines = {run.policy: engine_for(run, packages) for run in config.runs}
     tokenizer = next(iter(packages.values())).tokenizer
@@ -275,8 +246,11 @@ def run_interleaved(config: SweepConfig, prompts: Sequence[str], slice_s: float 
             rates = ", ".join(f"{r.policy} {r.throughput:.0f}" for r in results[-len(loops):])
             say(f"{load.label} pass {pass_index + 1}/{config.rounds} ({time.perf_counter() - t0:.0f} s): "
                 f"{rates} tok/s")
-    return InterleaveResult(config, slice_s, tuple(results), lossless_checks(outputs), started, _now(),
-                            machine_info())
+    # each prompt's output of the last pass at each load, against target-only's
+    checked = {policy: [(load.label, index, tokens) for (load, index), tokens in by_prompt.items()]
+               for policy, by_prompt in outputs.items()}
+    return InterleaveResult(config, slice_s, tuple(results), tuple(lossless_checks(checked)), started,
+                            now_utc(), machine_info())
 
 
 # -- output -----------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ and `sweep.png` are written by `dspark.bench.sweep_output`.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +48,7 @@ from dspark.bench.sweep_data import (
     SweepResult,
     SweepUsageError,
     machine_info,
+    now_utc,
 )
 
 __all__ = [
@@ -129,10 +129,6 @@ def plan_runs(packages: Sequence[SweepPackage], policies: Sequence[str] | None =
 
 
 # -- the sweep --------------------------------------------------------------------------------------
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def _bench(url: str, prompts: Sequence[str], config: SweepConfig, load: Load | None, num: int,
            max_tokens: int) -> tuple[BenchResult, list[RequestOutcome]]:
     bench = BenchConfig(
@@ -200,7 +196,7 @@ def run_sweep(config: SweepConfig, prompts: Sequence[str], log: Callable[[str], 
     prompts = tuple(prompts)
     if not prompts:
         raise SweepUsageError("no prompts to send")
-    started = _now()
+    started = now_utc()
     points: list[SweepPoint] = []
     with termination_as_interrupt():
         if config.rounds == 1:
@@ -212,7 +208,7 @@ def run_sweep(config: SweepConfig, prompts: Sequence[str], log: Callable[[str], 
                         say(_progress_line(point, len(points), total))
         else:
             _interleaved(config, prompts, python, say, points)
-    return SweepResult(config, prompts, tuple(points), started, _now(), machine_info())
+    return SweepResult(config, prompts, tuple(points), started, now_utc(), machine_info())
 
 
 def _started(run: ServerRun, config: SweepConfig, python: str, say: Callable[[str], None]) -> ServerProcess:

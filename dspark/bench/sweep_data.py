@@ -5,6 +5,7 @@ and the `SweepResult`, with adaptive's paired ratio to the best baseline and its
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import platform
 import random
@@ -40,6 +41,53 @@ def median_interval(ratios: list[float]) -> tuple[float, float] | None:
                      for _ in range(BOOTSTRAP_RESAMPLES))
     tail = (1 - INTERVAL_LEVEL) / 2
     return medians[int(tail * BOOTSTRAP_RESAMPLES)], medians[int((1 - tail) * BOOTSTRAP_RESAMPLES) - 1]
+
+
+def is_baseline(policy: str) -> bool:
+    """What adaptive is measured against: target-only and every fixed k (never static or the twin)."""
+    return policy == "target-only" or policy.startswith("fixed-")
+
+
+def best_baseline(rates: dict[str, float | None]) -> str | None:
+    """The baseline with the highest tokens/s among `rates` (policies without a rate left out)."""
+    known = {policy: rate for policy, rate in rates.items() if is_baseline(policy) and rate is not None}
+    return max(known, key=known.__getitem__) if known else None
+
+
+Output = tuple[str, int, object]  # (where, prompt index, what the policy produced for that prompt)
+
+
+def lossless_checks(outputs: dict[str, list[Output]]) -> list[LosslessCheck]:
+    """Each policy's outputs against target-only's first output for the same prompt; empty without
+    target-only. Target-only is checked against itself too: batching must not change it either."""
+    reference: dict[int, object] = {}
+    for _, index, output in outputs.get("target-only", []):
+        reference.setdefault(index, output)
+    if not reference:
+        return []
+    checks = []
+    for policy, produced in outputs.items():
+        compared = mismatched = 0
+        first = None
+        for where, index, output in produced:
+            if index not in reference:
+                continue
+            compared += 1
+            if output != reference[index]:
+                mismatched += 1
+                want = _short(reference[index])
+                first = first or f"{where}, prompt {index}: {_short(output)} vs target-only {want}"
+        checks.append(LosslessCheck(policy, compared, mismatched, first))
+    return checks
+
+
+def _short(output: object) -> str:
+    return repr(output[:40]) if isinstance(output, str | list | tuple) else repr(output)
+
+
+def now_utc() -> str:
+    """ISO 8601, UTC, to the second: when a sweep started or finished."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 # -- what is asked -----------------------------------------------------------------------------------
@@ -197,10 +245,8 @@ class SweepResult:
 
     def best_base(self, load: Load) -> str | None:
         """The baseline (target-only or a fixed k) with the highest median-round tok/s at `load`."""
-        medians = {policy: point.output_throughput for policy in self.policies
-                   if (policy == "target-only" or policy.startswith("fixed-"))
-                   and (point := self.point(policy, load)) is not None}
-        return max(medians, key=medians.__getitem__) if medians else None
+        return best_baseline({policy: point.output_throughput for policy in self.policies
+                              if (point := self.point(policy, load)) is not None})
 
     def _paired(self, policy: str, load: Load) -> list[float]:
         """`policy`'s tok/s over the best baseline's, one per round both ran (paired by round)."""
@@ -223,32 +269,12 @@ class SweepResult:
         return median_interval(self._paired(policy, load))
 
     def lossless(self) -> list[LosslessCheck]:
-        """Each policy's texts against target-only's (its first text per prompt); empty without
-        target-only. Target-only is checked against itself too: batching must not change it either."""
-        reference: dict[int, str] = {}
+        """Each policy's texts against target-only's (`lossless_checks`), failed requests left out."""
+        outputs: dict[str, list[Output]] = {policy: [] for policy in self.policies}
         for point in self.points:
-            if point.policy == "target-only":
-                for r in point.requests:
-                    if r.error is None:
-                        reference.setdefault(r.prompt_index, r.text)
-        if not reference:
-            return []
-        checks = []
-        for policy in self.policies:
-            compared = mismatched = 0
-            first = None
-            for point in (p for p in self.points if p.policy == policy):
-                for r in point.requests:
-                    if r.error is not None or r.prompt_index not in reference:
-                        continue
-                    compared += 1
-                    if r.text != reference[r.prompt_index]:
-                        mismatched += 1
-                        want = reference[r.prompt_index]
-                        first = first or (f"{point.load.label}, prompt {r.prompt_index}: {r.text[:40]!r} "
-                                          f"vs target-only {want[:40]!r}")
-            checks.append(LosslessCheck(policy, compared, mismatched, first))
-        return checks
+            outputs[point.policy] += [(point.load.label, r.prompt_index, r.text) for r in point.requests
+                                      if r.error is None]
+        return lossless_checks(outputs)
 
     @property
     def failed_requests(self) -> int:
