@@ -218,14 +218,21 @@ def geometry_digest(geometry: Any, family: str = "llama") -> str:
 
 
 def _dsv4_digest(geometry: Dsv4Geometry) -> str:
-    """Every field of a DeepSeek-V4 geometry, normalised as the dense ones are, and the family."""
+    """Every field of a DeepSeek-V4 geometry, normalised as the dense ones are, and the family. The fields
+    with a default (the MoE, hyper-connections, grouped output projection and YaRN, added later) enter only
+    where they differ from it, so the digests of tables measured before they existed stay valid."""
     values: dict[str, Any] = {"family": DSV4_FAMILY}
     for field in dataclasses.fields(geometry):
         value = getattr(geometry, field.name)
+        if field.default is not dataclasses.MISSING and value == field.default:
+            continue
         if field.name == "compress_ratios":
             values[field.name] = [int(ratio) for ratio in value]
+        elif isinstance(value, str):
+            values[field.name] = value
         else:
-            values[field.name] = float(value) if field.name in _DSV4_FLOATS else int(value)
+            is_float = isinstance(field.default, float) or field.name in _DSV4_FLOATS
+            values[field.name] = float(value) if is_float else int(value)
     return short_digest(values)
 
 

@@ -111,7 +111,7 @@ def forward(layers: Dsv4LayerBackend, toks: torch.Tensor, meta: Dsv4VerifyMetada
     m = model() if m is None else m
     h = m.embed_tokens(toks)
     for i, layer in enumerate(m.layers):
-        h = layers.forward_layer(i, layer, h, meta)
+        h = layers.forward_layer(i, layer, h, toks, meta)
     return plain(m.lm_head(h))
 
 
@@ -119,7 +119,7 @@ def cpu_forward(caches: Dsv4PagedCaches, toks: torch.Tensor, meta: Dsv4VerifyMet
     m = model()
     h = m.embed_tokens(toks)
     for layer, lc in zip(m.layers, caches.layers, strict=True):
-        h = layer_forward(layer, lc, h, meta, None)
+        h = layer_forward(layer, lc, h, toks, meta, None)
     return m.lm_head(h)
 
 
@@ -164,11 +164,12 @@ def check_layers(impl: Impl, name: str) -> None:
     layers = cuda_layers(mine, impl)
     guarded = device_only(meta)
     m = model()
-    h = m.embed_tokens(step_tokens(meta, seed=len(name)))
+    toks = step_tokens(meta, seed=len(name))
+    h = m.embed_tokens(toks)
     with torch.no_grad():
         for i, layer in enumerate(m.layers):
-            got = plain(layers.forward_layer(i, layer, h, guarded))
-            want = layer_forward(layer, cpu.layers[i], h, meta, None)
+            got = plain(layers.forward_layer(i, layer, h, toks, guarded))
+            want = layer_forward(layer, cpu.layers[i], h, toks, meta, None)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"{name}: layer {i}")
             assert_caches_match(cpu.layers[i], mine.layers[i])
             h = want
@@ -272,8 +273,10 @@ def check_host_refusals(layers: Any, error: type[Exception]) -> None:
     other = dataclasses.replace(STEP, cmp_page_sizes={4: 2, 8: 2})
     meta = plan(prefilled(), [1], [3], config=other)
     with pytest.raises(error, match="another cache layout"):
-        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), meta)
+        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), torch.zeros(1, dtype=torch.long), meta)
     with pytest.raises(error, match="max_context_len"):
-        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), plan(prefilled(), [1], [MAX_LEN]))
+        layers.forward_layer(0, m.layers[0], torch.zeros(1, CFG.dim), torch.zeros(1, dtype=torch.long),
+                             plan(prefilled(), [1], [MAX_LEN]))
     with pytest.raises(error, match="compress ratio"):
-        layers.forward_layer(1, m.layers[0], torch.zeros(1, CFG.dim), plan(prefilled(), [1], [3]))
+        layers.forward_layer(1, m.layers[0], torch.zeros(1, CFG.dim), torch.zeros(1, dtype=torch.long),
+                             plan(prefilled(), [1], [3]))

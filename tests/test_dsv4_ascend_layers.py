@@ -93,8 +93,7 @@ def test_pooling_many_blocks_is_close_block() -> None:
         r, width = comp.ratio, comp.wkv.shape[0]
         kv, score, prev_kv, prev_score = (torch.randn(len(blocks), r, width, generator=g) for _ in range(4))
         prev_kv[blocks == 0] = prev_score[blocks == 0] = float("nan")  # block 0 has no predecessor to read
-        cos, sin = Dsv4RopeTables([comp.theta], comp.rope_dim, 100, torch.device("cpu")).at(comp.theta,
-                                                                                            blocks * r)
+        cos, sin = Dsv4RopeTables([comp.rope], 100, torch.device("cpu")).at(comp.rope, blocks * r)
         got = pool_blocks(comp, kv, score, prev_kv, prev_score, blocks > 0, cos, sin)
         want = torch.stack([comp.close_block(int(b), kv[i], score[i], *((prev_kv[i], prev_score[i])
                                                                        if b else (None, None)))
@@ -123,11 +122,12 @@ def test_each_layer_equals_the_paged_forward_and_writes_the_same_caches(npu: Fak
     cpu, mine = base.clone(), base.clone()
     layers = ascend(mine)
     guarded = device_only(meta)
-    h = m.embed_tokens(step_tokens(meta, seed=len(name)))
+    toks = step_tokens(meta, seed=len(name))
+    h = m.embed_tokens(toks)
     with torch.no_grad():
         for i, layer in enumerate(m.layers):
-            got = plain(layers.forward_layer(i, layer, h, guarded))
-            want = layer_forward(layer, cpu.layers[i], h, meta, None)
+            got = plain(layers.forward_layer(i, layer, h, toks, guarded))
+            want = layer_forward(layer, cpu.layers[i], h, toks, meta, None)
             torch.testing.assert_close(got[:real], want[:real], rtol=1e-5, atol=1e-5)
             assert_caches_match(cpu.layers[i], mine.layers[i])
             for cache in ENTRIES:  # padding entries land in slot 0 of the null page, nowhere else
@@ -227,7 +227,7 @@ def test_a_captured_tier_replays_the_updated_steps_as_eager(npu: FakeNpu) -> Non
                 with graph_layers.capturing(TIER, guarded), npu.graph_capture(graph):
                     h = static_h
                     for i, layer in enumerate(m.layers):
-                        h = graph_layers.forward_layer(i, layer, h, guarded)
+                        h = graph_layers.forward_layer(i, layer, h, toks, guarded)
                     static_logits = m.lm_head(h)
                 # the graph waits for update_captured's event before anything reads the tier's arrays
                 assert graph.entries[0][0].endswith("wait")

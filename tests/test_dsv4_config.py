@@ -123,20 +123,34 @@ def test_the_transformers_5_spellings_read_the_same() -> None:
 
 
 @pytest.mark.parametrize("overrides,key", [
-    ({"n_routed_experts": 256}, "n_routed_experts"),
-    ({"n_routed_experts": "__absent__"}, "n_routed_experts"),  # transformers' default: 256 experts
-    ({"hc_mult": 4}, "hc_mult"),
-    ({"hc_mult": 1}, "hc_mult"),  # one stream still gates each sub-layer's output
-    ({"hc_mult": "__absent__"}, "hc_mult"),
-    ({"o_groups": 8}, "o_groups"),
-    ({"o_lora_rank": "__absent__"}, "o_lora_rank"),
+    ({"o_lora_rank": "__absent__"}, "o_lora_rank"),  # transformers' 1024 beside a null o_groups
+    ({"o_groups": 3, "o_lora_rank": 8}, "o_groups"),  # does not divide the 4 heads
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0"}},
      "quantization_config"),
-    ({"rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                       "original_max_position_embeddings": 65536}}, "rope_scaling.type"),
+    ({"rope_scaling": {"type": "linear", "factor": 4}}, "rope_scaling.type"),
+    ({"rope_scaling": {"type": "yarn", "factor": 16}}, "rope_scaling.original_max_position_embeddings"),
+    ({"rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
+                       "attention_factor": 0.5}}, "rope_scaling.attention_factor"),
+    ({"rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
+                       "mscale": 1.0, "mscale_all_dim": 0.7}}, "rope_scaling.attention_factor"),
+    ({"rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
+                       "truncate": False}}, "rope_scaling.truncate"),
+    ({"rope_parameters": {"main": {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64},
+                          "compress": {"rope_type": "default"}}}, "rope_parameters.main.rope_type"),
     ({"rope_parameters": {"main": {"rope_type": "default"}, "compress": {"rope_type": "yarn", "factor": 16}}},
-     "rope_parameters.compress.rope_type"),
-    ({"swiglu_limit": 10.0}, "swiglu_limit"),
+     "rope_parameters.compress.original_max_position_embeddings"),
+    ({"n_routed_experts": 8, "n_shared_experts": 2}, "n_shared_experts"),
+    ({"n_routed_experts": 8, "scoring_func": "relu"}, "scoring_func"),
+    ({"n_routed_experts": 8, "topk_method": "greedy"}, "topk_method"),
+    ({"n_routed_experts": 8, "n_group": 8, "topk_group": 4}, "n_group"),
+    ({"n_routed_experts": 8, "num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"n_routed_experts": 8, "mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]}, "mlp_layer_types"),
+    ({"n_routed_experts": 8, "num_hash_layers": 1, "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"]},
+     "num_hash_layers"),
+    ({"norm_topk_prob": False}, "norm_topk_prob"),
+    ({"first_k_dense_replace": 1}, "first_k_dense_replace"),
+    ({"swiglu_limit": -1.0}, "swiglu_limit"),
+    ({"hc_mult": 0}, "hc_mult"),  # only null is the plain residual
     ({"compress_ratios": [0, 4, 8, 4, 0, 0]}, "compress_ratios"),  # neither 4 nor 4 + 1 MTP entries
     ({"compress_ratios": [0, 4, 8]}, "compress_ratios"),
     ({"compress_ratios": [0, 4, 8, 128, 0]}, "compress_ratios"),  # two HCA ratios

@@ -114,9 +114,10 @@ def test_indexer_choice_is_indexer_select_on_a_step(name: str) -> None:
     meta = plan(prefilled(), lens, list(PROMPTS), tier=tier, num_slots=num_slots)
     caches, m = prefilled().clone(), model()
     trace: list[Dsv4LayerTrace] = []
-    h = m.embed_tokens(step_tokens(meta, seed=len(name)))
+    toks = step_tokens(meta, seed=len(name))
+    h = m.embed_tokens(toks)
     for layer, lc in zip(m.layers, caches.layers, strict=True):
-        h = layer_forward(layer, lc, h, meta, trace)
+        h = layer_forward(layer, lc, h, toks, meta, trace)
     guarded = device_only(meta)
     plan4 = guarded.compressed[4].device
     c4 = [(lc, tr) for lc, tr in zip(caches.layers, trace, strict=True) if tr.topk is not None]
@@ -213,7 +214,8 @@ def test_graph_misuse_is_refused() -> None:
     with layers.capturing(TIER, meta):
         small = plan(prefilled(), [2, 4, 1, 3], list(PROMPTS), tier=12, num_slots=8)
         with pytest.raises(Dsv4DeviceLayersError, match=f"capturing tier {TIER}"):
-            layers.forward_layer(0, model().layers[0], torch.zeros(12, CFG.dim), small)
+            layers.forward_layer(0, model().layers[0], torch.zeros(12, CFG.dim),
+                                 torch.zeros(12, dtype=torch.long), small)
     other = plan(prefilled(), [2, 4, 1, 3], list(PROMPTS), tier=TIER, num_slots=SLOTS + 1, max_kv_len=MAX_LEN)
     before = {name: t.clone() for name, t in layers._tiers[TIER].arrays.items()}
     with pytest.raises(Dsv4DeviceLayersError, match=f"num_slots={SLOTS}"):

@@ -27,6 +27,11 @@ GEOMETRY = Dsv4Geometry(vocab_size=64, dim=32, compress_ratios=(0, 4, 8), csa_ra
                         head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
                         index_topk=3, inter_dim=48, norm_eps=1e-6, rope_theta=10000.0,
                         compress_rope_theta=160000.0)
+# The released architecture at the same attention geometry: hash-routed and top-k experts, hyper-connections,
+# the grouped output projection, YaRN on the compressed layers.
+FULL = dataclasses.replace(GEOMETRY, ffn="moe", n_routed_experts=6, n_activated_experts=2, n_hash_layers=1,
+                           route_scale=1.5, swiglu_limit=0.5, hc_mult=3, hc_sinkhorn_iters=5, o_groups=2,
+                           o_lora_rank=8, rope_factor=4.0, rope_original_max_position=16)
 LAYOUT = dsv4_cache_layout(GEOMETRY, N, PAGE, prefill_rows=10)
 VERIFY = step_config(LAYOUT, N, padding_request_rows=N)
 EXTEND = extend_config(LAYOUT, VERIFY)
@@ -37,9 +42,9 @@ def tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def target() -> Dsv4ForCausalLM:
-    model = Dsv4ForCausalLM(GEOMETRY)
+@pytest.fixture(scope="module", params=[GEOMETRY, FULL], ids=["dense_stand_in", "released_architecture"])
+def target(request: pytest.FixtureRequest) -> Dsv4ForCausalLM:
+    model = Dsv4ForCausalLM(request.param)
     model.init_dummy_(0)
     return model.eval()
 
@@ -93,7 +98,7 @@ def test_layouts_drive_the_target_as_the_reference_steps(target: Dsv4ForCausalLM
         ids = torch.zeros(layout.tier, dtype=torch.long)
         ids[:layout.total_rows] = torch.tensor(sum(rows, []))
         hidden, states_out = target.forward_paged_states(ids, layout.positions, attn, meta, capture=(0, 2))
-        assert states_out is not None and states_out.shape == (layout.tier, 2 * GEOMETRY.dim)
+        assert states_out is not None and states_out.shape == (layout.tier, 2 * target.cfg.capture_width)
         logits = target.compute_logits(hidden)
         for i in range(3):
             result = ref.step(states[i], rows[i])

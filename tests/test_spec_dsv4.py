@@ -25,7 +25,7 @@ DSV4_GEOMETRY: dict[str, Any] = {
     "vocab_size": 512, "dim": 64, "compress_ratios": [0, 4, 16, 4], "csa_ratio": 4, "hca_ratio": 16,
     "n_heads": 4, "head_dim": 32, "rope_dim": 8, "q_lora_rank": 32, "window": 16, "index_n_heads": 2,
     "index_head_dim": 16, "index_topk": 4, "inter_dim": 128, "norm_eps": 1e-6, "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
+    "compress_rope_theta": 160000.0, "ffn": "dense", "hc_mult": 0, "o_groups": 0,
 }
 DSV4_SPEC: dict[str, Any] = {
     "name": "demo",
@@ -183,11 +183,10 @@ def test_an_inline_geometry_must_match_the_config(dsv4_spec, tmp_path):
 
 
 @pytest.mark.parametrize(("change", "key"), [
-    ({"n_routed_experts": 256}, "n_routed_experts"),  # the released MoE
-    ({"n_routed_experts": None}, "n_routed_experts"),  # absent: transformers' 256 experts
-    ({"hc_mult": 4}, "hc_mult"),
+    ({"n_routed_experts": 8, "n_shared_experts": 2}, "n_shared_experts"),
+    ({"hc_mult": 0}, "hc_mult"),  # only null is the plain residual
     ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
-    ({"rope_scaling": {"type": "yarn", "factor": 16}}, "rope_scaling.type"),
+    ({"rope_scaling": {"type": "linear", "factor": 16}}, "rope_scaling.type"),
 ])
 def test_a_released_style_config_is_refused_naming_the_key(dsv4_spec, tmp_path, change, key):
     config = {k: v for k, v in {**DSV4_CONFIG, **change}.items() if v is not None or k not in change}
@@ -215,16 +214,14 @@ def test_cuda_runs_the_triton_attention_and_refuses_flashinfer(dsv4_spec):
     assert issue.hint == "leave backend.attention out for dsv4's triton on cuda"
 
 
-def test_only_dummy_weights_load(dsv4_spec):
-    spec = dsv4_spec({"model": {"load_format": "auto"}})
+def test_tp_must_divide_the_output_projection_groups(dsv4_spec):
+    # 4 heads in 2 groups: tp 2 keeps one group a rank, tp 4 would split a group
+    grouped = {"model": {"geometry": {"o_groups": 2, "o_lora_rank": 8}}}
+    assert load_spec(dsv4_spec(merged(grouped, {"parallelism": {"tp": 2}}))).spec.parallelism.tp == 2
+    spec = dsv4_spec(merged(grouped, {"parallelism": {"tp": 4}}))
     issue = only_issue(spec)
-    assert issue.path == ("model", "load_format")
-    assert "dense MLP and no hyper-connections or quantisation" in issue.message
-    assert "no released checkpoint's weights load" in issue.message
-    assert issue.hint.startswith("set model.load_format: dummy")
-    # left out, it is auto: the error points at the model section
-    issue = only_issue(dsv4_spec({"model": {"load_format": None}}))
-    assert issue.path == ("model", "load_format") and issue.location.line == 2
+    assert issue.path == ("parallelism", "tp") and issue.message == "tp 4 does not divide o_groups (2)"
+    assert "use tp in [1, 2]" in issue.hint and issue.location.line == line_of(spec, "tp: 4")
 
 
 def test_dsv4_refuses_the_dense_ascend_attention(dsv4_spec):
@@ -279,14 +276,13 @@ def test_the_context_is_not_bounded_by_max_position_embeddings(dsv4_spec):
 
 
 def test_every_problem_is_reported_at_once_located_without_a_traceback(dsv4_spec, capsys):
-    spec = dsv4_spec({"model": {"load_format": "auto"},
+    spec = dsv4_spec({"model": {"geometry": {"o_groups": 2, "o_lora_rank": 8}},
                       "backend": {"kind": "cuda", "device": "h100", "attention": "flashinfer"},
-                      "parallelism": {"tp": 3}})
+                      "parallelism": {"tp": 4}})
     assert main(["build", str(spec), "-o", str(spec.parent / "out")]) == 2
     err = capsys.readouterr().err
     where = display_path(spec)
-    for field, text in (("model.load_format", "load_format: auto"),
-                        ("backend.attention", "attention: flashinfer"), ("parallelism.tp", "tp: 3")):
+    for field, text in (("backend.attention", "attention: flashinfer"), ("parallelism.tp", "tp: 4")):
         assert f"{where}:{line_of(spec, text)}:" in err and f": {field}: " in err
     assert "Traceback" not in err and not (spec.parent / "out").exists()
 

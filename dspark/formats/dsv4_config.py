@@ -28,42 +28,49 @@ Where the key names come from (read, not copied)
   (``max(1, ratio)``), compress_rope_theta on compressed layers, interleaved RoPE, swiglu_limit clamping
   the shared expert too, n_shared_experts null meaning no shared expert; vllm-project/vllm-ascend
   ``vllm_ascend/transformers_utils/configs/deepseek_v4.py``; DeepSeek's V4 ``inference/model.py`` (as
-  ported publicly): the shared expert unclamped, hyper-connection pre/post mixing.
+  ported publicly): hyper-connection pre/post mixing; transformers' ``modeling_rope_utils`` for YaRN.
 
 Geometry field <- config.json key
 ---------------------------------
 vocab_size <- vocab_size; dim <- hidden_size; n_heads <- num_attention_heads; head_dim <- head_dim;
 rope_dim <- qk_rope_head_dim (or head_dim * partial_rotary_factor); q_lora_rank <- q_lora_rank;
-window <- sliding_window; index_n_heads, index_head_dim, index_topk <- the same names;
-inter_dim <- n_shared_experts * moe_intermediate_size (the shared expert is the whole FFN once there are no
-routed experts); norm_eps <- rms_norm_eps; rope_theta <- rope_theta; compress_rope_theta <-
-compress_rope_theta (or rope_parameters.main / .compress rope_theta); compress_ratios <- the first
-num_hidden_layers entries of compress_ratios (or layer_types through compress_rates); csa_ratio <- 4, or
-compress_rates.compressed_sparse_attention / compress_rate_csa, which must be 4; hca_ratio <- the ratio of
-the other compressed layers (compress_rates.heavily_compressed_attention / compress_rate_hca, else 128).
+window <- sliding_window; index_n_heads, index_head_dim, index_topk <- the same names; norm_eps <-
+rms_norm_eps; rope_theta <- rope_theta; compress_rope_theta <- compress_rope_theta (or rope_parameters.main
+/ .compress rope_theta); compress_ratios <- the first num_hidden_layers entries of compress_ratios (or
+layer_types through compress_rates); csa_ratio <- 4, or compress_rates.compressed_sparse_attention /
+compress_rate_csa, which must be 4; hca_ratio <- the ratio of the other compressed layers
+(compress_rates.heavily_compressed_attention / compress_rate_hca, else 128).
+YaRN of the compressed layers: rope_factor, rope_original_max_position, rope_beta_fast, rope_beta_slow <-
+rope_scaling (the release) or rope_parameters.compress (transformers 5) factor (or max_position_embeddings
+/ original_max_position_embeddings), original_max_position_embeddings, beta_fast, beta_slow.
+The FFN: ffn <- "moe" unless n_routed_experts is 0 or null ("dense": the shared expert's SwiGLU,
+n_shared_experts of them wide); inter_dim <- moe_intermediate_size (or intermediate_size);
+n_routed_experts, n_activated_experts <- n_routed_experts, num_experts_per_tok; n_hash_layers <-
+num_hash_layers (or the leading hash_moe entries of mlp_layer_types); score_func <- scoring_func;
+route_scale <- routed_scaling_factor; swiglu_limit <- swiglu_limit (null: 0, no clamp).
+hc_mult, hc_sinkhorn_iters, hc_eps <- the same names (hc_mult null: 0, a plain residual); o_groups,
+o_lora_rank <- the same names (both null: 0, one output projection). Absent keys take transformers'
+defaults (256 experts, top-6, 3 hash layers, scale 1.5, hc_mult 4, 20 iterations, o_groups 8, rank 1024).
 
-Accepted, refused, ignored
---------------------------
-Refused: routed experts (n_routed_experts absent, as transformers then means 256, or > 0); hyper-connections
-(hc_mult absent, as transformers then means 4, or any number: even 1 keeps a learned per-token gate on
-every sub-layer output, so only ``hc_mult: null`` is the reference's plain residual); the grouped low-rank
-output projection (o_groups / o_lora_rank absent, as transformers then means 8 / 1024, or set: only null is
-the reference's single wo); a quantization_config; rope_scaling / rope_parameters other than default (YaRN
-included); a numeric swiglu_limit (readers disagree on whether it clamps the shared expert; the reference
-does not clamp); a CSA ratio other than 4 (DeepSeek's code keys the overlap and the indexer on 4); ratio 1
+Refused
+-------
+A quantization_config (FP8 / FP4 / W8A8 weights are not read yet); a RoPE scaling other than YaRN, YaRN on
+the window-only layers (rope_parameters.main), or a YaRN that scales the attention (attention_factor other
+than 1, unequal mscale / mscale_all_dim) or does not truncate its ramp; n_shared_experts other than 1
+(transformers builds exactly one); a scoring_func other than sqrtsoftplus / sigmoid / softmax; topk_method
+other than noaux_tc; group-limited routing (n_group > 1 with topk_group < n_group); norm_topk_prob false;
+hash_moe layers after moe ones, or num_hash_layers disagreeing with mlp_layer_types; first_k_dense_replace
+other than 0; a CSA ratio other than 4 (DeepSeek's code keys the overlap and the indexer on 4); ratio 1
 (vLLM reads it as no compressor, DeepSeek's code as a compressor); two different HCA ratios; a ratio list
 whose length is neither num_hidden_layers nor num_hidden_layers + num_nextn_predict_layers; more than one
 KV head; attention or MLP bias; tied embeddings; non-interleaved RoPE; an activation other than silu;
-n_shared_experts other than a positive integer; wrong types and missing required keys.
+o_groups and o_lora_rank not both set or both null; wrong types and missing required keys.
 
 Ignored deliberately, as they do not change the target's computation: architectures, torch_dtype, dtype,
 transformers_version, bos/eos/pad_token_id, use_cache, initializer_range, attention_dropout (inference),
-max_position_embeddings (no YaRN, so positions do not rescale), num_nextn_predict_layers beyond checking the
-ratio list (the MTP layers are not part of the target's forward and dspark does not draft with them), the
-routing keys that only matter with routed experts (num_experts_per_tok, scoring_func, topk_method,
-routed_scaling_factor, norm_topk_prob, num_hash_layers, mlp_layer_types, n_group, topk_group, expert_dtype,
-output_router_logits, router_aux_loss_coef, router_jitter_noise) and the hyper-connection keys that only
-matter with hc_mult set (hc_sinkhorn_iters, hc_eps).
+max_position_embeddings (read only where a YaRN factor is left out), num_nextn_predict_layers beyond
+checking the ratio list (the MTP layers are not part of the target's forward), expert_dtype (a
+quantisation detail), output_router_logits, router_aux_loss_coef, router_jitter_noise (training).
 
 Unknown keys are refused, unlike the llama / qwen3 reader (which reads the keys it knows and leaves the
 rest): the DeepSeek-V4 layout is young and its variants add keys that change the computation (engram,
@@ -106,20 +113,35 @@ DSV4_GEOMETRY_KEYS = {
     "norm_eps": "rms_norm_eps",
     "rope_theta": "rope_theta",
     "compress_rope_theta": "compress_rope_theta",
+    "rope_factor": "rope_scaling.factor",
+    "rope_original_max_position": "rope_scaling.original_max_position_embeddings",
+    "rope_beta_fast": "rope_scaling.beta_fast",
+    "rope_beta_slow": "rope_scaling.beta_slow",
+    "ffn": "n_routed_experts",
+    "n_routed_experts": "n_routed_experts",
+    "n_activated_experts": "num_experts_per_tok",
+    "n_hash_layers": "num_hash_layers",
+    "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor",
+    "swiglu_limit": "swiglu_limit",
+    "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters",
+    "hc_eps": "hc_eps",
+    "o_groups": "o_groups",
+    "o_lora_rank": "o_lora_rank",
 }
+SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # the MoE's (dspark.runtime.models.dsv4_moe)
 # transformers' DeepseekV4Config defaults for the keys read here that a config.json may leave out.
 DSV4_DEFAULTS: dict[str, Any] = {
     "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 1,
-    "n_shared_experts": 1, "num_nextn_predict_layers": 1,
+    "n_shared_experts": 1, "num_nextn_predict_layers": 1, "n_routed_experts": 256, "num_experts_per_tok": 6,
+    "num_hash_layers": 3, "routed_scaling_factor": 1.5, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6, "o_groups": 8, "o_lora_rank": 1024,
 }
-# transformers' default for absent keys whose default is a feature the reference lacks.
-_FEATURE_DEFAULTS = {"n_routed_experts": 256, "hc_mult": 4, "o_groups": 8, "o_lora_rank": 1024}
 DSV4_IGNORED_KEYS = frozenset({
     "architectures", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
     "pad_token_id", "use_cache", "initializer_range", "attention_dropout", "max_position_embeddings",
-    "num_experts_per_tok", "scoring_func", "topk_method", "routed_scaling_factor", "norm_topk_prob",
-    "num_hash_layers", "mlp_layer_types", "n_group", "topk_group", "expert_dtype", "output_router_logits",
-    "router_aux_loss_coef", "router_jitter_noise", "hc_sinkhorn_iters", "hc_eps",
+    "expert_dtype", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
 })
 DSV4_READ_KEYS = frozenset({
     "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -130,6 +152,9 @@ DSV4_READ_KEYS = frozenset({
     "rope_parameters", "rope_interleave", "rms_norm_eps", "n_routed_experts", "n_shared_experts",
     "moe_intermediate_size", "intermediate_size", "swiglu_limit", "hc_mult", "o_groups", "o_lora_rank",
     "quantization_config", "hidden_act", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "num_experts_per_tok", "scoring_func", "topk_method", "routed_scaling_factor", "norm_topk_prob",
+    "num_hash_layers", "mlp_layer_types", "n_group", "topk_group", "hc_sinkhorn_iters", "hc_eps",
+    "first_k_dense_replace",
 })
 
 
@@ -155,17 +180,44 @@ class Dsv4Geometry:
     norm_eps: float
     rope_theta: float
     compress_rope_theta: float
+    # YaRN on the compressed layers; factor 1: none
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    # "moe", or "dense": one SwiGLU of inter_dim for the FFN, a simplification a spec must ask for
+    ffn: str = "dense"
+    n_routed_experts: int = 0
+    n_activated_experts: int = 0
+    n_hash_layers: int = 0
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.0
+    swiglu_limit: float = 0.0  # 0: no clamp
+    hc_mult: int = 0  # 0: a plain residual, a simplification a spec must ask for
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    o_groups: int = 0  # 0: one output projection, a simplification a spec must ask for
+    o_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str, hint: str) -> None:
             raise ConfigFieldError(DSV4_GEOMETRY_KEYS[name], f"{problem} (Dsv4Geometry.{name})", hint)
 
+        zero_ok = ("rope_original_max_position", "n_routed_experts", "n_activated_experts", "n_hash_layers",
+                   "hc_mult", "o_groups", "o_lora_rank")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("norm_eps", "rope_theta", "compress_rope_theta"):
+            if f.name in ("norm_eps", "rope_theta", "compress_rope_theta", "rope_factor", "rope_beta_fast",
+                          "rope_beta_slow", "hc_eps"):
                 if not _positive_number(value):
                     fail(f.name, f"is {value!r}, not a positive number", "write it as a positive number")
-            elif f.name != "compress_ratios" and not _int_at_least(value, 1):
+            elif f.name in ("route_scale", "swiglu_limit"):
+                if not (_positive_number(value) or value == 0) or isinstance(value, bool):
+                    fail(f.name, f"is {value!r}, not a number >= 0", "write it as a number >= 0")
+            elif f.name in zero_ok:
+                if not _int_at_least(value, 0):
+                    fail(f.name, f"is {value!r}, not an integer >= 0", "write it as an integer >= 0")
+            elif f.name not in ("compress_ratios", "ffn", "score_func") and not _int_at_least(value, 1):
                 fail(f.name, f"is {value!r}, not an integer >= 1", "write it as a positive integer")
         if isinstance(self.compress_ratios, list):
             object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
@@ -182,6 +234,38 @@ class Dsv4Geometry:
             if self.rope_dim > getattr(self, name):
                 fail("rope_dim", f"is {self.rope_dim}, more than {DSV4_GEOMETRY_KEYS[name]} "
                      f"{getattr(self, name)}", f"use a rope size of at most {DSV4_GEOMETRY_KEYS[name]}")
+        if self.rope_factor < 1:
+            fail("rope_factor", f"is {self.rope_factor}, below 1", "write a YaRN factor >= 1 (1: no YaRN)")
+        if self.rope_factor > 1 and self.rope_original_max_position < 1:
+            fail("rope_original_max_position", "is missing with a YaRN factor above 1",
+                 "give the context length the model was trained at")
+        self._check_ffn(fail)
+        if self.o_groups and (self.n_heads % self.o_groups or self.o_lora_rank < 1):
+            fail("o_groups", f"is {self.o_groups} with o_lora_rank {self.o_lora_rank}; the groups must "
+                 "divide "
+                 f"num_attention_heads {self.n_heads} and have a rank >= 1", "use the checkpoint's values")
+        if not self.o_groups and self.o_lora_rank:
+            fail("o_lora_rank", f"is {self.o_lora_rank} without o_groups", "give both or neither")
+
+    def _check_ffn(self, fail: Any) -> None:
+        if self.ffn not in ("moe", "dense"):
+            fail("ffn", f"is {self.ffn!r}", "write ffn: moe (the routed experts) or dense")
+        if self.score_func not in SCORE_FUNCS:
+            fail("score_func", f"is {self.score_func!r}, not one of {SCORE_FUNCS}",
+                 "use a scoring DeepSeek-V4 has")
+        if self.ffn == "dense":
+            if self.n_routed_experts or self.n_hash_layers:
+                fail("ffn", "is dense with routed experts or hash layers",
+                     "write ffn: moe, or drop the experts")
+            return
+        if self.n_routed_experts < 1:
+            fail("n_routed_experts", "is 0 with ffn: moe", "give the number of routed experts")
+        if not 1 <= self.n_activated_experts <= self.n_routed_experts:
+            fail("n_activated_experts", f"is {self.n_activated_experts}, not in 1..{self.n_routed_experts}",
+                 "give the experts each token runs (at most n_routed_experts)")
+        if self.n_hash_layers > self.n_layers:
+            fail("n_hash_layers", f"is {self.n_hash_layers}, more than the {self.n_layers} layers",
+                 "give at most one hash layer per layer")
 
     @property
     def n_layers(self) -> int:
@@ -216,6 +300,11 @@ class Dsv4Geometry:
     @property
     def attention_bias(self) -> bool:
         return False
+
+    @property
+    def capture_width(self) -> int:
+        """Width of one layer's residual as a DSpark draft reads it: the hc_mult streams side by side."""
+        return self.dim * (self.hc_mult or 1)
 
     @property
     def compressed_ratios(self) -> tuple[int, ...]:
@@ -300,11 +389,11 @@ def dsv4_geometry(cfg: Any) -> Dsv4Geometry:
     if unknown:
         raise ConfigFieldError(unknown[0], "is not a DeepSeek-V4 config key dspark knows, so it may change "
                                "the computation", "remove it if it does not, or use a checkpoint without it")
-    _refuse_features(cfg)
     layers = _int(cfg, "num_hidden_layers", 1)
+    features = _features(cfg, layers)
     head_dim = _int(cfg, "head_dim", 1)
     csa, hca, ratios = _layer_ratios(cfg, layers)
-    theta, compress_theta = _rope(cfg)
+    theta, compress_theta, yarn = _rope(cfg)
     values = {
         "vocab_size": _int(cfg, "vocab_size", 1),
         "dim": _int(cfg, "hidden_size", 1),
@@ -319,61 +408,115 @@ def dsv4_geometry(cfg: Any) -> Dsv4Geometry:
         "index_n_heads": _int(cfg, "index_n_heads", 1),
         "index_head_dim": _int(cfg, "index_head_dim", 1),
         "index_topk": _int(cfg, "index_topk", 1),
-        "inter_dim": _int(cfg, "n_shared_experts", 1) * _ffn_width(cfg),
         "norm_eps": _number(cfg, "rms_norm_eps"),
         "rope_theta": theta,
         "compress_rope_theta": compress_theta,
+        **yarn,
+        **features,
     }
     return Dsv4Geometry(**values)
 
 
-def _refuse_features(cfg: dict[str, Any]) -> None:
-    """The keys that switch on a part of DeepSeek-V4 the reference leaves out."""
-    experts = cfg.get("n_routed_experts", _FEATURE_DEFAULTS["n_routed_experts"])
-    if experts is not None and not (_int_at_least(experts, 0) and experts == 0):
-        said = f"is {experts!r}" if "n_routed_experts" in cfg else "is absent (transformers: 256)"
-        raise ConfigFieldError("n_routed_experts", f"{said}; dspark's DSV4 has no routed experts (MoE)",
-                               "use a dense checkpoint with n_routed_experts: 0")
-    hc = cfg.get("hc_mult", _FEATURE_DEFAULTS["hc_mult"])
-    if hc is not None:
-        said = f"is {hc!r}" if "hc_mult" in cfg else "is absent (transformers: 4)"
-        raise ConfigFieldError("hc_mult", f"{said}; dspark's DSV4 has a plain residual stream, "
-                               "and any hc_mult, 1 included, gates each sub-layer's output",
-                               "use a checkpoint without hyper-connections (hc_mult: null)")
-    for key in ("o_groups", "o_lora_rank"):
-        value = cfg.get(key, _FEATURE_DEFAULTS[key])
-        if value is not None:
-            said = f"is {value!r}" if key in cfg else f"is absent (transformers: {value})"
-            raise ConfigFieldError(key, f"{said}; dspark's DSV4 has one output projection, not "
-                                   "the grouped low-rank one", f"use a checkpoint without it ({key}: null)")
+def _features(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The FFN, hyper-connection, output-projection and activation keys -> geometry fields, refusing what
+    the reference does not implement. An absent key means transformers' default."""
+    out: dict[str, Any] = {}
     quant = cfg.get("quantization_config")
     if quant is not None:
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ConfigFieldError("quantization_config", f"is set (quant_method {method!r}); dspark's DSV4 "
-                               "computes unquantised weights and activations",
+        raise ConfigFieldError("quantization_config", f"is set (quant_method {method!r}); dspark does not "
+                               "read quantised DeepSeek-V4 weights yet",
                                "use an unquantised (bf16 / fp32) checkpoint without quantization_config")
-    if cfg.get("swiglu_limit") is not None:
-        raise ConfigFieldError("swiglu_limit", f"is {cfg['swiglu_limit']!r}; readers disagree on whether it "
-                               "clamps the shared expert and dspark's MLP does not clamp",
-                               "use a checkpoint whose swiglu_limit is null or absent")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
-        raise ConfigFieldError("hidden_act", f"is {act!r}; dspark's DSV4 MLP implements silu only",
+        raise ConfigFieldError("hidden_act", f"is {act!r}; DeepSeek-V4's SwiGLU is silu",
                                "use a checkpoint whose hidden_act is silu")
     for key, wanted, why in (("tie_word_embeddings", False, "has separate embedding and LM head weights"),
                              ("attention_bias", False, "has no attention bias"),
                              ("mlp_bias", False, "has no MLP bias"),
-                             ("rope_interleave", True, "rotates interleaved pairs")):
+                             ("rope_interleave", True, "rotates interleaved pairs"),
+                             ("norm_topk_prob", True, "renormalises the chosen experts' weights")):
         value = cfg.get(key, wanted)
         if not isinstance(value, bool):
             raise ConfigFieldError(key, f"is {value!r}, not true or false", f"write {key}: true or false")
         if value != wanted:
-            raise ConfigFieldError(key, f"is {str(value).lower()}; dspark's DSV4 {why}",
+            raise ConfigFieldError(key, f"is {str(value).lower()}; DeepSeek-V4 {why}",
                                    f"use a checkpoint with {key}: {str(wanted).lower()}")
     kv_heads = _int(cfg, "num_key_value_heads", 1)
     if kv_heads != 1:
         raise ConfigFieldError("num_key_value_heads", f"is {kv_heads}; DeepSeek-V4 shares one latent KV head",
                                "use a checkpoint with num_key_value_heads: 1")
+    if cfg.get("first_k_dense_replace", 0) != 0:
+        raise ConfigFieldError("first_k_dense_replace", f"is {cfg['first_k_dense_replace']!r}; every "
+                               "DeepSeek-V4 layer has the MoE",
+                               "use a checkpoint with first_k_dense_replace 0")
+    limit = cfg.get("swiglu_limit")
+    if limit is not None and not (_positive_number(limit) or limit == 0):
+        raise ConfigFieldError("swiglu_limit", f"is {limit!r}, not a number >= 0", "write a number or null")
+    out["swiglu_limit"] = float(limit or 0.0)
+    out.update(_moe(cfg, layers))
+    if cfg.get("hc_mult", 4) is None:
+        out["hc_mult"] = 0  # the reference's plain residual: only null turns the streams off
+    else:
+        out["hc_mult"] = _int(cfg, "hc_mult", 1)
+        out["hc_sinkhorn_iters"] = _int(cfg, "hc_sinkhorn_iters", 1)
+        out["hc_eps"] = _number(cfg, "hc_eps")
+    groups, rank = cfg.get("o_groups", 8), cfg.get("o_lora_rank", 1024)
+    if (groups is None) != (rank is None):
+        raise ConfigFieldError("o_lora_rank" if groups is None else "o_groups",
+                               "is set and the other is null",
+                               "give both o_groups and o_lora_rank, or neither (one output projection)")
+    if groups is not None:
+        out["o_groups"], out["o_lora_rank"] = _int(cfg, "o_groups", 1), _int(cfg, "o_lora_rank", 1)
+    return out
+
+
+def _moe(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The routed experts' keys; n_routed_experts 0 or null is the dense stand-in (the shared expert's SwiGLU,
+    n_shared_experts of them wide)."""
+    experts = cfg.get("n_routed_experts", DSV4_DEFAULTS["n_routed_experts"])
+    width = _ffn_width(cfg)
+    if experts is None or experts == 0:
+        return {"ffn": "dense", "inter_dim": _int(cfg, "n_shared_experts", 1) * width}
+    shared = cfg.get("n_shared_experts", 1)
+    if shared != 1:
+        raise ConfigFieldError("n_shared_experts", f"is {shared!r}; DeepSeek-V4 has one shared expert of "
+                               "moe_intermediate_size (transformers builds exactly one)",
+                               "use a checkpoint with n_shared_experts: 1")
+    scoring = cfg.get("scoring_func", "sqrtsoftplus")
+    if scoring not in SCORE_FUNCS:
+        raise ConfigFieldError("scoring_func", f"is {scoring!r}, not one of {SCORE_FUNCS}",
+                               "use a checkpoint with a scoring DeepSeek-V4 defines")
+    method = cfg.get("topk_method", "noaux_tc")
+    if method != "noaux_tc":
+        raise ConfigFieldError("topk_method", f"is {method!r}; dspark routes by top-k of score + bias "
+                               "(noaux_tc)", "use a checkpoint with topk_method noaux_tc or without it")
+    groups, top_groups = cfg.get("n_group"), cfg.get("topk_group")
+    if groups not in (None, 1) and top_groups != groups:
+        raise ConfigFieldError("n_group", f"is {groups!r} with topk_group {top_groups!r}: group-limited "
+                               "routing, which DeepSeek-V4 does not use", "remove n_group / topk_group")
+    hashed = _hash_layers(cfg, layers)
+    return {"ffn": "moe", "inter_dim": width, "n_routed_experts": _int(cfg, "n_routed_experts", 1),
+            "n_activated_experts": _int(cfg, "num_experts_per_tok", 1), "n_hash_layers": hashed,
+            "score_func": scoring, "route_scale": _number(cfg, "routed_scaling_factor")}
+
+
+def _hash_layers(cfg: dict[str, Any], layers: int) -> int:
+    """num_hash_layers (the release), or the leading hash_moe entries of mlp_layer_types (transformers 5)."""
+    kinds = cfg.get("mlp_layer_types")
+    if kinds is None:
+        return min(_int(cfg, "num_hash_layers", 0), layers)
+    if not isinstance(kinds, list) or len(kinds) < layers or any(k not in ("hash_moe", "moe") for k in kinds):
+        raise ConfigFieldError("mlp_layer_types", f"is {kinds!r}, not one of hash_moe / moe per layer",
+                               "write one entry per layer")
+    hashed = kinds[:layers].count("hash_moe")
+    if kinds[:hashed] != ["hash_moe"] * hashed:
+        raise ConfigFieldError("mlp_layer_types", "has a hash_moe layer after a moe one; DeepSeek-V4 hashes "
+                               "the first layers only", "put the hash_moe layers first")
+    if "num_hash_layers" in cfg and _int(cfg, "num_hash_layers", 0) != hashed:
+        raise ConfigFieldError("num_hash_layers", f"disagrees with mlp_layer_types ({hashed} hash layers)",
+                               "remove one of them or make them agree")
+    return hashed
 
 
 def _layer_ratios(cfg: dict[str, Any], layers: int) -> tuple[int, int, tuple[int, ...]]:
@@ -452,53 +595,92 @@ def _list(cfg: dict[str, Any], key: str, lengths: list[int], layers: int, mtp: i
     return value
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, float]:
-    """(rope_theta, compress_rope_theta), refusing any RoPE scaling (YaRN included)."""
+def _rope(cfg: dict[str, Any]) -> tuple[float, float, dict[str, Any]]:
+    """(rope_theta, compress_rope_theta, the compressed layers' YaRN fields) from rope_scaling (the
+    release: YaRN on the compressed layers) or rope_parameters (transformers 5: `main` plain, `compress`
+    with YaRN; a flat dict is the compressed layers' scaling)."""
     theta = _number(cfg, "rope_theta")
     compress = _number(cfg, "compress_rope_theta")
-    _default_rope(cfg.get("rope_scaling"), "rope_scaling")
+    yarn = _yarn(cfg, cfg.get("rope_scaling"), "rope_scaling")
     params = cfg.get("rope_parameters")
     if params is None:
-        return theta, compress
+        return theta, compress, yarn
     if not isinstance(params, dict):
         raise ConfigFieldError("rope_parameters", f"is {params!r}, not an object",
                                "write it as a JSON object")
     if set(params) & {"main", "compress"}:
-        # transformers 5: one set of parameters per kind of layer, each with its own theta
         strange = sorted(set(params) - {"main", "compress"})
         if strange:
             raise ConfigFieldError(f"rope_parameters.{strange[0]}", "is not main or compress",
                                    "write rope_parameters as {main: {...}, compress: {...}}")
-        thetas = [theta, compress]
-        for i, label in enumerate(("main", "compress")):
-            sub = params.get(label)
-            _default_rope(sub, f"rope_parameters.{label}")
-            if isinstance(sub, dict) and "rope_theta" in sub:
-                thetas[i] = _number(sub, "rope_theta", f"rope_parameters.{label}.rope_theta")
-        return thetas[0], thetas[1]
-    _default_rope(params, "rope_parameters")
-    if "rope_theta" in params and _number(params, "rope_theta", "rope_parameters.rope_theta") != theta:
-        raise ConfigFieldError("rope_parameters.rope_theta", f"is {params['rope_theta']!r}, not rope_theta "
-                               f"{theta!r}; transformers would use the top-level one",
-                               "remove one of them or make them agree")
-    return theta, compress
+        main, sub = params.get("main"), params.get("compress")
+        if _yarn(cfg, main, "rope_parameters.main"):
+            raise ConfigFieldError("rope_parameters.main.rope_type", "is yarn; DeepSeek-V4 scales only the "
+                                   "compressed layers' RoPE", "use rope_type default for main")
+        if isinstance(main, dict) and "rope_theta" in main:
+            theta = _number(main, "rope_theta", "rope_parameters.main.rope_theta")
+        if isinstance(sub, dict) and "rope_theta" in sub:
+            compress = _number(sub, "rope_theta", "rope_parameters.compress.rope_theta")
+        nested = _yarn(cfg, sub, "rope_parameters.compress")
+    else:
+        if "rope_theta" in params and _number(params, "rope_theta", "rope_parameters.rope_theta") != theta:
+            raise ConfigFieldError("rope_parameters.rope_theta",
+                                   f"is {params['rope_theta']!r}, not rope_theta "
+                                   f"{theta!r}; transformers would use the top-level one",
+                                   "remove one of them or make them agree")
+        nested = _yarn(cfg, params, "rope_parameters")
+    if yarn and nested and yarn != nested:
+        raise ConfigFieldError("rope_parameters", "disagrees with rope_scaling", "remove one of them")
+    return theta, compress, yarn or nested
 
 
-def _default_rope(params: Any, key: str) -> None:
+_DEFAULT_ROPE_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor",
+              "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate",
+              "mscale", "mscale_all_dim"}
+
+
+def _yarn(cfg: dict[str, Any], params: Any, key: str) -> dict[str, Any]:
+    """The YaRN fields a RoPE parameter dict gives ({} for plain RoPE), refusing other scalings and YaRN
+    options that DeepSeek-V4 does not apply (an attention factor, untruncated ramps)."""
     if params is None:
-        return
+        return {}
     if not isinstance(params, dict):
         raise ConfigFieldError(key, f"is {params!r}, not an object", f"write {key} as a JSON object")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        name = "rope_type" if "rope_type" in params else "type"
-        raise ConfigFieldError(f"{key}.{name}", f"is {rope_type!r}; dspark's DSV4 implements plain RoPE "
-                               "(no YaRN or other scaling)",
-                               f"use a checkpoint without RoPE scaling in {key}")
-    extra = sorted(set(params) - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+    name = "rope_type" if "rope_type" in params else "type"
+    rope_type = params.get(name, "default")
+    if rope_type not in ("default", "yarn"):
+        raise ConfigFieldError(f"{key}.{name}", f"is {rope_type!r}; DeepSeek-V4 uses plain RoPE or YaRN",
+                               f"use a checkpoint with rope_type default or yarn in {key}")
+    allowed = _YARN_KEYS if rope_type == "yarn" else _DEFAULT_ROPE_KEYS
+    extra = sorted(set(params) - allowed)
     if extra:
-        raise ConfigFieldError(f"{key}.{extra[0]}", "is not a default RoPE parameter",
+        raise ConfigFieldError(f"{key}.{extra[0]}", f"is not a {rope_type} RoPE parameter",
                                f"remove it from {key}")
+    if rope_type == "default":
+        return {}
+    if params.get("attention_factor", 1.0) != 1.0 or params.get("mscale", 1.0) != params.get("mscale_all_dim",
+                                                                                             1.0):
+        raise ConfigFieldError(f"{key}.attention_factor", "scales the attention; DeepSeek-V4's YaRN does not",
+                               "remove attention_factor (and unequal mscale / mscale_all_dim)")
+    if params.get("truncate", True) is not True:
+        raise ConfigFieldError(f"{key}.truncate", "is not true; DeepSeek-V4 truncates YaRN's ramp",
+                               "remove truncate")
+    original = params.get("original_max_position_embeddings")
+    if not _int_at_least(original, 1):
+        raise ConfigFieldError(f"{key}.original_max_position_embeddings",
+                               f"is {original!r}, not an integer >= 1",
+                               "give the context length the model was trained at")
+    factor = params.get("factor")
+    if factor is None:
+        factor = _int(cfg, "max_position_embeddings", 1) / original
+    if not _positive_number(factor) or factor < 1:
+        raise ConfigFieldError(f"{key}.factor", f"is {factor!r}, not a number >= 1", "write the YaRN factor")
+    out = {"rope_factor": float(factor), "rope_original_max_position": original}
+    for field, name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow")):
+        if params.get(name) is not None:  # transformers: absent or 0 means the default (32, 1)
+            out[field] = _number(params, name, f"{key}.{name}")
+    return out
 
 
 def _rope_dim(cfg: dict[str, Any], head_dim: int) -> int:

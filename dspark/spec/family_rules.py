@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from dspark.backends import DSV4_ATTENTION, family_attention
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
 
@@ -25,18 +25,6 @@ def check_family_attention(facts: SpecFacts) -> Iterator[SpecIssue]:
     yield SpecIssue(("backend", "attention"),
                     f"{backend.attention} runs {what}, not model.family {family}",
                     f"leave backend.attention out for {family}'s {runs[0]} on {backend.kind}{others}")
-
-
-def check_dsv4_load_format(facts: SpecFacts) -> Iterator[SpecIssue]:
-    model = facts.spec.model
-    if model.family != DSV4_FAMILY or model.load_format == "dummy":
-        return
-    yield SpecIssue(("model", "load_format"),
-                    f"load_format is {model.load_format}, but dspark's {DSV4_FAMILY} model implements "
-                    "DeepSeek-V4's attention with a dense MLP and no hyper-connections or quantisation, so "
-                    "no released checkpoint's weights load into it",
-                    "set model.load_format: dummy (seeded random weights of the geometry, for profiling "
-                    "and benchmarking)")
 
 
 # The compress ratios Ascend's DSV4 operators take (`npu_sparse_attn_sharedkv`'s cmp_ratio; the lightning

@@ -151,12 +151,51 @@ class Dsv4GeometrySpec(Section):
         ge=1, description="Compressed entries a row of a CSA layer reads, as the indexer picks them "
                           "(index_topk).")
     inter_dim: int = Field(
-        ge=1, description="MLP width: the shared expert, the whole FFN without routed experts "
-                          "(moe_intermediate_size, times n_shared_experts).")
+        ge=1, description="Width of each expert and of the shared expert, or of the dense SwiGLU "
+                          "(moe_intermediate_size; dense: times n_shared_experts).")
     norm_eps: float = Field(gt=0, description="RMSNorm epsilon (rms_norm_eps).")
     rope_theta: float = Field(gt=0, description="RoPE base of the window-only layers (rope_theta).")
     compress_rope_theta: float = Field(
         gt=0, description="RoPE base of the compressed layers (compress_rope_theta).")
+    rope_factor: float = Field(
+        default=1.0, ge=1, description="YaRN factor of the compressed layers' RoPE, 1 for none "
+                                       "(rope_scaling.factor).")
+    rope_original_max_position: int = Field(
+        default=0, ge=0, description="The context YaRN stretches from "
+                                     "(rope_scaling.original_max_position_embeddings); required with "
+                                     "rope_factor > 1.")
+    rope_beta_fast: float = Field(default=32.0, gt=0,
+                                  description="YaRN's beta_fast (rope_scaling.beta_fast).")
+    rope_beta_slow: float = Field(default=1.0, gt=0, description="YaRN's beta_slow (rope_scaling.beta_slow).")
+    ffn: Literal["moe", "dense"] = Field(
+        description="The feed-forward: moe (routed experts and one shared expert, each inter_dim wide; "
+                    "n_routed_experts > 0), or dense (one SwiGLU of inter_dim: a simplification of "
+                    "DeepSeek-V4 for small tests only, "
+                    "no checkpoint of the release has it).")
+    n_routed_experts: int = Field(default=0, ge=0, description="Routed experts per layer (n_routed_experts).")
+    n_activated_experts: int = Field(
+        default=0, ge=0, description="Routed experts each token runs (num_experts_per_tok).")
+    n_hash_layers: int = Field(
+        default=0, ge=0, description="The first layers, which route by a fixed token -> experts table "
+                                     "(num_hash_layers).")
+    score_func: Literal["sqrtsoftplus", "sigmoid", "softmax"] = Field(
+        default="sqrtsoftplus", description="Router scores (scoring_func).")
+    route_scale: float = Field(default=1.0, ge=0, description="Routed output scale (routed_scaling_factor).")
+    swiglu_limit: float = Field(
+        default=0.0, ge=0, description="Clamp of every SwiGLU's gate and up projections, 0 for none "
+                                       "(swiglu_limit).")
+    hc_mult: int = Field(
+        ge=0, description="Hyper-connection streams (hc_mult: 4 in DeepSeek-V4), or 0 for a plain "
+                          "residual: a "
+                          "simplification for small tests only.")
+    hc_sinkhorn_iters: int = Field(default=20, ge=1, description="Sinkhorn iterations (hc_sinkhorn_iters).")
+    hc_eps: float = Field(default=1e-6, gt=0, description="Hyper-connection epsilon (hc_eps).")
+    o_groups: int = Field(
+        ge=0, description="Head groups of the grouped low-rank output projection (o_groups: 8 in "
+                          "V4-Flash), or 0 "
+                          "for one output projection: a simplification for small tests only.")
+    o_lora_rank: int = Field(default=0, ge=0,
+                             description="Each group's rank (o_lora_rank); 0 without groups.")
 
     @model_validator(mode="before")
     @classmethod
@@ -262,7 +301,7 @@ class ModelSpec(_TargetModelSection):
 
 class Dsv4ModelSpec(_TargetModelSection):
     """A DeepSeek-V4 target model: compressed sparse attention over a sliding window and compressed
-    entries (docs/dsv4.md), with a dense MLP."""
+    entries (docs/dsv4.md), routed experts, hyper-connections and the grouped output projection."""
 
     family: Literal["dsv4"] = Field(description="Model family: dsv4 (DeepSeek-V4).")
     geometry: Dsv4GeometrySpec | None = Field(

@@ -18,7 +18,6 @@ from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts
 from dspark.spec.family_rules import (
     check_dsv4_ascend_ratios,
-    check_dsv4_load_format,
     check_family_attention,
 )
 from dspark.spec.tier_rules import check_tier_coverage, check_tier_lists, check_tiers_need_graphs
@@ -86,6 +85,13 @@ def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
             yield SpecIssue(("parallelism", "tp"), f"{what} does not divide n_heads ({geometry.num_heads})",
                             f"every rank needs whole query heads (the latent K=V head is replicated); "
                             f"use {'tp / dp' if dp_attention else 'tp'} in {valid}")
+        elif geometry.o_groups and geometry.o_groups % heads_tp:
+            valid = [d for d in range(1, geometry.o_groups + 1) if geometry.o_groups % d == 0]
+            what = f"the attention TP size tp / dp = {heads_tp}" if dp_attention else f"tp {tp}"
+            yield SpecIssue(("parallelism", "tp"), f"{what} does not divide o_groups ({geometry.o_groups})",
+                            "every rank projects whole groups of heads (the grouped output projection); use "
+                            f"{'tp / dp' if dp_attention else 'tp'} in {valid}, or DP attention over more "
+                            "ranks with a smaller attention TP size")
         return
     if geometry is None or (geometry.num_heads % heads_tp == 0 and geometry.num_kv_heads % heads_tp == 0):
         return
@@ -269,7 +275,6 @@ RULES: tuple[Rule, ...] = (
     check_tier_lists,
     check_tier_coverage,
     check_family_attention,
-    check_dsv4_load_format,
     check_dsv4_ascend_ratios,
     check_tensor_parallel,
     check_expert_parallel,

@@ -173,9 +173,12 @@ class DPAttentionDsv4Layer(DSV4Layer):
     mlp_sum: PartialSum
     dp: TPGroup
 
-    def mlp_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp_rows(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP on the gathered rows: x [n, dim] of this DP rank -> its [n, dim]. The products are the
-        base class's (`mlp_partial`), on every DP rank's rows, summed over the world in rank order."""
+        base class's (`mlp_partial`), on every DP rank's rows, summed over the world in rank order. An MoE
+        is whole on every rank (replicated until expert parallelism shards it) and runs on its own rows."""
+        if self.ffn is not None:
+            return self.ffn(x, tokens)
         gathered = gather_rows(x, self.dp)  # [dp · n, dim]
         return own_rows(self.mlp_sum(self.mlp_partial(gathered)), x.shape[0], self.dp)
 

@@ -351,32 +351,47 @@ class PartialSum:
         return _sum_over_ranks(partial, self.tp)
 
 
-def check_dsv4_heads_split(n_heads: int, tp: TPGroup) -> None:
+def check_dsv4_heads_split(n_heads: int, tp: TPGroup, o_groups: int = 0) -> None:
     """Refuse a group whose size does not divide the query heads (a rank owns whole heads; the one K=V head
-    is replicated, so it sets no condition)."""
+    is replicated, so it sets no condition), or with the grouped output projection the groups (a rank owns
+    whole groups of wo_a)."""
     if n_heads % tp.size:
         raise ValueError(f"tensor parallelism over {tp.size} ranks needs n_heads ({n_heads}) to be a "
                          f"multiple of {tp.size}")
+    if o_groups and o_groups % tp.size:
+        raise ValueError(f"tensor parallelism over {tp.size} ranks needs o_groups ({o_groups}) to be a "
+                         f"multiple of {tp.size}: a rank projects whole groups of heads")
 
 
 def shard_dsv4_heads(layer: DSV4Layer, tp: TPGroup) -> None:
     """Keep rank r's query heads `[r·H/size, (r+1)·H/size)` of one layer: their rows of wq_b (the query
-    up-projection from the replicated latent qr), their sinks and their columns of wo (row-parallel);
-    `partial_sum` then adds wo's partial products over `tp` (None for a group of one: the heads are whole)."""
+    up-projection from the replicated latent qr), their sinks and their part of the output projection
+    (row-parallel: wo's columns, or with groups their wo_a rows and wo_b's columns of those groups);
+    `partial_sum` then adds the projection's partial products over `tp` (None for a group of one)."""
     cfg = layer.cfg
+    check_dsv4_heads_split(cfg.n_heads, tp, cfg.o_groups)
     heads, hd = cfg.n_heads // tp.size, cfg.head_dim
     h0, h1 = tp.rank * heads, (tp.rank + 1) * heads  # this rank's query heads
     q0, q1 = h0 * hd, h1 * hd  # their wq_b rows, wo columns
     layer.wq_b = _frozen(layer.wq_b[q0:q1])  # [heads·D, q_lora]
     layer.attn_sink = _frozen(layer.attn_sink[h0:h1])  # [heads]
-    layer.wo = _frozen(layer.wo[:, q0:q1])  # [dim, heads·D]
+    if cfg.o_groups:
+        groups = cfg.o_groups // tp.size
+        r0, r1 = tp.rank * groups * cfg.o_lora_rank, (tp.rank + 1) * groups * cfg.o_lora_rank
+        layer.wo_a = _frozen(layer.wo_a[r0:r1])  # [groups·R, heads per group·D]
+        layer.wo_b = _frozen(layer.wo_b[:, r0:r1])  # [dim, groups·R]
+    else:
+        layer.wo = _frozen(layer.wo[:, q0:q1])  # [dim, heads·D]
     layer.local_heads = heads
     layer.partial_sum = PartialSum(tp) if tp.size > 1 else None
 
 
 def shard_dsv4_mlp(layer: DSV4Layer, tp: TPGroup) -> PartialSum:
     """Keep rank r's MLP columns `[r·I/size, …)` of one layer (w1 / w3 rows, w2 columns, row-parallel), and
-    return what adds w2's partial products over `tp`."""
+    return what adds w2's partial products over `tp`. The MoE is not split: every rank keeps every expert
+    (replicated) until expert parallelism shards them."""
+    if layer.ffn is not None:
+        return PartialSum(tp)
     i0, i1 = _share(layer.cfg.inter_dim, tp)
     layer.w1 = _frozen(layer.w1[i0:i1])  # [I / size, dim]
     layer.w3 = _frozen(layer.w3[i0:i1])

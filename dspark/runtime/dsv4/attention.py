@@ -57,8 +57,9 @@ class Dsv4PagedAttention:
         caches = Dsv4PagedCaches.allocate(target.model.cfg, config, max_requests, max_context_len)
         return cls(caches, layout.max_rows_per_request)
 
-    def forward_layer(self, layer_id: int, layer: DSV4Layer, h: Tensor, meta: Dsv4VerifyMetadata) -> Tensor:
-        return layer_forward(layer, self.caches.layers[layer_id], h, meta, None)
+    def forward_layer(self, layer_id: int, layer: DSV4Layer, h: Tensor, tokens: Tensor,
+                      meta: Dsv4VerifyMetadata) -> Tensor:
+        return layer_forward(layer, self.caches.layers[layer_id], h, tokens, meta, None)
 
 
 def plan_step_metadata(layout: VerifyLayout | ExtendLayout, config: Dsv4StepConfig, max_context_len: int,

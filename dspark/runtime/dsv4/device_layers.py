@@ -77,13 +77,8 @@ from dspark.runtime.dsv4.paged import Dsv4LayerCache, Dsv4PagedCaches
 from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
 
 # The reference's own row-invariant primitives and RoPE angles, so this path rounds as the reference does.
-from dspark.runtime.models.dsv4 import (
-    Compressor,
-    DSV4Layer,
-    rms_norm,
-    rope_cos_sin,
-    row_linear,
-)
+from dspark.runtime.models.dsv4 import Compressor, DSV4Layer
+from dspark.runtime.models.dsv4_ops import Rope, rms_norm, rope_cos_sin, row_linear
 
 if TYPE_CHECKING:
     from dspark.runtime.dsv4.target import Dsv4ForCausalLM
@@ -94,17 +89,17 @@ class Dsv4DeviceLayersError(ValueError):
 
 
 class Dsv4RopeTables:
-    """The reference's RoPE angles (`models.dsv4.rope_cos_sin`, computed once on the host with libm) as
-    device tables [length, rope_dim / 2] per theta, gathered by device positions."""
+    """The reference's RoPE angles (`models.dsv4_ops.rope_cos_sin`, computed once on the host with libm) as
+    device tables [length, rope_dim / 2] per `Rope` (base, YaRN), gathered by device positions."""
 
-    def __init__(self, thetas: Iterable[float], rope_dim: int, length: int, device: torch.device) -> None:
+    def __init__(self, ropes: Iterable[Rope], length: int, device: torch.device) -> None:
         positions = torch.arange(length)
-        self._tables = {theta: tuple(t.to(device) for t in rope_cos_sin(theta, rope_dim, positions))
-                        for theta in sorted(set(thetas))}
+        self._tables = {rope: tuple(t.to(device) for t in rope_cos_sin(rope, positions))
+                        for rope in set(ropes)}
 
-    def at(self, theta: float, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def at(self, rope: Rope, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [*positions.shape, rope_dim / 2] at device positions (int64, < length)."""
-        cos, sin = self._tables[theta]
+        cos, sin = self._tables[rope]
         return cos[positions], sin[positions]
 
 
@@ -182,14 +177,14 @@ class Dsv4Step:
             self._memo[key] = make()
         return self._memo[key]
 
-    def rows_rope(self, theta: float) -> tuple[Tensor, Tensor]:
+    def rows_rope(self, rope: Rope) -> tuple[Tensor, Tensor]:
         """cos, sin [T, rope_dim / 2] at the rows' positions."""
-        return self._once(("rows", theta), lambda: self.owner.rope.at(theta, self.arrays["positions"]))
+        return self._once(("rows", rope), lambda: self.owner.rope.at(rope, self.arrays["positions"]))
 
-    def blocks_rope(self, ratio: int, theta: float) -> tuple[Tensor, Tensor]:
+    def blocks_rope(self, ratio: int, rope: Rope) -> tuple[Tensor, Tensor]:
         """cos, sin [M, rope_dim / 2] at the first positions of the ratio's blocks."""
-        return self._once(("blocks", ratio, theta),
-                          lambda: self.owner.rope.at(theta, self.blocks(ratio).first))
+        return self._once(("blocks", ratio, rope),
+                          lambda: self.owner.rope.at(rope, self.blocks(ratio).first))
 
     def blocks(self, ratio: int) -> _Blocks:
         return self._once(("slots", ratio), lambda: self._make_blocks(ratio))
@@ -237,8 +232,7 @@ class Dsv4DeviceLayers(ABC):
         self.max_extend_rows = max_extend_rows
         self.max_context_len = max_context_len
         self.device = device = caches.layers[0].swa_kv.device
-        thetas = {cfg.compress_rope_theta if lc.ratio else cfg.rope_theta for lc in caches.layers}
-        self.rope = Dsv4RopeTables(thetas, cfg.rope_dim, max_context_len, device)
+        self.rope = Dsv4RopeTables({cfg.rope_for(lc.ratio) for lc in caches.layers}, max_context_len, device)
         self.offsets = {r: torch.arange(r, device=device) for r in caches.step_config.compress_ratios}
         self._eager: Dsv4Step | None = None
         self._tiers: dict[int, _Tier] = {}
@@ -326,17 +320,19 @@ class Dsv4DeviceLayers(ABC):
     # the layer
 
     @torch.no_grad()
-    def forward_layer(self, layer_id: int, layer: DSV4Layer, h: Tensor, meta: Dsv4VerifyMetadata) -> Tensor:
-        """h [T, dim] -> [T, dim]: the step's cache writes, the indexer and attention, the layer's MLP."""
+    def forward_layer(self, layer_id: int, layer: DSV4Layer, h: Tensor, tokens: Tensor,
+                      meta: Dsv4VerifyMetadata) -> Tensor:
+        """The residual h of the rows' tokens [T] -> the layer's: the step's cache writes, the indexer and
+        attention, the output projection and the FFN."""
         lc = self.caches.layers[layer_id]
         if layer.ratio != lc.ratio:
             raise self.error(f"layer {layer_id} has compress ratio {layer.ratio}; its cache {lc.ratio}")
         step = self._step_for(layer_id, meta)
         cfg, eps = layer.cfg, layer.cfg.norm_eps
         pos, swa = step.arrays["positions"], step.arrays["swa_slot_mapping"]  # [T]
-        cos, sin = step.rows_rope(layer.theta)  # [T, rope_dim / 2]
+        cos, sin = step.rows_rope(layer.rope)  # [T, rope_dim / 2]
         # DSV4Layer.attn_inputs, rotated with the device tables
-        x = rms_norm(h, layer.attn_norm, eps)
+        x, mixes = layer.attn_input(h)
         qr = rms_norm(row_linear(x, layer.wq_a), layer.q_norm, eps)  # [T, q_lora]
         q = row_linear(qr, layer.wq_b).unflatten(-1, (layer.local_heads, cfg.head_dim))  # this rank's heads
         q = rotate(rms_norm(q, None, eps), cos[:, None], sin[:, None])  # [T, H, D]
@@ -356,7 +352,7 @@ class Dsv4DeviceLayers(ABC):
         o = self._attend(layer_id, layer, lc, step, q, index)  # [T, H, D]
         # DSV4Layer.finish_rows: V carried rotated channels, so the output is rotated back by its row's angle
         o = rotate(o, cos[:, None], -sin[:, None])
-        return layer.output_rows(h, o)  # the output projection and the MLP (summed over the ranks under TP)
+        return layer.output_rows(h, o, tokens, mixes)  # summed over the ranks under TP
 
     def _compress(self, comp: Compressor, step: Dsv4Step, x: Tensor, pos: Tensor, state_kv: Tensor | None,
                   state_score: Tensor | None, entries: Tensor | None) -> None:
@@ -374,7 +370,7 @@ class Dsv4DeviceLayers(ABC):
         if comp.overlap:
             assert blocks.prev is not None
             prev_kv, prev_score = kv_flat[blocks.prev], score_flat[blocks.prev]  # [M, r, width]
-        cos, sin = step.blocks_rope(comp.ratio, comp.theta)
+        cos, sin = step.blocks_rope(comp.ratio, comp.rope)
         entry = pool_blocks(comp, kv_flat[blocks.cur], score_flat[blocks.cur], prev_kv, prev_score,
                             blocks.has_prev, cos, sin)  # [M, d]
         _write(entries, blocks.loc, entry)

@@ -269,12 +269,13 @@ def _close_blocks(comp: Compressor, meta: Dsv4VerifyMetadata, state_kv: Tensor |
         out[int(plan.cmp_slot_mapping[m])] = entry
 
 
-def layer_forward(layer: DSV4Layer, lc: Dsv4LayerCache, h: Tensor, meta: Dsv4VerifyMetadata,
-                   trace: list[Dsv4LayerTrace] | None) -> Tensor:
-    """h [T, dim] -> [T, dim]: write the step's rows into the caches, then attend row by row."""
+def layer_forward(layer: DSV4Layer, lc: Dsv4LayerCache, h: Tensor, tokens: Tensor, meta: Dsv4VerifyMetadata,
+                  trace: list[Dsv4LayerTrace] | None) -> Tensor:
+    """The residual h ([T, dim], or [T, hc_mult, dim] streams) of the rows' tokens [T] -> the layer's: write
+    the step's rows into the caches, attend row by row, then the output projection and the FFN."""
     cfg, host, dev = layer.cfg, meta.host, meta.device
     pos = dev.positions
-    x, q, qr, kv = layer.attn_inputs(h, pos)
+    x, q, qr, kv, mixes = layer.attn_inputs(h, pos)
     swa_slots = dev.swa_slot_mapping
     _write_rows(lc.swa_kv, swa_slots, kv)
     iq = weights = None
@@ -290,7 +291,7 @@ def layer_forward(layer: DSV4Layer, lc: Dsv4LayerCache, h: Tensor, meta: Dsv4Ver
         _close_blocks(layer.indexer.compressor, meta, lc.index_state_kv, lc.index_state_score, lc.index_kv)
         iq, weights = layer.indexer.query(x, qr, pos)
 
-    n_rows = h.shape[0]
+    n_rows = tokens.shape[0]
     o = torch.zeros(n_rows, layer.local_heads, cfg.head_dim)  # this rank's query heads (all, unsharded)
     topk = None if layer.indexer is None else torch.full((n_rows, cfg.index_topk), -1, dtype=torch.int32)
     swa_flat = _flat(lc.swa_kv)
@@ -315,7 +316,7 @@ def layer_forward(layer: DSV4Layer, lc: Dsv4LayerCache, h: Tensor, meta: Dsv4Ver
         o[t] = layer.attend_row(q[t], keys)
     if trace is not None:
         trace.append(Dsv4LayerTrace(layer.ratio, q, o, iq, weights, topk))
-    return layer.finish_rows(h, o, pos)
+    return layer.finish_rows(h, o, pos, tokens, mixes)
 
 
 @torch.no_grad()
@@ -337,7 +338,7 @@ def forward_verify(model: DSV4Model, tokens: Tensor | Sequence[int], meta: Dsv4V
     check_compatible(model.cfg, meta.config)
     h = model.embed_tokens(tokens)
     for layer, lc in zip(model.layers, caches.layers, strict=True):
-        h = layer_forward(layer, lc, h, meta, trace)
+        h = layer_forward(layer, lc, h, tokens, meta, trace)
     return model.lm_head(h)
 
 

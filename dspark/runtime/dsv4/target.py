@@ -26,8 +26,10 @@ class Dsv4LayerBackend(Protocol):
 
     max_extend_rows: int  # rows one request may append in an extend step (its ring bounds it)
 
-    def forward_layer(self, layer_id: int, layer: DSV4Layer, h: Tensor, meta: Dsv4VerifyMetadata) -> Tensor:
-        """h [T, dim] -> [T, dim]: the step's cache writes, then attention and the layer's MLP."""
+    def forward_layer(self, layer_id: int, layer: DSV4Layer, h: Tensor, tokens: Tensor,
+                      meta: Dsv4VerifyMetadata) -> Tensor:
+        """The residual h of the rows' tokens [T] (hash-routed experts read them) -> the layer's: the step's
+        cache writes, then attention, the output projection and the FFN."""
         ...
 
 
@@ -59,24 +61,26 @@ class Dsv4ForCausalLM(nn.Module):
     def forward_paged_states(self, input_ids: Tensor, positions: Tensor, attn: Dsv4LayerBackend,
                              meta: Dsv4VerifyMetadata, capture: Sequence[int] = ()
                              ) -> tuple[Tensor, Tensor | None]:
-        """[T, dim] residual stream of the step's rows, and the streams after `capture` layers
-        ([T, len(capture) * dim], 0: the embeddings; None without `capture`). The rows' positions are
-        the metadata's, which `positions` repeats."""
+        """The step's rows' last residual ([T, dim], or [T, hc_mult, dim] streams: `compute_logits` takes
+        either), and the residual after `capture` layers ([T, len(capture) * capture_width], the streams
+        side by side; 0: the embeddings; None without `capture`). The rows' positions are the metadata's,
+        which `positions` repeats."""
         bad = [n for n in capture if not 0 <= n <= self.cfg.n_layers]
         if bad:
             raise ValueError(f"cannot capture the residual stream after {bad} layers of a "
                              f"{self.cfg.n_layers}-layer model (0 is the embeddings)")
         h = self.model.embed_tokens(input_ids)
-        kept = {0: h} if 0 in capture else {}
+        kept = {0: h.flatten(1)} if 0 in capture else {}
         for i, layer in enumerate(self.model.layers):
-            h = attn.forward_layer(i, layer, h, meta)
+            h = attn.forward_layer(i, layer, h, input_ids, meta)
             if i + 1 in capture:
-                kept[i + 1] = h
+                kept[i + 1] = h.flatten(1)  # hyper-connections: the streams side by side
         return h, torch.cat([kept[n] for n in capture], dim=-1) if capture else None
 
     @torch.no_grad()
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[T, vocab] logits of [T, dim] rows: final RMSNorm and the head, row-invariant."""
+        """[T, vocab] logits of the rows' last residual: the streams' collapse, final RMSNorm and the head,
+        row-invariant."""
         return self.model.lm_head(hidden)
 
     @torch.no_grad()

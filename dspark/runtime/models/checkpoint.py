@@ -14,10 +14,12 @@ from safetensors.torch import load_file, save_file
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.dspark_block_config import BlockDraftConfigError
+from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_MODEL_TYPE, Dsv4Geometry, dsv4_geometry
 from dspark.formats.hf_config import ConfigFieldError, family_of_config
 from dspark.runtime.config import DeploymentConfig, ModelGeometry
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dspark_block_loader import BlockDraftCheckpointError, load_block_draft
+from dspark.runtime.models.dsv4_weights import Dsv4WeightsError, load_dsv4_weights
 from dspark.runtime.models.dummy import dummy_draft, dummy_target
 from dspark.runtime.models.families import ServingTarget, TargetModel, build_target
 from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
@@ -76,11 +78,13 @@ def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def target_config(path: Path, family: str | None = None) -> tuple[str, ModelGeometry]:
+def target_config(path: Path, family: str | None = None) -> tuple[str, ModelGeometry | Dsv4Geometry]:
     """(family, model config) of the target checkpoint at `path`; `family` None: the one its
     config.json's model_type names. A config value dspark does not implement is a `CheckpointError`."""
     cfg = read_config(path)
     try:
+        if family == DSV4_FAMILY or (family is None and cfg.get("model_type") == DSV4_MODEL_TYPE):
+            return DSV4_FAMILY, dsv4_geometry(cfg)
         family = family or family_of_config(cfg).name
         return family, ModelGeometry.from_hf(cfg, family)
     except ConfigFieldError as exc:
@@ -96,7 +100,13 @@ def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
     path = resolve_checkpoint(ref, "target", base_dir)
     family, cfg = target_config(path, family)
     model = build_target(family, cfg)
-    _load_into(model, _load_state(path), path, model.tied_weights)
+    if family == DSV4_FAMILY:
+        try:
+            load_dsv4_weights(model.model, _load_state(path))  # type: ignore[arg-type]
+        except Dsv4WeightsError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+    else:
+        _load_into(model, _load_state(path), path, model.tied_weights)
     return model.to(DTYPES[dtype]).eval()
 
 

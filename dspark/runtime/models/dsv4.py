@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (DSV4) attention at small geometry: a CPU reference for speculative verification.
+"""DeepSeek-V4 (DSV4): a CPU reference for speculative verification, the whole architecture at any size.
 
 What is modelled (the structure verification depends on)
 --------------------------------------------------------
@@ -42,17 +42,22 @@ sgl-project/sglang ``python/sglang/srt/layers/attention/compressed/compressor.py
 per-position value/gate rows live beside the window's raw KV, keyed by position, which is what makes
 a rollback a matter of forgetting rows). They agree on the points above.
 
-Simplified, and why
--------------------
-* MoE (routed and hash-routed experts, shared expert) is a dense SwiGLU MLP: routing does not touch the
-  attention state a verify step writes or rolls back.
-* Hyper-connections (hc_mult residual streams mixed by Sinkhorn) are a plain pre-norm residual stream, and
-  the grouped low-rank output projection (wo_a / wo_b) is one ``wo``: neither changes what is cached.
-* No quantisation (fp8 / fp4 activation QAT, fp8 KV cache) and so no Hadamard rotation of indexer queries and
-  keys (it is orthogonal on both sides, so it leaves the scores unchanged in exact arithmetic); all fp32.
-* Plain RoPE with interleaved pairs, no YaRN (it only changes frequencies past the original 64k context).
-* MTP layers and the published sizes (head_dim 512, window 128, 64 index heads, top-512) are out; every
-  size is a config field, and ``hca_ratio`` can be small in tests so C128-kind blocks close often.
+The rest of the architecture
+----------------------------
+* MoE (`dsv4_moe`): routed experts with sqrtsoftplus / sigmoid / softmax scores, a selection bias, top-k
+  renormalised and scaled, hash routing by ``tid2eid`` in the first ``n_hash_layers`` layers, one shared
+  expert, every SwiGLU clamped by ``swiglu_limit``. ``ffn="dense"`` keeps one SwiGLU of ``inter_dim``
+  instead: a simplification for small tests, which a spec must ask for.
+* Hyper-connections (`dsv4_hyper`): ``hc_mult`` residual streams, mixed around every sub-layer by a
+  Sinkhorn-normalised matrix, collapsed by the head; ``hc_mult=0`` is a plain residual (small tests).
+* The grouped low-rank output projection: ``o_groups`` groups of heads, each through its rows of ``wo_a``
+  to ``o_lora_rank`` channels, then ``wo_b``; ``o_groups=0`` is one ``wo`` (small tests).
+* YaRN (`dsv4_ops.Rope`) on the compressed layers' RoPE (their compressors and indexer included), as
+  transformers computes it, without an attention factor.
+* Not here: quantisation (fp8 / fp4 weights, the QAT round trips) and so no Hadamard rotation of indexer
+  queries and keys (orthogonal on both sides, it leaves the scores unchanged in exact arithmetic); all fp32.
+  MTP / DSpark stages are not part of the target. Every size is a config field, and ``hca_ratio`` can be
+  small in tests so C128-kind blocks close often.
 
 State and exact rollback
 ------------------------
@@ -72,13 +77,22 @@ one row at a time, so a vectorised main loop and a scalar tail always split a ro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from dspark.runtime.models.dsv4_hyper import HyperConnection, HyperHead
+from dspark.runtime.models.dsv4_moe import SCORE_FUNCS, MoE
+from dspark.runtime.models.dsv4_ops import (
+    Rope,
+    apply_rope,
+    rms_norm,
+    row_linear,
+    rowwise_silu,
+    swiglu,
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,27 @@ class DSV4Config:
     norm_eps: float = 1e-6
     rope_theta: float = 10000.0  # window-only layers
     compress_rope_theta: float = 160000.0  # layers with a compressor
+    # YaRN on the compressed layers (the release's rope_scaling): factor 1 is plain RoPE
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    # The FFN: "moe" (routed experts + one shared expert of inter_dim each) or "dense" (one SwiGLU of
+    # inter_dim: a simplification for small tests only, which a spec must ask for)
+    ffn: str = "dense"
+    n_routed_experts: int = 0
+    n_activated_experts: int = 0  # top-k (num_experts_per_tok)
+    n_hash_layers: int = 0  # the first layers route by tid2eid[token]
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.0  # routed_scaling_factor
+    swiglu_limit: float = 0.0  # clamp of every SwiGLU's gate and up projections; 0: none
+    # Hyper-connections: hc_mult residual streams; 0 is a plain residual (a simplification for small tests)
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    # Grouped low-rank output projection: heads in o_groups groups, each to o_lora_rank, then wo_b; 0: one wo
+    o_groups: int = 0
+    o_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str) -> None:
@@ -130,6 +165,56 @@ class DSV4Config:
             fail("rope_dim", f"must be <= head_dim {self.head_dim}")
         if self.rope_dim > self.index_head_dim:
             fail("rope_dim", f"must be <= index_head_dim {self.index_head_dim}")
+        for name in ("rope_factor", "rope_beta_fast", "rope_beta_slow", "hc_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                fail(name, "must be a number > 0")
+        if self.rope_factor < 1:
+            fail("rope_factor", "must be >= 1 (1: no YaRN)")
+        if self.rope_factor > 1 and not self.rope_original_max_position >= 1:
+            fail("rope_original_max_position", "must be >= 1 with YaRN (rope_factor > 1)")
+        for name in ("n_routed_experts", "n_activated_experts", "n_hash_layers", "hc_mult", "o_groups",
+                     "o_lora_rank", "rope_original_max_position"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                fail(name, "must be an integer >= 0")
+        if self.ffn not in ("moe", "dense"):
+            fail("ffn", "must be 'moe' or 'dense'")
+        if self.ffn == "moe":
+            if self.n_routed_experts < 1:
+                fail("n_routed_experts", "must be >= 1 with ffn 'moe'")
+            if not 1 <= self.n_activated_experts <= self.n_routed_experts:
+                fail("n_activated_experts", f"must be in 1..n_routed_experts {self.n_routed_experts}")
+            if self.n_hash_layers > self.n_layers:
+                fail("n_hash_layers", f"must be <= the {self.n_layers} layers")
+            if self.score_func not in SCORE_FUNCS:
+                fail("score_func", f"must be one of {SCORE_FUNCS}")
+        elif self.n_routed_experts or self.n_hash_layers:
+            fail("ffn", "is 'dense', so n_routed_experts and n_hash_layers must be 0")
+        for name in ("route_scale", "swiglu_limit"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                fail(name, "must be a number >= 0")
+        if self.hc_mult and self.hc_sinkhorn_iters < 1:
+            fail("hc_sinkhorn_iters", "must be >= 1")
+        if self.o_groups:
+            if self.n_heads % self.o_groups:
+                fail("o_groups", f"must divide n_heads {self.n_heads}")
+            if self.o_lora_rank < 1:
+                fail("o_lora_rank", "must be >= 1 with o_groups")
+        elif self.o_lora_rank:
+            fail("o_lora_rank", "must be 0 without o_groups")
+
+    def rope_for(self, ratio: int) -> Rope:
+        """A layer's RoPE: plain at rope_theta on window-only layers; compress_rope_theta, with YaRN when
+        rope_factor > 1, on compressed ones (their compressor and indexer too)."""
+        if not ratio:
+            return Rope(float(self.rope_theta), self.rope_dim)
+        return Rope(float(self.compress_rope_theta), self.rope_dim, float(self.rope_factor),
+                    self.rope_original_max_position, float(self.rope_beta_fast), float(self.rope_beta_slow))
+
+    def is_hash_layer(self, layer_id: int) -> bool:
+        return self.ffn == "moe" and layer_id < self.n_hash_layers
 
     @property
     def n_layers(self) -> int:
@@ -137,54 +222,7 @@ class DSV4Config:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Row-invariant primitives: a row's result must not depend on how many rows are computed with it.
-
-
-def row_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [..., in] @ weight[out, in].T -> [..., out], each output one fixed-length sum over `in` (a GEMM
-    would pick a different kernel, and different rounding, for one row than for several)."""
-    return (x.unsqueeze(-2) * weight).sum(-1)
-
-
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
-    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    return x if weight is None else x * weight
-
-
-def rowwise_silu(x: Tensor) -> Tensor:
-    # x [L, n]: one row per call, so vectorised lanes and the scalar tail split every row alike
-    return torch.stack([F.silu(row) for row in x]) if x.shape[0] else x
-
-
-_ROPE_TABLES: dict[tuple[float, int], tuple[Tensor, Tensor]] = {}
-
-
-def rope_cos_sin(theta: float, rope_dim: int, pos: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin [*pos.shape, rope_dim // 2] in fp32. Tabled per position with libm and only ever extended,
-    because a vectorised torch.cos may round a lane differently from its scalar tail, and a position's
-    angles must not depend on the batch it was first asked for in."""
-    empty = torch.zeros(0, rope_dim // 2)
-    cos, sin = _ROPE_TABLES.get((theta, rope_dim), (empty, empty))
-    need = int(pos.max()) + 1 if pos.numel() else 0
-    if need > cos.shape[0]:
-        freqs = [theta ** (-2.0 * i / rope_dim) for i in range(rope_dim // 2)]
-        new = range(cos.shape[0], max(need, 2 * cos.shape[0]))
-        cos = torch.cat([cos, torch.tensor([[math.cos(p * f) for f in freqs] for p in new])])
-        sin = torch.cat([sin, torch.tensor([[math.sin(p * f) for f in freqs] for p in new])])
-        _ROPE_TABLES[(theta, rope_dim)] = (cos, sin)
-    return cos[pos], sin[pos]
-
-
-def _rope(x: Tensor, pos: Tensor, theta: float, rope_dim: int, inverse: bool = False) -> Tensor:
-    """Rotate the trailing rope_dim channels of x [..., D] by position pos (shape x.shape[:-1],
-    broadcastable), interleaved pairs (2i, 2i+1)."""
-    cos, sin = rope_cos_sin(theta, rope_dim, pos)
-    if inverse:
-        sin = -sin
-    nope, rot = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim :]
-    a, b = rot[..., 0::2], rot[..., 1::2]
-    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-    return torch.cat([nope, rot], dim=-1)
+# Row-invariant primitives: `dsv4_ops` (shared with the MoE and the hyper-connections).
 
 
 def _attend(q: Tensor, keys: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -262,11 +300,10 @@ class StepResult:
 class Compressor(nn.Module):
     """Turns each closed block of `ratio` positions into one entry of `out_dim` channels."""
 
-    def __init__(self, dim: int, out_dim: int, ratio: int, overlap: bool, rope_dim: int, theta: float,
-                 eps: float) -> None:
+    def __init__(self, dim: int, out_dim: int, ratio: int, overlap: bool, rope: Rope, eps: float) -> None:
         super().__init__()
         self.out_dim, self.ratio, self.overlap = out_dim, ratio, overlap
-        self.rope_dim, self.theta, self.eps = rope_dim, theta, eps
+        self.rope, self.eps = rope, eps
         width = (2 if overlap else 1) * out_dim  # overlap: half for this block, half for the next one's
         self.wkv = nn.Parameter(torch.empty(width, dim))
         self.wgate = nn.Parameter(torch.empty(width, dim))
@@ -279,7 +316,7 @@ class Compressor(nn.Module):
 
     def _finish(self, pooled: Tensor, block: Tensor) -> Tensor:
         # pooled [..., d], block [...] -> entry: normalised, rotated to the block's first position
-        return _rope(rms_norm(pooled, self.norm, self.eps), block * self.ratio, self.theta, self.rope_dim)
+        return apply_rope(rms_norm(pooled, self.norm, self.eps), block * self.ratio, self.rope)
 
     def init_state(self) -> CompressorState:
         d, r = self.out_dim, self.ratio
@@ -350,19 +387,18 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """C4 layers: scores closed entries per row and picks the top-k the attention reads."""
 
-    def __init__(self, cfg: DSV4Config, theta: float) -> None:
+    def __init__(self, cfg: DSV4Config, rope: Rope) -> None:
         super().__init__()
-        self.cfg, self.theta = cfg, theta
+        self.cfg, self.rope = cfg, rope
         self.wq_b = nn.Parameter(torch.empty(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank))
         self.weights_proj = nn.Parameter(torch.empty(cfg.index_n_heads, cfg.dim))
-        self.compressor = Compressor(cfg.dim, cfg.index_head_dim, cfg.csa_ratio, True, cfg.rope_dim, theta,
-                                     cfg.norm_eps)
+        self.compressor = Compressor(cfg.dim, cfg.index_head_dim, cfg.csa_ratio, True, rope, cfg.norm_eps)
 
     def query(self, x: Tensor, qr: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         """-> index queries [L, IH, ID] (RoPE'd), head weights [L, IH]."""
         cfg = self.cfg
         q = row_linear(qr, self.wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-        q = _rope(q, pos.unsqueeze(-1), self.theta, cfg.rope_dim)
+        q = apply_rope(q, pos.unsqueeze(-1), self.rope)
         weights = row_linear(x, self.weights_proj) * (cfg.index_head_dim * cfg.index_n_heads) ** -0.5
         return q, weights
 
@@ -374,11 +410,14 @@ class Indexer(nn.Module):
         return top.sort().values
 
 
+Mixes = tuple[Tensor, Tensor]  # a sub-layer's hyper-connection post [L, n] and comb [L, n, n]
+
+
 class DSV4Layer(nn.Module):
-    def __init__(self, cfg: DSV4Config, ratio: int) -> None:
+    def __init__(self, cfg: DSV4Config, ratio: int, layer_id: int = 0) -> None:
         super().__init__()
-        self.cfg, self.ratio = cfg, ratio
-        self.theta = cfg.compress_rope_theta if ratio else cfg.rope_theta
+        self.cfg, self.ratio, self.layer_id = cfg, ratio, layer_id
+        self.rope = cfg.rope_for(ratio)
         h, d = cfg.n_heads, cfg.head_dim
         self.attn_norm = nn.Parameter(torch.empty(cfg.dim))
         self.wq_a = nn.Parameter(torch.empty(cfg.q_lora_rank, cfg.dim))
@@ -387,79 +426,128 @@ class DSV4Layer(nn.Module):
         self.wkv = nn.Parameter(torch.empty(d, cfg.dim))
         self.kv_norm = nn.Parameter(torch.empty(d))
         self.attn_sink = nn.Parameter(torch.empty(h))
-        self.wo = nn.Parameter(torch.empty(cfg.dim, h * d))
+        if cfg.o_groups:
+            # each group of n_heads / o_groups heads to o_lora_rank channels, then all groups to dim
+            self.wo_a = nn.Parameter(torch.empty(cfg.o_groups * cfg.o_lora_rank, h * d // cfg.o_groups))
+            self.wo_b = nn.Parameter(torch.empty(cfg.dim, cfg.o_groups * cfg.o_lora_rank))
+        else:
+            self.wo = nn.Parameter(torch.empty(cfg.dim, h * d))
         self.ffn_norm = nn.Parameter(torch.empty(cfg.dim))
-        self.w1 = nn.Parameter(torch.empty(cfg.inter_dim, cfg.dim))
-        self.w3 = nn.Parameter(torch.empty(cfg.inter_dim, cfg.dim))
-        self.w2 = nn.Parameter(torch.empty(cfg.dim, cfg.inter_dim))
-        self.compressor = (Compressor(cfg.dim, d, ratio, ratio == cfg.csa_ratio, cfg.rope_dim, self.theta,
-                                      cfg.norm_eps) if ratio else None)
-        self.indexer = Indexer(cfg, self.theta) if ratio == cfg.csa_ratio else None
+        self.ffn: MoE | None = None
+        if cfg.ffn == "moe":
+            self.ffn = MoE(dim=cfg.dim, inter_dim=cfg.inter_dim, n_experts=cfg.n_routed_experts,
+                           topk=cfg.n_activated_experts, vocab_size=cfg.vocab_size,
+                           hashed=cfg.is_hash_layer(layer_id), score_func=cfg.score_func,
+                           route_scale=cfg.route_scale, swiglu_limit=cfg.swiglu_limit)
+        else:
+            self.w1 = nn.Parameter(torch.empty(cfg.inter_dim, cfg.dim))
+            self.w3 = nn.Parameter(torch.empty(cfg.inter_dim, cfg.dim))
+            self.w2 = nn.Parameter(torch.empty(cfg.dim, cfg.inter_dim))
+        self.compressor = (Compressor(cfg.dim, d, ratio, ratio == cfg.csa_ratio, self.rope, cfg.norm_eps)
+                           if ratio else None)
+        self.indexer = Indexer(cfg, self.rope) if ratio == cfg.csa_ratio else None
+        self.hc_attn = self.hc_ffn = None
+        if cfg.hc_mult:
+            self.hc_attn, self.hc_ffn = (
+                HyperConnection(cfg.hc_mult, cfg.dim, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
+                for _ in range(2))
         # Tensor parallelism (`dspark.runtime.distributed.tensor_parallel.shard_dsv4_target`) keeps
-        # `local_heads` of the query heads here (their wq_b rows, sinks and wo columns) and a share of the MLP
-        # (w1 / w3 rows, w2 columns), and sets `partial_sum` to what adds wo's and w2's partial products over
-        # the ranks. Whole: every head, nothing to add.
+        # `local_heads` of the query heads here (their wq_b rows, sinks and output-projection columns:
+        # whole groups of wo_a) and a share of a dense MLP (w1 / w3 rows, w2 columns), and sets `partial_sum`
+        # to what adds the output projection's and w2's partial products over the ranks. Whole: every head,
+        # nothing to add.
         self.local_heads = h
         self.partial_sum: Callable[[Tensor], Tensor] | None = None
 
-    # -- shared by both paths -----------------------------------------------------------------------------
+    # -- shared by every path -----------------------------------------------------------------------------
+    def attn_input(self, h: Tensor) -> tuple[Tensor, Mixes | None]:
+        """The residual h ([L, dim], or [L, hc_mult, dim] streams) -> the attention's normed input x [L, dim]
+        and the hyper-connection mixes `output_rows` spreads its output with (None without)."""
+        if self.hc_attn is None:
+            return rms_norm(h, self.attn_norm, self.cfg.norm_eps), None
+        pre, post, comb = self.hc_attn.mixes(h)
+        return rms_norm(HyperConnection.collapse(h, pre), self.attn_norm, self.cfg.norm_eps), (post, comb)
+
     def _project(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [L, dim] -> queries [L, H, D], query latent qr [L, q_lora], raw KV [L, D]."""
         cfg = self.cfg
         qr = rms_norm(row_linear(x, self.wq_a), self.q_norm, cfg.norm_eps)
         q = row_linear(qr, self.wq_b).unflatten(-1, (self.local_heads, cfg.head_dim))
-        q = _rope(rms_norm(q, None, cfg.norm_eps), pos.unsqueeze(-1), self.theta, cfg.rope_dim)
+        q = apply_rope(rms_norm(q, None, cfg.norm_eps), pos.unsqueeze(-1), self.rope)
         kv = rms_norm(row_linear(x, self.wkv), self.kv_norm, cfg.norm_eps)
-        kv = _rope(kv, pos, self.theta, cfg.rope_dim)
+        kv = apply_rope(kv, pos, self.rope)
         return q, qr, kv
-
-    def _finish(self, h: Tensor, o: Tensor, pos: Tensor) -> Tensor:
-        """h [L, dim], attention output o [L, H, D] -> the layer's output [L, dim]."""
-        cfg = self.cfg
-        o = _rope(o, pos.unsqueeze(-1), self.theta, cfg.rope_dim, inverse=True)  # V carried rotated channels
-        return self.output_rows(h, o)
 
     def _whole(self, partial: Tensor) -> Tensor:
         return partial if self.partial_sum is None else self.partial_sum(partial)
 
-    def output_rows(self, h: Tensor, o: Tensor) -> Tensor:
-        """h [L, dim], attention output o [L, H, D] already rotated back -> the layer's output [L, dim]: the
-        output projection and the MLP, each a sum over the ranks' partial products under tensor parallelism.
-        No host reads (device backends call it as is)."""
-        h = h + self._whole(row_linear(o.flatten(1), self.wo))
-        return h + self.mlp_rows(rms_norm(h, self.ffn_norm, self.cfg.norm_eps))
+    def output_projection(self, o: Tensor) -> Tensor:
+        """This rank's heads' attention output o [L, H, D] (rotated back) -> its partial product [L, dim]."""
+        if self.cfg.o_groups:
+            groups = self.wo_a.shape[0] // self.cfg.o_lora_rank  # this rank's
+            rank = self.cfg.o_lora_rank
+            per_group = o.flatten(1).unflatten(-1, (groups, -1))  # [L, G, heads per group * D]
+            low = torch.cat([row_linear(per_group[:, g], self.wo_a[g * rank : (g + 1) * rank])
+                             for g in range(groups)], dim=-1)  # [L, G * o_lora_rank]
+            return row_linear(low, self.wo_b)
+        return row_linear(o.flatten(1), self.wo)
 
-    def mlp_rows(self, x: Tensor) -> Tensor:
-        """The MLP of normed rows x [L, dim] -> [L, dim], summed over the ranks under tensor parallelism."""
+    def output_rows(self, h: Tensor, o: Tensor, tokens: Tensor | None = None, mixes: Mixes | None = None
+                    ) -> Tensor:
+        """h (the residual as `attn_input` took it), the attention output o [L, H, D] already rotated back,
+        the rows' tokens [L] (hash-routed layers) and `attn_input`'s mixes -> the layer's output residual:
+        the output projection and the FFN, each a sum over the ranks' partial products under tensor
+        parallelism. No host reads (device backends call it as is)."""
+        attn = self._whole(self.output_projection(o))
+        if self.hc_attn is None:
+            h = h + attn
+            return h + self.mlp_rows(rms_norm(h, self.ffn_norm, self.cfg.norm_eps), tokens)
+        assert self.hc_ffn is not None and mixes is not None, "the attention's mixes come from attn_input"
+        h = HyperConnection.expand(h, attn, *mixes)
+        pre, post, comb = self.hc_ffn.mixes(h)
+        x = rms_norm(HyperConnection.collapse(h, pre), self.ffn_norm, self.cfg.norm_eps)
+        return HyperConnection.expand(h, self.mlp_rows(x, tokens), post, comb)
+
+    def mlp_rows(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:
+        """The FFN of normed rows x [L, dim] (tokens [L]: a hash-routed MoE's) -> [L, dim], summed over the
+        ranks under tensor parallelism (a dense MLP's columns; the MoE is whole on every rank)."""
+        if self.ffn is not None:
+            return self.ffn(x, tokens)
         return self._whole(self.mlp_partial(x))
 
     def mlp_partial(self, x: Tensor) -> Tensor:
-        """This rank's partial MLP product of x [L, dim] (its w1/w3 columns, its w2 rows) -> [L, dim]."""
+        """This rank's partial dense-MLP product of x [L, dim] (its w1/w3 columns, w2 rows) -> [L, dim]."""
+        if self.cfg.swiglu_limit:
+            return row_linear(swiglu(row_linear(x, self.w1), row_linear(x, self.w3), self.cfg.swiglu_limit),
+                              self.w2)
         gated = rowwise_silu(row_linear(x, self.w1)) * row_linear(x, self.w3)
         return row_linear(gated, self.w2)
 
     # -- pieces for other paths (dspark.runtime.dsv4.paged), the same math as step -----------------------
-    def attn_inputs(self, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """h [L, dim] at positions pos [L] -> normed input x [L, dim], queries [L, H, D], query latent qr
-        [L, q_lora], raw KV [L, D]."""
-        x = rms_norm(h, self.attn_norm, self.cfg.norm_eps)
-        return (x, *self._project(x, pos))
+    def attn_inputs(self, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Mixes | None]:
+        """h (residual) at positions pos [L] -> normed input x [L, dim], queries [L, H, D], query latent qr
+        [L, q_lora], raw KV [L, D], and the hyper-connection mixes for `finish_rows`."""
+        x, mixes = self.attn_input(h)
+        return (x, *self._project(x, pos), mixes)
 
     def attend_row(self, q: Tensor, keys: Tensor) -> Tensor:
         """One row's attention, q [H, D] over its keys [n, D] (window raw KV in position order, then its
         compressed entries) with this layer's sink -> [H, D]."""
         return _attend(q, keys, self.attn_sink, self.cfg.head_dim**-0.5)
 
-    def finish_rows(self, h: Tensor, o: Tensor, pos: Tensor) -> Tensor:
-        """h [L, dim], attention output o [L, H, D] -> the layer's output [L, dim]."""
-        return self._finish(h, o, pos)
+    def finish_rows(self, h: Tensor, o: Tensor, pos: Tensor, tokens: Tensor | None = None,
+                    mixes: Mixes | None = None) -> Tensor:
+        """h (residual), attention output o [L, H, D] -> the layer's output residual: V carried rotated
+        channels, so o is rotated back by its row's own angle first."""
+        o = apply_rope(o, pos.unsqueeze(-1), self.rope, inverse=True)
+        return self.output_rows(h, o, tokens, mixes)
 
     # -- reference: the whole sequence, dense masks ----------------------------------------------------------
-    def forward_full(self, h: Tensor) -> Tensor:
+    def forward_full(self, h: Tensor, tokens: Tensor) -> Tensor:
         cfg = self.cfg
-        n = h.shape[0]
+        n = tokens.shape[0]
         pos = torch.arange(n)
-        x = rms_norm(h, self.attn_norm, cfg.norm_eps)
+        x, mixes = self.attn_input(h)
         q, qr, kv = self._project(x, pos)
         scale = cfg.head_dim**-0.5
         raw_scores = torch.einsum("thd,sd->ths", q, kv) * scale  # [T, H, T]
@@ -486,7 +574,7 @@ class DSV4Layer(nn.Module):
         probs = torch.cat([raw_scores, comp_scores, sink], dim=-1).softmax(-1)
         o = (torch.einsum("ths,sd->thd", probs[..., :n], kv)
              + torch.einsum("thn,nd->thd", probs[..., n : n + entries.shape[0]], entries))
-        return self._finish(h, o, pos)
+        return self.finish_rows(h, o, pos, tokens, mixes)
 
     # -- incremental: L rows at once against a state ------------------------------------------------------
     def init_state(self) -> LayerState:
@@ -508,11 +596,12 @@ class DSV4Layer(nn.Module):
             index = self.indexer.compressor.absorb(index, rows.index[0][:n], rows.index[1][:n], start)
         return LayerState(ring, attn, index)
 
-    def step(self, h: Tensor, state: LayerState, start: int) -> tuple[Tensor, LayerRows, LayerState]:
+    def step(self, h: Tensor, state: LayerState, start: int, tokens: Tensor
+             ) -> tuple[Tensor, LayerRows, LayerState]:
         cfg, window = self.cfg, self.cfg.window
-        n_rows = h.shape[0]
+        n_rows = tokens.shape[0]
         pos = torch.arange(start, start + n_rows)
-        x = rms_norm(h, self.attn_norm, cfg.norm_eps)
+        x, mixes = self.attn_input(h)
         q, qr, kv = self._project(x, pos)
         rows = LayerRows(kv=kv,
                          attn=None if self.compressor is None else self.compressor.project(x, pos),
@@ -534,19 +623,21 @@ class DSV4Layer(nn.Module):
                     entries = entries[self.indexer.select(iq[i], weights[i], after.index.entries[:n_closed])]
                 keys.append(entries)
             outs.append(_attend(q[i], torch.cat(keys), self.attn_sink, cfg.head_dim**-0.5))
-        return self._finish(h, torch.stack(outs), pos), rows, after
+        return self.finish_rows(h, torch.stack(outs), pos, tokens, mixes), rows, after
 
 
 class DSV4Model(nn.Module):
-    """Embedding, one DSV4Layer per compress ratio, final RMSNorm, LM head; seeded random weights."""
+    """Embedding (copied into hc_mult streams), one DSV4Layer per compress ratio, the streams' collapse
+    (hc_head), final RMSNorm, LM head; seeded random weights."""
 
     def __init__(self, cfg: DSV4Config, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(DSV4Layer(cfg, ratio) for ratio in cfg.compress_ratios)
+        self.layers = nn.ModuleList(DSV4Layer(cfg, ratio, i) for i, ratio in enumerate(cfg.compress_ratios))
         self.final_norm = nn.Parameter(torch.empty(cfg.dim))
         self.head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.dim, cfg.hc_eps, cfg.norm_eps) if cfg.hc_mult else None
         # Tensor parallelism (`dspark.runtime.distributed.tensor_parallel.shard_dsv4_target`) replaces `embed`
         # and `head` with this rank's vocabulary rows behind a vocab-parallel embedding and LM head, which
         # `embed_tokens` and `lm_head` then call. None: the whole tables.
@@ -566,6 +657,11 @@ class DSV4Model(nn.Module):
                 param.copy_(torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+        for layer in self.layers:
+            gate = None if layer.ffn is None else layer.ffn.gate
+            if gate is not None and gate.tid2eid is not None:  # each token's own distinct experts
+                scores = torch.rand(gate.tid2eid.shape[0], layer.ffn.n_experts, generator=gen)
+                gate.tid2eid.copy_(scores.argsort(-1)[:, : gate.tid2eid.shape[1]])
 
     @torch.no_grad()
     def forward_full(self, tokens: Tensor | list[int]) -> Tensor:
@@ -573,16 +669,24 @@ class DSV4Model(nn.Module):
         tokens = _as_tokens(tokens)
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            h = layer.forward_full(h)
+            h = layer.forward_full(h, tokens)
         return self.lm_head(h)
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
-        """tokens [L] -> hidden rows [L, dim]."""
-        return self.embed[tokens] if self.vocab_embed is None else self.vocab_embed(tokens)
+        """tokens [L] -> the residual: rows [L, dim], or [L, hc_mult, dim] streams (copies) with
+        hyper-connections."""
+        h = self.embed[tokens] if self.vocab_embed is None else self.vocab_embed(tokens)
+        if self.hc_head is None:
+            return h
+        return h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def collapse(self, h: Tensor) -> Tensor:
+        """The residual -> rows [L, dim]: the head's collapse of the streams (the rows themselves without)."""
+        return h if self.hc_head is None else self.hc_head(h)
 
     def lm_head(self, h: Tensor) -> Tensor:
-        """Last hidden rows [L, dim] -> logits [L, vocab] (final norm, row-invariant head)."""
-        x = rms_norm(h, self.final_norm, self.cfg.norm_eps)
+        """The last residual -> logits [L, vocab] (streams' collapse, final norm, row-invariant head)."""
+        x = rms_norm(self.collapse(h), self.final_norm, self.cfg.norm_eps)
         return row_linear(x, self.head) if self.vocab_head is None else self.vocab_head(x)
 
     def init_state(self) -> DSV4State:
@@ -597,7 +701,7 @@ class DSV4Model(nn.Module):
         h = self.embed_tokens(tokens)
         rows, layers = [], []
         for layer, layer_state in zip(self.layers, state.layers, strict=True):
-            h, layer_rows, after = layer.step(h, layer_state, state.length)
+            h, layer_rows, after = layer.step(h, layer_state, state.length, tokens)
             rows.append(layer_rows)
             layers.append(after)
         logits = self.lm_head(h)

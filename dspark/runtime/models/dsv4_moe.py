@@ -1,0 +1,122 @@
+"""DeepSeek-V4's mixture of experts: routed experts picked per token, and one shared expert every token runs.
+
+Routing (transformers' `DeepseekV4TopKRouter` / `DeepseekV4HashRouter`, DeepSeek's V4 `Gate`):
+scores = score_func(x @ gate.weight^T) over the experts (`sqrtsoftplus`: sqrt(softplus), `sigmoid`, or
+`softmax`); a top-k layer picks the k experts of highest score + gate.bias (the selection bias, which
+chooses but does not weigh), a hash layer (the first `n_hash_layers`) takes the token's fixed experts
+`tid2eid[token]`; the chosen experts' scores are renormalised to sum to 1 and scaled by `route_scale`
+(`routed_scaling_factor`). Each expert and the shared expert is a SwiGLU whose gate and up projections are
+clamped by `swiglu_limit` (transformers and vLLM clamp the shared expert too).
+
+Row-invariant: the selection is a stable sort of the row's own scores (ties to the lower expert id), and a
+row's routed output adds its experts' contributions in ascending expert id, whatever other rows share the
+step. Under expert parallelism a rank holds the experts `expert_offset ..` of `experts.w1` and adds only
+theirs (`routed(..., local=True)`); the ranks' partial outputs are then summed in rank order, which is
+ascending expert id again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dspark.runtime.models.dsv4_ops import row_linear, row_softmax, swiglu, tiled
+
+SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+class Gate(nn.Module):
+    """The router: weight [E, dim]; bias [E] (top-k layers) or tid2eid [vocab, k] (hash layers)."""
+
+    def __init__(self, n_experts: int, dim: int, topk: int, vocab_size: int, hashed: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(vocab_size, topk, dtype=torch.long))
+            self.bias = None
+        else:
+            self.tid2eid = None
+            self.bias = nn.Parameter(torch.empty(n_experts))
+
+
+class Experts(nn.Module):
+    """Stacked SwiGLU experts: w1, w3 [E, inter, dim], w2 [E, dim, inter] (the release's experts.E.w*)."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+        self.expert_offset = 0  # the global id of w1[0]: 0 unless expert parallelism keeps a slice
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, dim: int, inter_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(inter_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(dim, inter_dim))
+
+
+class MoE(nn.Module):
+    def __init__(self, *, dim: int, inter_dim: int, n_experts: int, topk: int, vocab_size: int, hashed: bool,
+                 score_func: str, route_scale: float, swiglu_limit: float) -> None:
+        super().__init__()
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS} (got {score_func!r})")
+        self.n_experts, self.topk, self.hashed = n_experts, topk, hashed
+        self.score_func, self.route_scale, self.swiglu_limit = score_func, route_scale, swiglu_limit
+        self.gate = Gate(n_experts, dim, topk, vocab_size, hashed)
+        self.experts = Experts(n_experts, dim, inter_dim)
+        self.shared_experts = SharedExpert(dim, inter_dim)
+
+    def scores(self, x: Tensor) -> Tensor:
+        """x [L, dim] -> each expert's score [L, E]."""
+        logits = row_linear(x, self.gate.weight)
+        if self.score_func == "softmax":
+            return row_softmax(logits)
+        if self.score_func == "sigmoid":
+            return tiled(torch.sigmoid, logits)
+        return torch.sqrt(tiled(F.softplus, logits))
+
+    def route(self, x: Tensor, tokens: Tensor | None) -> tuple[Tensor, Tensor]:
+        """x [L, dim] (normed), tokens [L] (hash layers) -> expert ids [L, k] ascending, weights [L, k]."""
+        scores = self.scores(x)
+        if self.gate.tid2eid is not None:
+            if tokens is None:
+                raise ValueError("a hash-routed MoE layer needs the rows' token ids")
+            ids = self.gate.tid2eid[tokens]
+        else:
+            assert self.gate.bias is not None
+            ranked = torch.sort(scores + self.gate.bias, dim=-1, descending=True, stable=True).indices
+            ids = ranked[:, : self.topk]
+        ids = ids.sort(dim=-1).values
+        weights = scores.gather(1, ids)
+        return ids, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+
+    def routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The routed experts' weighted sum for rows x [L, dim] -> [L, dim]: the experts this module holds
+        (all, or under expert parallelism its slice), each row's in ascending expert id."""
+        experts = self.experts
+        first, held = experts.expert_offset, experts.w1.shape[0]
+        out = torch.zeros_like(x)
+        for e in range(first, first + held):
+            rows, slot = torch.nonzero(ids == e, as_tuple=True)
+            if rows.numel():
+                out[rows] = out[rows] + self.expert(x[rows], e - first) * weights[rows, slot, None]
+        return out
+
+    def expert(self, x: Tensor, local: int) -> Tensor:
+        w = self.experts
+        return row_linear(swiglu(row_linear(x, w.w1[local]), row_linear(x, w.w3[local]), self.swiglu_limit),
+                          w.w2[local])
+
+    def shared(self, x: Tensor) -> Tensor:
+        s = self.shared_experts
+        return row_linear(swiglu(row_linear(x, s.w1), row_linear(x, s.w3), self.swiglu_limit), s.w2)
+
+    def forward(self, x: Tensor, tokens: Tensor | None) -> Tensor:
+        """x [L, dim] (normed), tokens [L] -> [L, dim]."""
+        ids, weights = self.route(x, tokens)
+        return self.routed(x, ids, weights) + self.shared(x)

@@ -1,0 +1,129 @@
+"""Row-invariant pieces of the DeepSeek-V4 reference (`dspark.runtime.models.dsv4` and its MoE and
+hyper-connection modules): a row's result must not depend on how many rows are computed with it.
+
+Linear layers are an elementwise product and a sum over the input (a BLAS GEMM picks other kernels for 1
+row than for 5); transcendental elementwise operations (SiLU, sigmoid, softplus, exp) run in the fixed
+tiles of `ops.lanewise`, so a vector lane and the scalar tail never split a row differently; sums over a
+handful of streams or experts are written out in a fixed order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dspark.runtime.models.ops import SMALL_ELEMENT_TILE, lanewise
+
+
+def row_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [..., in] @ weight[out, in].T -> [..., out], each output one fixed-length sum over `in` (a GEMM
+    would pick a different kernel, and different rounding, for one row than for several)."""
+    return (x.unsqueeze(-2) * weight).sum(-1)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x if weight is None else x * weight
+
+
+def rowwise_silu(x: Tensor) -> Tensor:
+    # x [L, n]: one row per call, so vectorised lanes and the scalar tail split every row alike
+    return torch.stack([F.silu(row) for row in x]) if x.shape[0] else x
+
+
+def tiled(fn, x: Tensor) -> Tensor:  # noqa: ANN001 - an elementwise torch function
+    """`fn(x)` for an elementwise transcendental, every element in a full vector iteration."""
+    return lanewise(fn, x, SMALL_ELEMENT_TILE) if x.numel() else x
+
+
+def row_softmax(x: Tensor) -> Tensor:
+    """Softmax over the last dimension: the maximum and the subtraction are exact, exp runs in fixed tiles."""
+    e = tiled(torch.exp, x - x.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
+    """silu(gate) * up, both clamped by `limit` first as DeepSeek-V4 clamps them (gate from above, up on both
+    sides); limit 0 clamps nothing."""
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return tiled(F.silu, gate) * up
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE of a layer: interleaved pairs of the trailing `dim` channels at base `theta`; with `yarn_factor`
+    above 1 the frequencies YaRN stretches for contexts past `yarn_original_max` positions (DeepSeek-V4's
+    compressed layers), without YaRN's attention scaling (V4 applies none)."""
+
+    theta: float
+    dim: int
+    yarn_factor: float = 1.0
+    yarn_original_max: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+
+    def frequencies(self) -> list[float]:
+        """One angle per position step for each rotated pair, in double precision."""
+        half = self.dim // 2
+        if self.yarn_factor == 1.0:
+            return [self.theta ** (-2.0 * i / self.dim) for i in range(half)]
+        # YaRN (arXiv 2309.00071): pairs that turn more than beta_fast times over the original context keep
+        # their frequency, pairs that turn fewer than beta_slow times are divided by the factor, a linear ramp
+        # between (its ends truncated to whole pairs)
+        def pair_at(turns: float) -> float:
+            rotations = math.log(self.yarn_original_max / (turns * 2 * math.pi))
+            return self.dim * rotations / (2 * math.log(self.theta))
+
+        low = max(math.floor(pair_at(self.yarn_beta_fast)), 0)
+        high = min(math.ceil(pair_at(self.yarn_beta_slow)), self.dim - 1)
+        span = (high - low) if high != low else 0.001
+        out = []
+        for i in range(half):
+            base = self.theta ** (-2.0 * i / self.dim)
+            keep = 1.0 - min(max((i - low) / span, 0.0), 1.0)
+            out.append(base / self.yarn_factor * (1.0 - keep) + base * keep)
+        return out
+
+
+_ROPE_TABLES: dict[Rope, tuple[Tensor, Tensor]] = {}
+
+
+def rope_cos_sin(rope: Rope, pos: Tensor) -> tuple[Tensor, Tensor]:
+    """cos, sin [*pos.shape, rope.dim // 2] in fp32. Tabled per position with libm and only ever extended,
+    because a vectorised torch.cos may round a lane differently from its scalar tail, and a position's
+    angles must not depend on the batch it was first asked for in."""
+    empty = torch.zeros(0, rope.dim // 2)
+    cos, sin = _ROPE_TABLES.get(rope, (empty, empty))
+    need = int(pos.max()) + 1 if pos.numel() else 0
+    if need > cos.shape[0]:
+        freqs = rope.frequencies()
+        new = range(cos.shape[0], max(need, 2 * cos.shape[0]))
+        cos = torch.cat([cos, torch.tensor([[math.cos(p * f) for f in freqs] for p in new])])
+        sin = torch.cat([sin, torch.tensor([[math.sin(p * f) for f in freqs] for p in new])])
+        _ROPE_TABLES[rope] = (cos, sin)
+    return cos[pos], sin[pos]
+
+
+def apply_rope(x: Tensor, pos: Tensor, rope: Rope, inverse: bool = False) -> Tensor:
+    """Rotate the trailing rope.dim channels of x [..., D] by position pos (shape x.shape[:-1],
+    broadcastable), interleaved pairs (2i, 2i+1)."""
+    cos, sin = rope_cos_sin(rope, pos)
+    if inverse:
+        sin = -sin
+    nope, rot = x[..., : x.shape[-1] - rope.dim], x[..., x.shape[-1] - rope.dim :]
+    a, b = rot[..., 0::2], rot[..., 1::2]
+    rot = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return torch.cat([nope, rot], dim=-1)
+
+
+def ordered_sum(parts: list[Tensor]) -> Tensor:
+    """parts[0] + parts[1] + ... added left to right (a few streams or experts: the order is the model's)."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
