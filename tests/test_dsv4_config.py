@@ -110,6 +110,15 @@ def test_absent_keys_resolve_as_transformers_and_the_ratio_list_may_omit_the_mtp
     assert dsv4_geometry(no_mtp) == EXPECTED
 
 
+def test_the_releases_fp8_quantization_config_reads_with_its_block() -> None:
+    from dspark.formats.dsv4_config import fp8_block
+
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 64],
+             "activation_scheme": "dynamic", "expert_dtype": "fp4"}
+    assert dsv4_geometry({**TINY, "quantization_config": quant}) == EXPECTED  # computes the dequantised model
+    assert fp8_block({**TINY, "quantization_config": quant}) == (128, 64) and fp8_block(TINY) == (128, 128)
+
+
 def test_the_transformers_5_spellings_read_the_same() -> None:
     cfg = {k: v for k, v in TINY.items() if k not in ("compress_ratios", "qk_rope_head_dim", "rope_theta",
                                                       "compress_rope_theta", "moe_intermediate_size")}
@@ -125,8 +134,12 @@ def test_the_transformers_5_spellings_read_the_same() -> None:
 @pytest.mark.parametrize("overrides,key", [
     ({"o_lora_rank": "__absent__"}, "o_lora_rank"),  # transformers' 1024 beside a null o_groups
     ({"o_groups": 3, "o_lora_rank": 8}, "o_groups"),  # does not divide the 4 heads
-    ({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0"}},
-     "quantization_config"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
+    ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2"}}, "quantization_config.fmt"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}},
+     "quantization_config.weight_block_size"),
+    ({"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": []}},
+     "quantization_config.modules_to_not_convert"),
     ({"rope_scaling": {"type": "linear", "factor": 4}}, "rope_scaling.type"),
     ({"rope_scaling": {"type": "yarn", "factor": 16}}, "rope_scaling.original_max_position_embeddings"),
     ({"rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,

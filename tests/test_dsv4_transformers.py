@@ -32,6 +32,8 @@ from dspark.runtime.models.dsv4_weights import Dsv4WeightsError, load_dsv4_weigh
 from dspark.runtime.package import load_package  # noqa: E402
 from dspark.runtime.tokenizer import BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE  # noqa: E402
 
+from .test_dsv4_quant import naive_fp4, naive_fp8, quantise_fp4, quantise_fp8  # noqa: E402
+
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                "compressed_sparse_attention"]
 SEQ = 44  # past YaRN's original 16 positions, five C8 blocks, ten C4 blocks
@@ -41,7 +43,7 @@ TOL = 2e-5
 def hf_config() -> transformers.DeepseekV4Config:
     # 16 index heads: with two, relu(q . k) is often 0 for every head and top-k breaks exact ties arbitrarily
     return transformers.DeepseekV4Config(
-        vocab_size=VOCAB_SIZE, hidden_size=32, moe_intermediate_size=24, num_hidden_layers=4,
+        vocab_size=VOCAB_SIZE, hidden_size=32, moe_intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, head_dim=16, q_lora_rank=16, num_experts_per_tok=2, n_routed_experts=6,
         layer_types=LAYER_TYPES, compress_rates={"compressed_sparse_attention": 4,
                                                  "heavily_compressed_attention": 8},
@@ -189,12 +191,74 @@ def test_the_release_names_and_transformers_module_names_load_the_same_model(hf_
     assert all(torch.equal(loaded[n], t) for n, t in want.items())
 
 
+LINEAR = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.shared_experts\.w[123])\.weight")
+EXPERT = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [8, 8],
+              "activation_scheme": "dynamic", "expert_dtype": "fp4"}
+
+
+def _write(path: Path, state: dict[str, torch.Tensor], config: dict) -> Path:
+    path.mkdir()
+    save_file({n: t.contiguous() for n, t in state.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _fp8_fp4(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The release's formats: FP8 attention and shared-expert linears in 8 x 8 blocks, FP4 routed experts;
+    and the float weights they dequantise to by the naive rules."""
+    quantised, dequantised = dict(state), dict(state)
+    for name, w in state.items():
+        stem = name.removesuffix(".weight")
+        if LINEAR.fullmatch(name):
+            q, scale = quantise_fp8(w, (8, 8), ue8m0=True)
+            dequantised[name] = naive_fp8(q, scale, (8, 8))
+        elif EXPERT.fullmatch(name):
+            q, scale = quantise_fp4(w)
+            dequantised[name] = naive_fp4(q, scale)
+        else:
+            continue
+        quantised[name], quantised[stem + ".scale"] = q, scale
+    return quantised, dequantised
+
+
+def _w8a8(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Ascend W8A8_DYNAMIC: every linear int8 with per-channel scales and offsets."""
+    quantised, dequantised = dict(state), dict(state)
+    gen = torch.Generator().manual_seed(5)
+    for name, w in state.items():
+        if not (LINEAR.fullmatch(name) or EXPERT.fullmatch(name)):
+            continue
+        stem = name.removesuffix(".weight")
+        scale = w.abs().amax(1, keepdim=True) / 100
+        offset = torch.randint(-10, 10, (w.shape[0], 1), generator=gen).float()
+        q = (torch.round(w / scale) + offset).clamp(-128, 127).to(torch.int8)
+        quantised[name] = q
+        quantised[stem + ".weight_scale"], quantised[stem + ".weight_offset"] = scale, offset
+        dequantised[name] = torch.tensor([[(int(q[i, j]) - float(offset[i])) * float(scale[i])
+                                           for j in range(w.shape[1])] for i in range(w.shape[0])])
+    return quantised, dequantised
+
+
+@pytest.mark.parametrize("fmt", ["fp8_fp4", "w8a8"])
+def test_each_weight_format_loads_to_the_model_of_its_dequantised_weights(checkpoint: Path, tmp_path: Path,
+                                                                         fmt: str) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    quantised, dequantised = (_fp8_fp4 if fmt == "fp8_fp4" else _w8a8)(_release_names(_saved(checkpoint)))
+    assert any(t.dtype in (torch.int8, torch.float8_e4m3fn) for t in quantised.values())
+    want = load_target(str(_write(tmp_path / "float", dequantised, config))).model.state_dict()
+    if fmt == "fp8_fp4":
+        config = {**config, "quantization_config": FP8_CONFIG}
+    got = load_target(str(_write(tmp_path / fmt, quantised, config))).model.state_dict()
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda s: s.pop("layers.2.attn.wo_b.weight"), "missing tensors.*layers.2.wo_b"),
     (lambda s: s.pop("layers.1.ffn.experts.4.w2.weight"), r"layer 1: experts .* of ffn\.experts\.E\.w2"),
     (lambda s: s.__setitem__("layers.0.attn.extra.weight", torch.zeros(1)),
      "no place for: layers.0.attn.extra"),
-    (lambda s: s.__setitem__("layers.0.attn.wq_a.scale", torch.zeros(1)), "quantised tensors"),
+    (lambda s: s.__setitem__("layers.0.attn.wq_a.scale", torch.zeros(1)), "float32 weight with quantisation"),
     (lambda s: s.__setitem__("head.weight", torch.zeros(3, 3)), r"head: shape \[3, 3\]"),
     (lambda s: s["layers.0.ffn.gate.tid2eid"].__setitem__((0, 1), int(s["layers.0.ffn.gate.tid2eid"][0, 0])),
      "distinct experts"),

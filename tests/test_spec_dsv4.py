@@ -185,7 +185,7 @@ def test_an_inline_geometry_must_match_the_config(dsv4_spec, tmp_path):
 @pytest.mark.parametrize(("change", "key"), [
     ({"n_routed_experts": 8, "n_shared_experts": 2}, "n_shared_experts"),
     ({"hc_mult": 0}, "hc_mult"),  # only null is the plain residual
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
     ({"rope_scaling": {"type": "linear", "factor": 16}}, "rope_scaling.type"),
 ])
 def test_a_released_style_config_is_refused_naming_the_key(dsv4_spec, tmp_path, change, key):

@@ -54,7 +54,9 @@ defaults (256 experts, top-6, 3 hash layers, scale 1.5, hc_mult 4, 20 iterations
 
 Refused
 -------
-A quantization_config (FP8 / FP4 / W8A8 weights are not read yet); a RoPE scaling other than YaRN, YaRN on
+A quantization_config other than the release's FP8 layout (e4m3, float or ue8m0 scales, dynamic
+activations, FP8 or FP4 experts; its weight_block_size is read by the loader, `fp8_block`); a RoPE
+scaling other than YaRN, YaRN on
 the window-only layers (rope_parameters.main), or a YaRN that scales the attention (attention_factor other
 than 1, unequal mscale / mscale_all_dim) or does not truncate its ramp; n_shared_experts other than 1
 (transformers builds exactly one); a scoring_func other than sqrtsoftplus / sigmoid / softmax; topk_method
@@ -69,8 +71,9 @@ o_groups and o_lora_rank not both set or both null; wrong types and missing requ
 Ignored deliberately, as they do not change the target's computation: architectures, torch_dtype, dtype,
 transformers_version, bos/eos/pad_token_id, use_cache, initializer_range, attention_dropout (inference),
 max_position_embeddings (read only where a YaRN factor is left out), num_nextn_predict_layers beyond
-checking the ratio list (the MTP layers are not part of the target's forward), expert_dtype (a
-quantisation detail), output_router_logits, router_aux_loss_coef, router_jitter_noise (training).
+checking the ratio list (the MTP layers are not part of the target's forward), expert_dtype (the loader
+reads each tensor's format from its dtype and scales), output_router_logits, router_aux_loss_coef,
+router_jitter_noise (training).
 
 Unknown keys are refused, unlike the llama / qwen3 reader (which reads the keys it knows and leaves the
 rest): the DeepSeek-V4 layout is young and its variants add keys that change the computation (engram,
@@ -421,12 +424,7 @@ def _features(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     """The FFN, hyper-connection, output-projection and activation keys -> geometry fields, refusing what
     the reference does not implement. An absent key means transformers' default."""
     out: dict[str, Any] = {}
-    quant = cfg.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise ConfigFieldError("quantization_config", f"is set (quant_method {method!r}); dspark does not "
-                               "read quantised DeepSeek-V4 weights yet",
-                               "use an unquantised (bf16 / fp32) checkpoint without quantization_config")
+    fp8_block(cfg)  # refuses a quantisation the reader does not know
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigFieldError("hidden_act", f"is {act!r}; DeepSeek-V4's SwiGLU is silu",
@@ -469,6 +467,37 @@ def _features(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     if groups is not None:
         out["o_groups"], out["o_lora_rank"] = _int(cfg, "o_groups", 1), _int(cfg, "o_lora_rank", 1)
     return out
+
+
+_FP8_KEYS = {"quant_method", "fmt", "scale_fmt", "weight_block_size", "activation_scheme", "expert_dtype"}
+
+
+def fp8_block(cfg: dict[str, Any]) -> tuple[int, int]:
+    """The FP8 linears' scale block (`quantization_config.weight_block_size`; 128 x 128 when the config has no
+    quantization_config, as the release's). The release's layout only: e4m3 weights, float or ue8m0
+    scales, dynamic activations, FP8 or FP4 experts; anything else is refused naming the key."""
+    quant = cfg.get("quantization_config")
+    if quant is None:
+        return (128, 128)
+    if not isinstance(quant, dict):
+        raise ConfigFieldError("quantization_config", f"is {quant!r}, not an object", "write it as an object")
+    where = "quantization_config"
+    checks = (("quant_method", ("fp8",)), ("fmt", ("e4m3", None)), ("scale_fmt", ("ue8m0", None)),
+              ("activation_scheme", ("dynamic", None)), ("expert_dtype", ("fp4", "fp8", None)))
+    for key, allowed in checks:
+        if quant.get(key) not in allowed:
+            raise ConfigFieldError(f"{where}.{key}", f"is {quant.get(key)!r}; dspark reads DeepSeek-V4's FP8 "
+                                   f"layout ({key} one of {[a for a in allowed if a]})",
+                                   "use the release's quantisation or an unquantised checkpoint")
+    extra = sorted(set(quant) - _FP8_KEYS)
+    if extra:
+        raise ConfigFieldError(f"{where}.{extra[0]}", "is not a key of DeepSeek-V4's FP8 layout",
+                               "remove it, or use an unquantised checkpoint")
+    block = quant.get("weight_block_size", [128, 128])
+    if not isinstance(block, list) or len(block) != 2 or not all(_int_at_least(b, 1) for b in block):
+        raise ConfigFieldError(f"{where}.weight_block_size", f"is {block!r}, not two positive integers",
+                               "write it as [rows, columns], [128, 128] in the release")
+    return (block[0], block[1])
 
 
 def _moe(cfg: dict[str, Any], layers: int) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.dspark_block_config import BlockDraftConfigError
-from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_MODEL_TYPE, Dsv4Geometry, dsv4_geometry
+from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_MODEL_TYPE, Dsv4Geometry, dsv4_geometry, fp8_block
 from dspark.formats.hf_config import ConfigFieldError, family_of_config
 from dspark.runtime.config import DeploymentConfig, ModelGeometry
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
@@ -102,7 +102,8 @@ def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
     model = build_target(family, cfg)
     if family == DSV4_FAMILY:
         try:
-            load_dsv4_weights(model.model, _load_state(path))  # type: ignore[arg-type]
+            block = fp8_block(read_config(path))
+            load_dsv4_weights(model.model, _load_state(path), block)  # type: ignore[arg-type]
         except Dsv4WeightsError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
     else:

@@ -5,18 +5,20 @@
 
 Every tensor the model needs must be found and every tensor found must be used: a missing, extra or
 misshapen tensor is refused by name (`Dsv4WeightsError`). The release's draft stages (`mtp.*`) are not the
-target's and are left to the draft's reader. Quantised tensors (the release's FP8 `.scale` and FP4 experts,
-Ascend W8A8 `weight_scale`) are refused here until their dequantisation is read.
+target's and are left to the draft's reader. Quantised tensors (FP8, FP4 experts, Ascend W8A8) are read by
+their dequantisation rule (`dsv4_quant`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from dspark.runtime.models.dsv4 import DSV4Config, DSV4Model
+from dspark.runtime.models.dsv4_quant import FP8_BLOCK, Dsv4QuantError, dequantize_state
 
 
 class Dsv4WeightsError(ValueError):
@@ -120,7 +122,6 @@ _RELEASE_TOP = {
     "hc_head_base": "hc_head.base",
     "hc_head_scale": "hc_head.scale",
 }
-_QUANTISED = re.compile(r"\.(scale|weight_scale|weight_offset|scale_inv|weight_scale_inv)$")
 _DRAFT_STAGE = re.compile(r"(^|\.)mtp\.")
 _TOP = {**_HF_TOP, **_RELEASE_TOP}
 _LAYER = {**_HF_LAYER, **_RELEASE_LAYER}
@@ -131,13 +132,8 @@ _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 def dsv4_state_dict(state: dict[str, Tensor], cfg: DSV4Config) -> dict[str, Tensor]:
     """The checkpoint's tensors -> `DSV4Model(cfg).state_dict()`'s names. Read: the release's names,
     transformers' module names (`model.layers.N.self_attn...`, packed experts), and what transformers'
-    `save_pretrained` writes (the release's names under `model.`, `head.weight`); refuses quantised tensors
-    and tensors with no place, by name."""
-    quantised = sorted(n for n in state if _QUANTISED.search(n) and (
-        not n.endswith(".scale") or n.removesuffix(".scale") + ".weight" in state))  # not hc_*.scale
-    if quantised:
-        raise Dsv4WeightsError(f"quantised tensors ({', '.join(quantised[:3])}, ...): FP8 / FP4 / W8A8 "
-                               "weights are not read yet; use a bfloat16 or float32 checkpoint")
+    `save_pretrained` writes (the release's names under `model.`, `head.weight`), dequantised
+    (`dequantize_state`); refuses tensors with no place, by name."""
     out: dict[str, Tensor] = {}
     experts: dict[tuple[int, str], dict[int, Tensor]] = {}
     extra = []
@@ -176,9 +172,15 @@ def dsv4_state_dict(state: dict[str, Tensor], cfg: DSV4Config) -> dict[str, Tens
     return out
 
 
-def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor]) -> None:
-    """Copy a checkpoint's tensors (either layout) into `model`, refusing a missing, extra or misshapen one by
-    name; hash-routing tables must name n_activated_experts distinct experts per token."""
+def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor],
+                      fp8_block: Sequence[int] = FP8_BLOCK) -> None:
+    """Copy a checkpoint's tensors (any layout; quantised ones dequantised, FP8 in `fp8_block` blocks) into
+    `model`, refusing a missing, extra or misshapen one by name; hash-routing tables must name
+    n_activated_experts distinct experts per token."""
+    try:
+        state = dequantize_state(state, fp8_block)
+    except Dsv4QuantError as exc:
+        raise Dsv4WeightsError(str(exc)) from None
     mapped = dsv4_state_dict(state, model.cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(mapped))

@@ -1,0 +1,130 @@
+"""DeepSeek-V4's quantised weight formats, read on the CPU by their exact dequantisation rule.
+
+* FP8 e4m3 block-scaled linears (the release: `X.weight` float8_e4m3fn with `X.scale`; DeepSeek-V3 and
+  transformers' FP8 layout: `X.weight_scale_inv`): one scale per `weight_block_size` block (128 x 128
+  published; a partial block at the edge has its own scale), W[i, j] = q[i, j] * s[i // b0, j // b1]. Scales
+  are float32 or ue8m0 (float8_e8m0fnu, or its bytes as uint8: 2^(b - 127)).
+* FP4 e2m1 experts (`expert_dtype: fp4`): two values a byte, the even index in the low nibble, one ue8m0
+  scale per 32 values of a row (MXFP4), W[i, j] = e2m1(q[i, j]) * s[i, j // 32].
+* Ascend W8A8 (msmodelslim's W8A8_DYNAMIC): int8 `X.weight` with per-output-channel `X.weight_scale` and
+  optional `X.weight_offset`, W[i, j] = (q[i, j] - offset[i]) * scale[i]. Static W8A8 (activation scales
+  and `deq_scale` in the checkpoint) is refused.
+
+The activations' run-time quantisation of these formats (FP8 per 128-channel block, int8 per token) belongs
+to the device kernels that keep the weights quantised; the CPU reference computes with the dequantised
+weights in float32 (docs/dsv4.md says what runs where). Read from transformers' `Fp8Dequantize`, vLLM's and
+vllm-ascend's weight loaders for the layouts; the arithmetic is the formats' own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+FP8_BLOCK = (128, 128)
+FP4_GROUP = 32
+# e2m1: sign, two exponent bits (bias 1), one mantissa bit; codes 0..7 positive, 8..15 their negatives
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+_W8A8_STATIC = (".input_scale", ".input_offset", ".deq_scale", ".quant_bias")
+
+
+class Dsv4QuantError(ValueError):
+    """A quantised tensor that does not follow its format (the message names it)."""
+
+
+def scale_values(scale: Tensor) -> Tensor:
+    """Scales as float32: ue8m0 (float8_e8m0fnu, or uint8 bytes) is 2^(b - 127); floats as they are."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.to(torch.float32) - 127.0)
+    return scale.to(torch.float32)
+
+
+def dequant_fp8_blocks(weight: Tensor, scale: Tensor, block: Sequence[int] = FP8_BLOCK,
+                       name: str = "") -> Tensor:
+    """float8_e4m3fn weight [out, in] and its block scales [ceil(out / b0), ceil(in / b1)] -> float32."""
+    out, inn = weight.shape
+    b0, b1 = block
+    grid = (math.ceil(out / b0), math.ceil(inn / b1))
+    if tuple(scale.shape) != grid:
+        raise Dsv4QuantError(f"{name}: FP8 scales {list(scale.shape)}, a [{out}, {inn}] weight in "
+                             f"{b0} x {b1} blocks needs {list(grid)}")
+    s = scale_values(scale).repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inn]
+    return weight.to(torch.float32) * s
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """[..., n] bytes of e2m1 pairs -> float32 [..., 2n] (byte k holds values 2k (low nibble), 2k + 1)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    u8 = packed.contiguous().view(torch.uint8).long()
+    return torch.stack([table[u8 & 0xF], table[u8 >> 4]], dim=-1).flatten(-2)
+
+
+def dequant_fp4(packed: Tensor, scale: Tensor, name: str = "") -> Tensor:
+    """Packed e2m1 weight [out, in / 2] (int8 or uint8), ue8m0 scales [out, in / 32] -> float32 [out, in]."""
+    values = unpack_fp4(packed)
+    out, inn = values.shape
+    if inn % FP4_GROUP or tuple(scale.shape) != (out, inn // FP4_GROUP):
+        raise Dsv4QuantError(f"{name}: FP4 scales {list(scale.shape)}, a [{out}, {inn}] weight needs one "
+                             f"per {FP4_GROUP} values of a row, [{out}, {inn // FP4_GROUP}]")
+    return values * scale_values(scale).repeat_interleave(FP4_GROUP, 1)
+
+
+def dequant_w8a8(weight: Tensor, scale: Tensor, offset: Tensor | None, name: str = "") -> Tensor:
+    """int8 weight [out, in], per-channel scale and offset ([out] or [out, 1]) -> float32."""
+    out = weight.shape[0]
+    for what, t in (("weight_scale", scale), ("weight_offset", offset)):
+        if t is not None and t.numel() != out:
+            raise Dsv4QuantError(f"{name}: {what} has {t.numel()} values, one per output channel is {out}")
+    zero = 0.0 if offset is None else offset.reshape(out, 1).to(torch.float32)
+    return (weight.to(torch.float32) - zero) * scale.reshape(out, 1).to(torch.float32)
+
+
+def dequantize_state(state: dict[str, Tensor], fp8_block: Sequence[int] = FP8_BLOCK) -> dict[str, Tensor]:
+    """A checkpoint's tensors with every quantised weight replaced by its float32 value and its scales
+    dropped; a scale without its weight, an integer or FP8 weight without its scale, or static W8A8 tensors
+    are refused by name."""
+    static = sorted(n for n in state if n.endswith(_W8A8_STATIC))
+    if static:
+        raise Dsv4QuantError(f"{static[0]}: static W8A8 (activation scales in the checkpoint) is not read; "
+                             "use a W8A8_DYNAMIC or unquantised checkpoint")
+    out = dict(state)
+    for name, tensor in state.items():
+        if not name.endswith(".weight"):
+            continue
+        stem = name.removesuffix(".weight")
+        scales = [stem + s for s in _SCALE_SUFFIXES if stem + s in state]
+        w8a8 = stem + ".weight_scale" in state
+        if len(scales) > 1 or (scales and w8a8):
+            raise Dsv4QuantError(f"{name}: more than one scale ({', '.join(scales)})")
+        if tensor.dtype == torch.float8_e4m3fn:
+            if not scales:
+                raise Dsv4QuantError(f"{name}: an FP8 weight without its {stem}.scale")
+            out[name] = dequant_fp8_blocks(tensor, state[scales[0]], fp8_block, name)
+        elif tensor.dtype in (torch.int8, torch.uint8) and w8a8:
+            offset = state.get(stem + ".weight_offset")
+            out[name] = dequant_w8a8(tensor, state[stem + ".weight_scale"], offset, name)
+        elif tensor.dtype in (torch.int8, torch.uint8):
+            if not scales:
+                raise Dsv4QuantError(f"{name}: an integer weight without its {stem}.scale (FP4) or "
+                                     f"{stem}.weight_scale (W8A8)")
+            out[name] = dequant_fp4(tensor, state[scales[0]], name)
+        elif scales or w8a8:
+            raise Dsv4QuantError(f"{name}: a {tensor.dtype} weight with quantisation scales")
+        for key in (*scales, stem + ".weight_scale", stem + ".weight_offset"):
+            out.pop(key, None)
+    orphans = sorted(n for n in out if n.endswith((*_SCALE_SUFFIXES, ".weight_scale", ".weight_offset"))
+                     and n.rsplit(".", 1)[0] + ".weight" not in state and not _is_hc_scale(n))
+    if orphans:
+        raise Dsv4QuantError(f"{orphans[0]}: a scale without its weight")
+    return out
+
+
+def _is_hc_scale(name: str) -> bool:
+    """transformers' module names give the hyper-connections' learned scales as `attn_hc.scale` /
+    `ffn_hc.scale`: weights of the model, not quantisation scales."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] in ("attn_hc", "ffn_hc")
