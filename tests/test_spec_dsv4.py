@@ -263,11 +263,31 @@ def test_under_dp_attention_tp_over_dp_must_divide_the_query_heads(dsv4_spec):
     assert "use tp / dp in [1, 2, 4]" in issue.hint
 
 
-def test_expert_parallelism_is_refused(dsv4_spec):
-    issue = only_issue(dsv4_spec({"parallelism": {"ep": 2}}))
-    assert issue.path == ("parallelism", "ep")
-    assert issue.message == ("ep is 2, but dspark's dsv4 model has a dense MLP: no experts to shard across "
-                             "ranks")
+MOE = {"model": {"geometry": {"ffn": "moe", "n_routed_experts": 8, "n_activated_experts": 2}}}
+
+
+def test_expert_parallelism_shards_the_routed_experts_over_every_rank(dsv4_spec):
+    spec = load_spec(dsv4_spec(merged(MOE, {"parallelism": {"tp": 2, "ep": 2}}))).spec
+    assert spec.parallelism.ep == 2
+    under_dp = {"parallelism": {"tp": 4, "dp": 2, "dp_attention": True, "ep": 4}}
+    assert load_spec(dsv4_spec(merged(MOE, under_dp))).spec.parallelism.ep == 4
+
+
+@pytest.mark.parametrize(("change", "message", "hint"), [
+    ({"parallelism": {"ep": 2}}, "ep is 2, but this DeepSeek-V4 geometry has a dense FFN (ffn: dense): no "
+     "experts to shard across ranks", "set parallelism.ep: 1"),
+    (merged(MOE, {"parallelism": {"tp": 4, "ep": 2}}), "ep 2 is not the ranks of one model instance (tp 4)",
+     "set ep: 4"),
+    (merged(MOE, {"parallelism": {"tp": 2, "dp": 2, "ep": 2}}), "ep 2 is not the ranks of one model instance",
+     "use dp_attention"),
+    (merged(MOE, {"model": {"geometry": {"n_routed_experts": 6}}, "parallelism": {"tp": 4, "ep": 4}}),
+     "ep 4 does not divide n_routed_experts (6)", "use tp = ep in [1, 2, 3, 6]"),
+])
+def test_expert_parallelism_that_cannot_split_is_refused(dsv4_spec, change, message, hint):
+    spec = dsv4_spec(change)
+    issue = only_issue(spec)
+    assert issue.path == ("parallelism", "ep") and issue.message.startswith(message), issue.message
+    assert hint in issue.hint
 
 
 def test_the_context_is_not_bounded_by_max_position_embeddings(dsv4_spec):

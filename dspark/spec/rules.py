@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Iterator
 
 from dspark.fingerprint import sampling_policy
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.modes import SpeculationOff
 from dspark.spec.derived import num_draft_tokens, resolved_max_verify_len
 from dspark.spec.errors import SpecIssue
@@ -110,14 +110,28 @@ def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
 
 
 def check_expert_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
-    spec = facts.spec
-    if spec.parallelism.ep != 1:
-        family = spec.model.family
-        model = f"dspark's {family} model has a dense MLP:" if family == DSV4_FAMILY else \
-            f"{family} is a dense model with"
-        yield SpecIssue(("parallelism", "ep"),
-                        f"ep is {spec.parallelism.ep}, but {model} no experts to shard across ranks",
+    """ep shards DeepSeek-V4's routed experts over every rank of a model instance (tp, the whole world under
+    DP attention): ep is 1 or tp, and divides the experts."""
+    spec, geometry = facts.spec, facts.geometry
+    parallelism = spec.parallelism
+    ep = parallelism.ep
+    if ep == 1:
+        return
+    where = ("parallelism", "ep")
+    if not isinstance(geometry, Dsv4Geometry) or geometry.ffn != "moe":
+        model = f"{spec.model.family} is a dense model with" if not isinstance(geometry, Dsv4Geometry) else \
+            "this DeepSeek-V4 geometry has a dense FFN (ffn: dense):"
+        yield SpecIssue(where, f"ep is {ep}, but {model} no experts to shard across ranks",
                         "set parallelism.ep: 1 and scale with tp or dp")
+        return
+    if ep != parallelism.tp or (parallelism.dp > 1 and not parallelism.dp_attention):
+        yield SpecIssue(where, f"ep {ep} is not the ranks of one model instance (tp {parallelism.tp})",
+                        f"set ep: {parallelism.tp} (the experts over every rank; with dp > 1 use "
+                        "dp_attention), or ep: 1")
+    elif geometry.n_routed_experts % ep:
+        valid = [d for d in range(1, geometry.n_routed_experts + 1) if geometry.n_routed_experts % d == 0]
+        yield SpecIssue(where, f"ep {ep} does not divide n_routed_experts ({geometry.n_routed_experts})",
+                        f"every rank holds whole experts; use tp = ep in {valid}")
 
 
 def check_dp_attention(facts: SpecFacts) -> Iterator[SpecIssue]:
@@ -208,8 +222,9 @@ def check_speculation_off(facts: SpecFacts) -> Iterator[SpecIssue]:
 def check_context_len(facts: SpecFacts) -> Iterator[SpecIssue]:
     geometry, serving = facts.geometry, facts.spec.serving
     if geometry is None or isinstance(geometry, Dsv4Geometry):
-        # A Dsv4Geometry has no max_position_embeddings: without YaRN it changes nothing computed, so
-        # the config reader ignores it.
+        # A Dsv4Geometry has no max_position_embeddings: it changes nothing computed (YaRN's frequencies
+        # come from its own factor and original context), so the config reader reads it only for a
+        # missing YaRN factor.
         return
     if serving.max_context_len > geometry.max_position_embeddings:
         limit = geometry.max_position_embeddings // serving.page_size * serving.page_size

@@ -173,12 +173,14 @@ class DPAttentionDsv4Layer(DSV4Layer):
     mlp_sum: PartialSum
     dp: TPGroup
 
-    def mlp_rows(self, x: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def mlp_rows(self, x: torch.Tensor, tokens: torch.Tensor | None = None,
+                 static_shapes: bool = False) -> torch.Tensor:
         """The MLP on the gathered rows: x [n, dim] of this DP rank -> its [n, dim]. The products are the
         base class's (`mlp_partial`), on every DP rank's rows, summed over the world in rank order. An MoE
-        is whole on every rank (replicated until expert parallelism shards it) and runs on its own rows."""
+        runs on this DP rank's own rows: whole, or with its experts over the world (expert parallelism
+        dispatches the rows)."""
         if self.ffn is not None:
-            return self.ffn(x, tokens)
+            return self.ffn(x, tokens, static_shapes)
         gathered = gather_rows(x, self.dp)  # [dp · n, dim]
         return own_rows(self.mlp_sum(self.mlp_partial(gathered)), x.shape[0], self.dp)
 

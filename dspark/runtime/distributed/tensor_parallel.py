@@ -137,7 +137,7 @@ def _sum_over_ranks(partial: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return total
 
 
-def _frozen(t: torch.Tensor) -> nn.Parameter:
+def frozen_param(t: torch.Tensor) -> nn.Parameter:
     """A parameter of its own storage (a slice would keep the whole tensor alive), not trained."""
     return nn.Parameter(t.detach().clone(memory_format=torch.contiguous_format), requires_grad=False)
 
@@ -149,8 +149,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup,
                  span: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.weight = _frozen(weight)  # [out / size, in]
-        self.bias = _frozen(bias) if bias is not None else None  # [out / size]
+        self.weight = frozen_param(weight)  # [out / size, in]
+        self.bias = frozen_param(bias) if bias is not None else None  # [out / size]
         self.tp = tp
         # The dense layer's output features `[start, end)` held here, kept so that a loader can fill a
         # shard built from shapes alone (`sharded_load`) with the same rows of the checkpoint's tensor.
@@ -173,8 +173,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPGroup,
                  span: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.weight = _frozen(weight)  # [out, in / size]
-        self.bias = _frozen(bias) if bias is not None else None  # [out]
+        self.weight = frozen_param(weight)  # [out, in / size]
+        self.bias = frozen_param(bias) if bias is not None else None  # [out]
         self.tp = tp
         self.span = span  # the dense layer's input features `[start, end)` held here (`sharded_load`)
 
@@ -302,8 +302,8 @@ def shard_vocab(model: LlamaForCausalLM, tp: TPGroup) -> tuple[VocabParallelEmbe
     backbone = model.model
     tied = model.lm_head.weight is backbone.embed_tokens.weight
     shard = VocabShard.of(model.cfg.vocab_size, tp)
-    embed = _frozen(shard.slice(backbone.embed_tokens.weight))  # [rows, d]
-    head = embed if tied else _frozen(shard.slice(model.lm_head.weight))
+    embed = frozen_param(shard.slice(backbone.embed_tokens.weight))  # [rows, d]
+    head = embed if tied else frozen_param(shard.slice(model.lm_head.weight))
     return VocabParallelEmbedding(embed, shard, tp), VocabParallelLMHead(head, shard, tp)
 
 
@@ -373,15 +373,15 @@ def shard_dsv4_heads(layer: DSV4Layer, tp: TPGroup) -> None:
     heads, hd = cfg.n_heads // tp.size, cfg.head_dim
     h0, h1 = tp.rank * heads, (tp.rank + 1) * heads  # this rank's query heads
     q0, q1 = h0 * hd, h1 * hd  # their wq_b rows, wo columns
-    layer.wq_b = _frozen(layer.wq_b[q0:q1])  # [heads·D, q_lora]
-    layer.attn_sink = _frozen(layer.attn_sink[h0:h1])  # [heads]
+    layer.wq_b = frozen_param(layer.wq_b[q0:q1])  # [heads·D, q_lora]
+    layer.attn_sink = frozen_param(layer.attn_sink[h0:h1])  # [heads]
     if cfg.o_groups:
         groups = cfg.o_groups // tp.size
         r0, r1 = tp.rank * groups * cfg.o_lora_rank, (tp.rank + 1) * groups * cfg.o_lora_rank
-        layer.wo_a = _frozen(layer.wo_a[r0:r1])  # [groups·R, heads per group·D]
-        layer.wo_b = _frozen(layer.wo_b[:, r0:r1])  # [dim, groups·R]
+        layer.wo_a = frozen_param(layer.wo_a[r0:r1])  # [groups·R, heads per group·D]
+        layer.wo_b = frozen_param(layer.wo_b[:, r0:r1])  # [dim, groups·R]
     else:
-        layer.wo = _frozen(layer.wo[:, q0:q1])  # [dim, heads·D]
+        layer.wo = frozen_param(layer.wo[:, q0:q1])  # [dim, heads·D]
     layer.local_heads = heads
     layer.partial_sum = PartialSum(tp) if tp.size > 1 else None
 
@@ -393,9 +393,9 @@ def shard_dsv4_mlp(layer: DSV4Layer, tp: TPGroup) -> PartialSum:
     if layer.ffn is not None:
         return PartialSum(tp)
     i0, i1 = _share(layer.cfg.inter_dim, tp)
-    layer.w1 = _frozen(layer.w1[i0:i1])  # [I / size, dim]
-    layer.w3 = _frozen(layer.w3[i0:i1])
-    layer.w2 = _frozen(layer.w2[:, i0:i1])  # [dim, I / size]
+    layer.w1 = frozen_param(layer.w1[i0:i1])  # [I / size, dim]
+    layer.w3 = frozen_param(layer.w3[i0:i1])
+    layer.w2 = frozen_param(layer.w2[:, i0:i1])  # [dim, I / size]
     return PartialSum(tp)
 
 
@@ -412,8 +412,8 @@ def shard_dsv4_vocab(model: Dsv4ForCausalLM, tp: TPGroup
     to install; the whole tables are dropped."""
     ref = model.model
     shard = VocabShard.of(ref.cfg.vocab_size, tp)
-    embed = VocabParallelEmbedding(_frozen(shard.slice(ref.embed)), shard, tp)
-    head = VocabParallelLMHead(_frozen(shard.slice(ref.head)), shard, tp)
+    embed = VocabParallelEmbedding(frozen_param(shard.slice(ref.embed)), shard, tp)
+    head = VocabParallelLMHead(frozen_param(shard.slice(ref.head)), shard, tp)
     del ref.embed, ref.head  # the whole tables: only this rank's rows stay
     return embed, head
 

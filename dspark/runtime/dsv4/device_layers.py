@@ -352,7 +352,7 @@ class Dsv4DeviceLayers(ABC):
         o = self._attend(layer_id, layer, lc, step, q, index)  # [T, H, D]
         # DSV4Layer.finish_rows: V carried rotated channels, so the output is rotated back by its row's angle
         o = rotate(o, cos[:, None], -sin[:, None])
-        return layer.output_rows(h, o, tokens, mixes)  # summed over the ranks under TP
+        return layer.output_rows(h, o, tokens, mixes, static_shapes=True)  # summed over the ranks under TP
 
     def _compress(self, comp: Compressor, step: Dsv4Step, x: Tensor, pos: Tensor, state_kv: Tensor | None,
                   state_score: Tensor | None, entries: Tensor | None) -> None:

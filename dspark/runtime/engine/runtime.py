@@ -27,6 +27,7 @@ from dspark.runtime.attention.triton_paged import TritonPagedAttention
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
 from dspark.runtime.distributed.dp_engine import DPDispatch, RequestSpec, serve_engine
 from dspark.runtime.distributed.dp_sync import DPStepSync
+from dspark.runtime.distributed.expert_parallel import shard_dsv4_experts
 from dspark.runtime.distributed.launch import Launch, Ranks, join, leave
 from dspark.runtime.distributed.lockstep import LeaderForward, follow
 from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
@@ -356,14 +357,15 @@ def rank_device(backend: str, launch: Launch) -> torch.device:
 
 def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.device) -> ServingTarget:
     """This rank's target: the whole model for one process; under tensor parallelism (and DP attention) its
-    share, read straight from the checkpoint's files (dummy weights are built whole, then sliced; a dsv4
-    target, which loads dummy weights only, keeps its query heads' share and replicates its K=V head,
-    compressors and indexer, `shard_dsv4_target`)."""
+    share, read straight from the checkpoint's files (dummy weights and a dsv4 target are built whole, then
+    sliced: a dsv4 target keeps its query heads' share and replicates its K=V head, compressors and indexer,
+    `shard_dsv4_target`, and under expert parallelism its share of the routed experts,
+    `shard_dsv4_experts`)."""
     dep = package.deployment
     if ranks.world.size == 1:
         return load_target_model(dep, package.directory, device)
     shards = ranks.shards
-    if dep.model.load_format == "dummy":
+    if dep.model.load_format == "dummy" or dep.model.family == DSV4_FAMILY:
         target = load_target_model(dep, package.directory, device)
         if isinstance(shards, DPAttentionGroups):
             shard_dp_attention_target(target, shards)
@@ -371,6 +373,10 @@ def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.dev
             shard_dsv4_target(target, shards)
         else:
             shard_dense_target(target, shards)
+        if dep.parallel.ep > 1 and isinstance(target, Dsv4ForCausalLM):
+            dp_attention = isinstance(shards, DPAttentionGroups) and shards.dp.size > 1
+            ep = shards.world if isinstance(shards, DPAttentionGroups) else shards
+            shard_dsv4_experts(target, ep, rows_replicated=not dp_attention)
         return target
     return load_sharded_target(dep.model.checkpoint, dep.model.dtype, package.directory, dep.model.family,
                                shards, device)

@@ -121,7 +121,9 @@ class StepForward:
         rows = hidden.shape[0]
         if step.pad_to is None or step.pad_to == rows:
             return self.target.compute_logits(hidden)
-        return self.target.compute_logits(F.pad(hidden, (0, 0, 0, step.pad_to - rows)))[:rows]
+        # rows are dim 0 ([T, dim], or [T, hc_mult, dim] hyper-connection streams)
+        padding = (0, 0) * (hidden.dim() - 1) + (0, step.pad_to - rows)
+        return self.target.compute_logits(F.pad(hidden, padding))[:rows]
 
 
 def run_forward(forward: StepForwards, step: StepCommand) -> Any:

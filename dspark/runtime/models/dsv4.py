@@ -492,27 +492,29 @@ class DSV4Layer(nn.Module):
             return row_linear(low, self.wo_b)
         return row_linear(o.flatten(1), self.wo)
 
-    def output_rows(self, h: Tensor, o: Tensor, tokens: Tensor | None = None, mixes: Mixes | None = None
-                    ) -> Tensor:
+    def output_rows(self, h: Tensor, o: Tensor, tokens: Tensor | None = None, mixes: Mixes | None = None,
+                    static_shapes: bool = False) -> Tensor:
         """h (the residual as `attn_input` took it), the attention output o [L, H, D] already rotated back,
         the rows' tokens [L] (hash-routed layers) and `attn_input`'s mixes -> the layer's output residual:
         the output projection and the FFN, each a sum over the ranks' partial products under tensor
-        parallelism. No host reads (device backends call it as is)."""
+        parallelism. `static_shapes` (device backends): no host reads and no shape set by the data, so a
+        graph captures it."""
         attn = self._whole(self.output_projection(o))
         if self.hc_attn is None:
             h = h + attn
-            return h + self.mlp_rows(rms_norm(h, self.ffn_norm, self.cfg.norm_eps), tokens)
+            return h + self.mlp_rows(rms_norm(h, self.ffn_norm, self.cfg.norm_eps), tokens, static_shapes)
         assert self.hc_ffn is not None and mixes is not None, "the attention's mixes come from attn_input"
         h = HyperConnection.expand(h, attn, *mixes)
         pre, post, comb = self.hc_ffn.mixes(h)
         x = rms_norm(HyperConnection.collapse(h, pre), self.ffn_norm, self.cfg.norm_eps)
-        return HyperConnection.expand(h, self.mlp_rows(x, tokens), post, comb)
+        return HyperConnection.expand(h, self.mlp_rows(x, tokens, static_shapes), post, comb)
 
-    def mlp_rows(self, x: Tensor, tokens: Tensor | None = None) -> Tensor:
+    def mlp_rows(self, x: Tensor, tokens: Tensor | None = None, static_shapes: bool = False) -> Tensor:
         """The FFN of normed rows x [L, dim] (tokens [L]: a hash-routed MoE's) -> [L, dim], summed over the
-        ranks under tensor parallelism (a dense MLP's columns; the MoE is whole on every rank)."""
+        ranks under tensor parallelism (a dense MLP's columns; the MoE's experts over the ranks under expert
+        parallelism, else whole on every rank)."""
         if self.ffn is not None:
-            return self.ffn(x, tokens)
+            return self.ffn(x, tokens, static_shapes)
         return self._whole(self.mlp_partial(x))
 
     def mlp_partial(self, x: Tensor) -> Tensor:

@@ -9,13 +9,15 @@ chooses but does not weigh), a hash layer (the first `n_hash_layers`) takes the 
 clamped by `swiglu_limit` (transformers and vLLM clamp the shared expert too).
 
 Row-invariant: the selection is a stable sort of the row's own scores (ties to the lower expert id), and a
-row's routed output adds its experts' contributions in ascending expert id, whatever other rows share the
-step. Under expert parallelism a rank holds the experts `expert_offset ..` of `experts.w1` and adds only
-theirs (`routed(..., local=True)`); the ranks' partial outputs are then summed in rank order, which is
-ascending expert id again.
+row's routed output adds its experts' contributions slot by slot in ascending expert id from zero, whatever
+other rows share the step. Under expert parallelism a rank holds the experts `expert_offset ..` and computes
+only their slots; the other slots' outputs come from their experts' ranks (`parallel`), each computed on its
+row alone, and are added in the same order, so the result is one process's bit for bit.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,11 @@ from torch import Tensor, nn
 from dspark.runtime.models.dsv4_ops import row_linear, row_softmax, swiglu, tiled
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+class ExpertSlots(Protocol):
+    def slot_outputs(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor, static_shapes: bool) -> Tensor:
+        ...
 
 
 class Gate(nn.Module):
@@ -70,6 +77,9 @@ class MoE(nn.Module):
         self.gate = Gate(n_experts, dim, topk, vocab_size, hashed)
         self.experts = Experts(n_experts, dim, inter_dim)
         self.shared_experts = SharedExpert(dim, inter_dim)
+        # Expert parallelism (`dspark.runtime.distributed.expert_parallel.shard_dsv4_experts`): what computes
+        # the slots of experts held by other ranks. None: every expert is here.
+        self.parallel: ExpertSlots | None = None
 
     def scores(self, x: Tensor) -> Tensor:
         """x [L, dim] -> each expert's score [L, E]."""
@@ -95,17 +105,32 @@ class MoE(nn.Module):
         weights = scores.gather(1, ids)
         return ids, weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.route_scale
 
-    def routed(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """The routed experts' weighted sum for rows x [L, dim] -> [L, dim]: the experts this module holds
-        (all, or under expert parallelism its slice), each row's in ascending expert id."""
+    def slot_outputs(self, x: Tensor, ids: Tensor, weights: Tensor, static_shapes: bool = False) -> Tensor:
+        """Each routed slot's weighted expert output for rows x [L, dim] -> [L, k, dim], computed for the
+        experts this module holds (all, or under expert parallelism its slice; zeros in other slots).
+        `static_shapes`: every held expert on every row, each slot taking its own expert's output (no
+        shape depends on the routing, so a captured graph replays it); the same bits, E times the work."""
         experts = self.experts
         first, held = experts.expert_offset, experts.w1.shape[0]
-        out = torch.zeros_like(x)
+        out = x.new_zeros(*ids.shape, x.shape[-1])
         for e in range(first, first + held):
+            if static_shapes:
+                y = self.expert(x, e - first)  # [L, dim]
+                for j in range(ids.shape[1]):
+                    out[:, j] = torch.where((ids[:, j] == e)[:, None], y * weights[:, j, None], out[:, j])
+                continue
             rows, slot = torch.nonzero(ids == e, as_tuple=True)
             if rows.numel():
-                out[rows] = out[rows] + self.expert(x[rows], e - first) * weights[rows, slot, None]
+                out[rows, slot] = self.expert(x[rows], e - first) * weights[rows, slot, None]
         return out
+
+    @staticmethod
+    def combine(slots: Tensor) -> Tensor:
+        """[L, k, dim] slot outputs -> [L, dim], added slot by slot (ascending expert id) from zero."""
+        total = torch.zeros_like(slots[:, 0])
+        for j in range(slots.shape[1]):
+            total = total + slots[:, j]
+        return total
 
     def expert(self, x: Tensor, local: int) -> Tensor:
         w = self.experts
@@ -116,7 +141,13 @@ class MoE(nn.Module):
         s = self.shared_experts
         return row_linear(swiglu(row_linear(x, s.w1), row_linear(x, s.w3), self.swiglu_limit), s.w2)
 
-    def forward(self, x: Tensor, tokens: Tensor | None) -> Tensor:
-        """x [L, dim] (normed), tokens [L] -> [L, dim]."""
+    def forward(self, x: Tensor, tokens: Tensor | None, static_shapes: bool = False) -> Tensor:
+        """x [L, dim] (normed), tokens [L] -> [L, dim]: the routed slots (over the ranks under expert
+        parallelism, `parallel`) added in ascending expert id, then the shared expert. `static_shapes`: no
+        shape depends on the routing (device backends that capture graphs; `slot_outputs`)."""
         ids, weights = self.route(x, tokens)
-        return self.routed(x, ids, weights) + self.shared(x)
+        if self.parallel is None:
+            slots = self.slot_outputs(x, ids, weights, static_shapes)
+        else:
+            slots = self.parallel.slot_outputs(self, x, ids, weights, static_shapes)
+        return self.combine(slots) + self.shared(x)

@@ -1,0 +1,152 @@
+"""Expert parallelism for DeepSeek-V4's MoE (`parallelism.ep`): the routed experts sharded over the ranks of a
+model instance, each token's slots computed on the rank holding their expert.
+
+Rank r of `ep` holds experts `[r·E/ep, (r+1)·E/ep)` (`shard_dsv4_experts`; the router, its bias and hash table
+and the shared expert stay whole on every rank). A layer's MoE routes its rows as one process does, then:
+
+* **rows replicated on every rank** (plain tensor parallelism: attention's output is summed over the ranks, so
+  all ranks hold the same rows), `ReplicatedRowsExperts`: each rank computes the slots of its own experts
+  for all rows, and the slot outputs are all-gathered; a slot's output is taken from its expert's rank;
+* **rows differing per rank** (DP attention: a DP rank holds only its requests' rows, every rank the step's
+  global tier of them, padding rows routed with their token's valid ids like any other),
+  `DispatchedExperts`: each (row, slot) is sent to its expert's rank with its weight and expert id
+  (`all_to_all_single` with per-rank counts, the counts exchanged first: the step's shapes agreed), the
+  receiving rank runs its experts on what it received and sends the weighted outputs back the same way.
+
+Either way a slot's output is its expert's SwiGLU of that row alone, times its weight, and `MoE.combine`
+adds a row's slots in ascending expert id from zero: the bits of one process, whatever rows or ranks share
+the step. Padding rows' outputs are computed and discarded by the engine as one process's are. DeepEP's
+dispatch and combine would replace the all-to-all on GPUs where it is installed; it is not used here (not
+installed). The all-to-all reads its counts on the host, so device backends that capture graphs take the
+static-shape path instead (`static_shapes`): every rank's rows all-gathered, each rank's experts run on all
+of them and the slot outputs all-gathered back (more traffic and work, no shape set by the routing).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dspark.runtime.distributed.tensor_parallel import COMM_CLOCK, TPGroup, frozen_param
+from dspark.runtime.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.models.dsv4_moe import MoE
+
+
+def check_experts_split(n_experts: int, ep: TPGroup) -> None:
+    if n_experts % ep.size:
+        raise ValueError(f"expert parallelism over {ep.size} ranks needs n_routed_experts ({n_experts}) to "
+                         f"be a multiple of {ep.size}")
+
+
+class ReplicatedRowsExperts:
+    """Slots over `ep` ranks that all hold the same rows: each computes its experts' slots, all-gathered."""
+
+    def __init__(self, ep: TPGroup) -> None:
+        self.ep = ep
+
+    def slot_outputs(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor,
+                     static_shapes: bool = False) -> Tensor:
+        local = moe.slot_outputs(x, ids, weights, static_shapes)  # [L, k, dim], this rank's experts' slots
+        return _from_owners(local, ids, moe.experts.w1.shape[0], self.ep)
+
+
+def _from_owners(local: Tensor, ids: Tensor, held: int, ep: TPGroup) -> Tensor:
+    """Every rank's slot outputs [L, k, dim] for the same rows, all-gathered: each slot from its expert's
+    rank."""
+    parts = [torch.empty_like(local) for _ in range(ep.size)]
+    with COMM_CLOCK.timed():
+        dist.all_gather(parts, local.contiguous(), group=ep.group)
+    owner = ids // held  # [L, k]: the rank holding each slot's expert
+    rows, slots = torch.meshgrid(torch.arange(ids.shape[0], device=ids.device),
+                                 torch.arange(ids.shape[1], device=ids.device), indexing="ij")
+    return torch.stack(parts)[owner, rows, slots]
+
+
+class DispatchedExperts:
+    """Slots over `ep` ranks holding different rows: (row, slot) pairs dispatched to their experts' ranks and
+    their outputs combined back."""
+
+    def __init__(self, ep: TPGroup) -> None:
+        self.ep = ep
+
+    def _exchange(self, send: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
+        recv = send.new_empty(sum(recv_counts), *send.shape[1:])
+        with COMM_CLOCK.timed():
+            dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.ep.group)
+        return recv
+
+    def slot_outputs(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor,
+                     static_shapes: bool = False) -> Tensor:
+        if static_shapes:
+            return self._gathered(moe, x, ids, weights)
+        n_rows, k = ids.shape
+        held = moe.experts.w1.shape[0]
+        owner = (ids // held).flatten()  # [L·k]
+        order = torch.argsort(owner, stable=True)  # by destination rank, then in (row, slot) order
+        counts = torch.bincount(owner, minlength=self.ep.size)
+        their = torch.empty_like(counts)
+        with COMM_CLOCK.timed():
+            dist.all_to_all_single(their, counts, group=self.ep.group)
+        send_counts, recv_counts = counts.tolist(), their.tolist()
+        rows = order // k
+        got_x = self._exchange(x[rows], send_counts, recv_counts)
+        got_ids = self._exchange(ids.flatten()[order], send_counts, recv_counts)
+        got_w = self._exchange(weights.flatten()[order], send_counts, recv_counts)
+        out = got_x.new_zeros(got_x.shape)
+        first = moe.experts.expert_offset
+        for e in range(first, first + held):
+            mine = torch.nonzero(got_ids == e, as_tuple=True)[0]
+            if mine.numel():
+                out[mine] = moe.expert(got_x[mine], e - first) * got_w[mine, None]
+        back = self._exchange(out, recv_counts, send_counts)  # in the order the pairs were sent
+        slots = x.new_zeros(n_rows * k, x.shape[-1])
+        slots[order] = back
+        return slots.view(n_rows, k, x.shape[-1])
+
+
+    def _gathered(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The graph-safe path (no host reads, no shape set by the routing; every rank passes the step's
+        global tier of rows): every rank's rows all-gathered, this rank's experts run on all of them, the
+        slot outputs all-gathered back and this rank's rows' slots taken from their experts' ranks."""
+        n_rows = x.shape[0]
+
+        def gather(t: Tensor) -> Tensor:
+            parts = [torch.empty_like(t) for _ in range(self.ep.size)]
+            with COMM_CLOCK.timed():
+                dist.all_gather(parts, t.contiguous(), group=self.ep.group)
+            return torch.cat(parts)
+
+        all_ids = gather(ids)
+        local = moe.slot_outputs(gather(x), all_ids, gather(weights), static_shapes=True)
+        mine = slice(self.ep.rank * n_rows, (self.ep.rank + 1) * n_rows)
+        return _from_owners(local, all_ids, moe.experts.w1.shape[0], self.ep)[mine]
+
+
+@torch.no_grad()
+def shard_dsv4_experts(model: Dsv4ForCausalLM, ep: TPGroup, rows_replicated: bool) -> None:
+    """Keep this rank's routed experts of every MoE layer, in place, and route the other slots through the
+    ranks (`rows_replicated`: plain tensor parallelism, else DP attention). One rank leaves the model
+    whole."""
+    cfg = model.model.cfg
+    if cfg.ffn != "moe":
+        raise ValueError("expert parallelism needs a model with routed experts (ffn: moe)")
+    if ep.size == 1:
+        return
+    check_experts_split(cfg.n_routed_experts, ep)
+    held = cfg.n_routed_experts // ep.size
+    first = ep.rank * held
+    for layer in model.model.layers:
+        moe = layer.ffn
+        assert moe is not None
+        if moe.experts.w1.shape[0] != cfg.n_routed_experts:
+            raise ValueError("the experts are already sharded")
+        experts = moe.experts
+        experts.w1 = frozen_param(experts.w1[first:first + held])
+        experts.w3 = frozen_param(experts.w3[first:first + held])
+        experts.w2 = frozen_param(experts.w2[first:first + held])
+        experts.expert_offset = first
+        moe.parallel = ReplicatedRowsExperts(ep) if rows_replicated else DispatchedExperts(ep)
+
+
+__all__ = ["DispatchedExperts", "ReplicatedRowsExperts", "check_experts_split", "shard_dsv4_experts"]
