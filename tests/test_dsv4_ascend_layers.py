@@ -214,7 +214,8 @@ def test_a_captured_tier_replays_the_updated_steps_as_eager(npu: FakeNpu) -> Non
     m = model()
     base = prefilled()
     graph_layers, eager_layers, cpu = ascend(base.clone()), ascend(base.clone()), base.clone()
-    static_h = torch.zeros(TIER, CFG.dim)  # the graph's input and output buffers
+    static_h = torch.zeros(TIER, CFG.hc_mult, CFG.dim)  # the graph's input buffer: the residual streams
+    static_ids = torch.zeros(TIER, dtype=torch.long)  # the rows' tokens (hash-routed experts read them)
     graph = FakeGraph()
     prefix = list(PROMPTS)
     with torch.no_grad():
@@ -223,11 +224,12 @@ def test_a_captured_tier_replays_the_updated_steps_as_eager(npu: FakeNpu) -> Non
             guarded = device_only(meta)
             toks = step_tokens(meta, seed=200 + k)
             static_h.copy_(m.embed_tokens(toks))
+            static_ids.copy_(toks)
             if k == 0:
                 with graph_layers.capturing(TIER, guarded), npu.graph_capture(graph):
                     h = static_h
                     for i, layer in enumerate(m.layers):
-                        h = graph_layers.forward_layer(i, layer, h, toks, guarded)
+                        h = graph_layers.forward_layer(i, layer, h, static_ids, guarded)
                     static_logits = m.lm_head(h)
                 # the graph waits for update_captured's event before anything reads the tier's arrays
                 assert graph.entries[0][0].endswith("wait")
