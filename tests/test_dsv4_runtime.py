@@ -98,7 +98,7 @@ def test_layouts_drive_the_target_as_the_reference_steps(target: Dsv4ForCausalLM
         ids = torch.zeros(layout.tier, dtype=torch.long)
         ids[:layout.total_rows] = torch.tensor(sum(rows, []))
         hidden, states_out = target.forward_paged_states(ids, layout.positions, attn, meta, capture=(0, 2))
-        assert states_out is not None and states_out.shape == (layout.tier, 2 * target.cfg.capture_width)
+        assert states_out is not None and states_out.shape == (layout.tier, 2 * GEOMETRY.dim)
         logits = target.compute_logits(hidden)
         for i in range(3):
             result = ref.step(states[i], rows[i])

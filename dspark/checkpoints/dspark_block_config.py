@@ -40,7 +40,7 @@ READ_FIELDS = frozenset({
     "rms_norm_eps", "attention_bias", "rope_theta", "rope_scaling", "rope_parameters",
     "tie_word_embeddings", "use_sliding_window", "layer_types", "block_size", "mask_token_id",
     "target_layer_ids", "num_target_layers", "markov_rank", "markov_head_type",
-    "enable_confidence_head", "confidence_head_with_markov", "target_hidden_size",
+    "enable_confidence_head", "confidence_head_with_markov",
 })
 
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -87,15 +87,12 @@ class BlockDraftConfig:
     markov_head_type: str | None  # vanilla, gated or rnn when markov_rank > 0
     confidence_head: bool
     confidence_with_markov: bool  # the confidence head also reads the previous token's Markov embedding
-    # Width of one captured target layer's features when it is not hidden_size: a target whose residual is
-    # several streams (DeepSeek-V4's hyper-connections: hc_mult * hidden_size). 0: hidden_size.
-    target_hidden_size: int = 0
 
     @property
     def context_width(self) -> int:
         """Width of one context position's target features: the hidden states at every
         `target_layer_ids` entry, concatenated in that order."""
-        return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
+        return len(self.target_layer_ids) * self.hidden_size
 
     @property
     def layers_before_capture(self) -> tuple[int, ...]:
@@ -114,11 +111,7 @@ class BlockDraftConfig:
         """The config of a draft for `target` (any geometry with the Llama-style size fields): the
         target's sizes, as the released drafts copy their target's config, with the draft's own
         settings (`num_layers`, `block_size`, `mask_token_id`, `target_layer_ids`, `markov_rank`,
-        `markov_head_type`, `confidence_head`, `confidence_with_markov`). A target whose captured features
-        are wider than its hidden size says so by `capture_width` (DeepSeek-V4's streams)."""
-        width = getattr(target, "capture_width", target.hidden_size)
-        if width != target.hidden_size:
-            draft.setdefault("target_hidden_size", width)
+        `markov_head_type`, `confidence_head`, `confidence_with_markov`)."""
         return cls(vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                    intermediate_size=target.intermediate_size, num_heads=target.num_heads,
                    num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
@@ -172,8 +165,6 @@ class BlockDraftConfig:
             out["markov_head_type"] = self.markov_head_type
         if self.confidence_head:
             out["confidence_head_with_markov"] = self.confidence_with_markov
-        if self.target_hidden_size:
-            out["target_hidden_size"] = self.target_hidden_size
         return out
 
 
@@ -286,9 +277,7 @@ class _Reader:
             attention_bias=self.bool_field("attention_bias", default=False), block_size=block_size,
             mask_token_id=mask_token_id, target_layer_ids=layer_ids, num_target_layers=num_target_layers,
             markov_rank=markov_rank, markov_head_type=markov_type, confidence_head=confidence,
-            confidence_with_markov=with_markov,
-            target_hidden_size=self.int_field("target_hidden_size") if "target_hidden_size" in self.cfg
-            else 0)
+            confidence_with_markov=with_markov)
 
     def check_identity(self) -> None:
         c = self.cfg

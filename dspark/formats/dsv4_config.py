@@ -305,11 +305,6 @@ class Dsv4Geometry:
         return False
 
     @property
-    def capture_width(self) -> int:
-        """Width of one layer's residual as a DSpark draft reads it: the hc_mult streams side by side."""
-        return self.dim * (self.hc_mult or 1)
-
-    @property
     def compressed_ratios(self) -> tuple[int, ...]:
         """The distinct ratios > 0 of the layers, ascending (the caches a step plans)."""
         return compressed_ratios(self.compress_ratios)

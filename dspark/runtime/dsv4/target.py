@@ -62,19 +62,19 @@ class Dsv4ForCausalLM(nn.Module):
                              meta: Dsv4VerifyMetadata, capture: Sequence[int] = ()
                              ) -> tuple[Tensor, Tensor | None]:
         """The step's rows' last residual ([T, dim], or [T, hc_mult, dim] streams: `compute_logits` takes
-        either), and the residual after `capture` layers ([T, len(capture) * capture_width], the streams
-        side by side; 0: the embeddings; None without `capture`). The rows' positions are the metadata's,
-        which `positions` repeats."""
+        either), and the residual after `capture` layers as a DSpark draft reads it ([T, len(capture) *
+        dim]: `DSV4Model.draft_features`; 0: the embeddings; None without `capture`). The rows' positions
+        are the metadata's, which `positions` repeats."""
         bad = [n for n in capture if not 0 <= n <= self.cfg.n_layers]
         if bad:
             raise ValueError(f"cannot capture the residual stream after {bad} layers of a "
                              f"{self.cfg.n_layers}-layer model (0 is the embeddings)")
         h = self.model.embed_tokens(input_ids)
-        kept = {0: h.flatten(1)} if 0 in capture else {}
+        kept = {0: self.model.draft_features(h)} if 0 in capture else {}
         for i, layer in enumerate(self.model.layers):
             h = attn.forward_layer(i, layer, h, input_ids, meta)
             if i + 1 in capture:
-                kept[i + 1] = h.flatten(1)  # hyper-connections: the streams side by side
+                kept[i + 1] = self.model.draft_features(h)
         return h, torch.cat([kept[n] for n in capture], dim=-1) if capture else None
 
     @torch.no_grad()

@@ -88,6 +88,7 @@ from dspark.runtime.models.dsv4_moe import SCORE_FUNCS, MoE
 from dspark.runtime.models.dsv4_ops import (
     Rope,
     apply_rope,
+    ordered_sum,
     rms_norm,
     row_linear,
     rowwise_silu,
@@ -681,6 +682,14 @@ class DSV4Model(nn.Module):
         if self.hc_head is None:
             return h
         return h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def draft_features(self, h: Tensor) -> Tensor:
+        """A residual as a DSpark draft reads it -> [L, dim]: the rows, or the mean of the hyper-connection
+        streams (as vLLM's DeepSeek-V4 hands its target layers to the DSpark stages), added in stream
+        order."""
+        if self.hc_head is None:
+            return h
+        return ordered_sum([h[:, j] for j in range(h.shape[1])]) / h.shape[1]
 
     def collapse(self, h: Tensor) -> Tensor:
         """The residual -> rows [L, dim]: the head's collapse of the streams (the rows themselves without)."""
