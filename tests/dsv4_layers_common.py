@@ -44,18 +44,18 @@ from dspark.runtime.dsv4.verify_metadata import (  # noqa: E402
     plan_dsv4_verify,
 )
 from dspark.runtime.kernels.dispatch import Impl  # noqa: E402
-from dspark.runtime.models.dsv4 import DSV4Config, DSV4Model  # noqa: E402
+from dspark.runtime.models.dsv4 import DSV4Model  # noqa: E402
 from tests.dsv4_fake_npu import device_only, plain  # noqa: E402
 from tests.interp_runner import run_checks  # noqa: E402
 
 N = 4  # rows a request verifies at most
 # The whole architecture: routed experts (the first layer hash-routed), hyper-connections, the grouped output
 # projection, YaRN on the compressed layers.
-CFG = DSV4Config(vocab_size=64, dim=32, compress_ratios=(4, 0, 8, 4), csa_ratio=4, hca_ratio=8, n_heads=2,
-                 head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
-                 index_topk=3, inter_dim=48, ffn="moe", n_routed_experts=4, n_activated_experts=2,
-                 n_hash_layers=1, route_scale=1.5, swiglu_limit=10.0, hc_mult=2, o_groups=2, o_lora_rank=8,
-                 rope_factor=4.0, rope_original_max_position=16)
+CFG = Dsv4Geometry(vocab_size=64, dim=32, compress_ratios=(4, 0, 8, 4), csa_ratio=4, hca_ratio=8, n_heads=2,
+                   head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
+                   index_topk=3, inter_dim=48, ffn="moe", n_routed_experts=4, n_activated_experts=2,
+                   n_hash_layers=1, route_scale=1.5, swiglu_limit=10.0, hc_mult=2, o_groups=2, o_lora_rank=8,
+                   rope_factor=4.0, rope_original_max_position=16)
 RING = 12  # required_ring_size(CFG, N) = 8 + N - 1, in whole pages
 STEP = Dsv4StepConfig(num_draft_tokens=N, window=CFG.window, compress_ratios=(4, 8), swa_page_size=4,
                       swa_ring_size=RING, cmp_page_sizes={4: 3, 8: 2}, index_topk=CFG.index_topk,

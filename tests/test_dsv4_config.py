@@ -4,6 +4,7 @@ reference does not implement is refused naming the key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_config_kwargs, dsv4_geometry
+from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_geometry
 from dspark.formats.hf_config import ConfigFieldError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,23 +81,13 @@ def _read(tmp_path: Path, cfg: dict[str, Any]) -> Dsv4Geometry:
 
 def test_the_released_layout_reads_into_the_geometry_and_builds_the_reference(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from dspark.runtime.models.dsv4 import DSV4Config, DSV4Model
+    from dspark.runtime.models.dsv4 import DSV4Model
 
     geometry = _read(tmp_path, TINY)
-    assert geometry == EXPECTED
-    cfg = DSV4Config(**dsv4_config_kwargs(geometry))
-    assert cfg.n_layers == geometry.n_layers == 4
-    logits = DSV4Model(cfg, seed=0).forward_full([3, 1, 4, 1, 5, 9, 2, 6, 5])
+    assert geometry == EXPECTED and geometry.n_layers == 4
+    logits = DSV4Model(geometry, seed=0).forward_full([3, 1, 4, 1, 5, 9, 2, 6, 5])  # the model's own config
     assert logits.shape == (9, 256) and bool(torch.isfinite(logits).all())
 
-
-def test_the_kwargs_are_dsv4configs_fields() -> None:
-    pytest.importorskip("torch")
-    from dataclasses import fields
-
-    from dspark.runtime.models.dsv4 import DSV4Config
-
-    assert set(dsv4_config_kwargs(EXPECTED)) == {f.name for f in fields(DSV4Config)}
 
 
 def test_absent_keys_resolve_as_transformers_and_the_ratio_list_may_omit_the_mtp_layer() -> None:
@@ -202,10 +193,10 @@ def test_each_refusal_names_the_key(overrides: dict[str, Any], key: str) -> None
 
 def test_the_geometry_validates_itself_naming_the_config_key() -> None:
     with pytest.raises(ConfigFieldError, match="sliding_window"):
-        Dsv4Geometry(**{**dsv4_config_kwargs(EXPECTED), "window": 0})
+        dataclasses.replace(EXPECTED, window=0)
     with pytest.raises(ConfigFieldError, match="compress_ratios"):
-        Dsv4Geometry(**{**dsv4_config_kwargs(EXPECTED), "compress_ratios": (0, 5)})
-    listed = Dsv4Geometry(**{**dsv4_config_kwargs(EXPECTED), "compress_ratios": [0, 4]})
+        dataclasses.replace(EXPECTED, compress_ratios=(0, 5))
+    listed = dataclasses.replace(EXPECTED, compress_ratios=[0, 4])  # type: ignore[arg-type]
     assert listed.compress_ratios == (0, 4)
 
 

@@ -10,21 +10,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.runtime.models.dsv4 import DSV4Config, DSV4Model, DSV4State, StepResult
+from dspark.formats.dsv4_config import Dsv4Geometry
+from dspark.runtime.models.dsv4 import DSV4Model, DSV4State, StepResult
 
 # csa_ratio 4 and a C128-kind ratio of 8: blocks close every few positions, the window (6) wraps often,
 # and index_topk 3 leaves the indexer a real choice after 12 positions.
-SMALL = DSV4Config(vocab_size=64, dim=32, compress_ratios=(0, 4, 8), csa_ratio=4, hca_ratio=8, n_heads=2,
-                   head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
-                   index_topk=3, inter_dim=48)
+SMALL = Dsv4Geometry(vocab_size=64, dim=32, compress_ratios=(0, 4, 8), csa_ratio=4, hca_ratio=8, n_heads=2,
+                     head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
+                     index_topk=3, inter_dim=48)
 # the published ratios 4 and 128, at small widths
-PUBLISHED_RATIOS = DSV4Config(vocab_size=64, dim=32, compress_ratios=(0, 4, 128), n_heads=2, head_dim=16,
-                              rope_dim=4, q_lora_rank=16, window=16, index_n_heads=2, index_head_dim=8,
-                              index_topk=4, inter_dim=48)
+PUBLISHED_RATIOS = Dsv4Geometry(vocab_size=64, dim=32, compress_ratios=(0, 4, 128), n_heads=2, head_dim=16,
+                                rope_dim=4, q_lora_rank=16, window=16, index_n_heads=2, index_head_dim=8,
+                                index_topk=4, inter_dim=48)
 
 
 @functools.cache
-def model(cfg: DSV4Config) -> DSV4Model:
+def model(cfg: Dsv4Geometry) -> DSV4Model:
     return DSV4Model(cfg, seed=0)
 
 
@@ -241,13 +242,13 @@ def test_speculative_loop_equals_target_only(prompt_len: int, gamma: int, errors
     ("compress_rope_theta", {"compress_rope_theta": -1.0}),
 ])
 def test_config_refuses_invalid_values_naming_the_field(field: str, overrides: dict):
-    with pytest.raises(ValueError, match=rf"DSV4Config\.{field}\b"):
-        DSV4Config(**overrides)
+    with pytest.raises(ValueError, match=rf"\(Dsv4Geometry\.{field}\)"):
+        Dsv4Geometry(**overrides)
 
 
 def test_config_defaults_and_list_ratios():
-    assert DSV4Config().n_layers == 4
-    assert DSV4Config(compress_ratios=[0, 4]).compress_ratios == (0, 4)  # type: ignore[arg-type]
+    assert Dsv4Geometry().n_layers == 4
+    assert Dsv4Geometry(compress_ratios=[0, 4]).compress_ratios == (0, 4)  # type: ignore[arg-type]
 
 
 def test_commit_and_step_refuse_bad_arguments():

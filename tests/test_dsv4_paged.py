@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.dsv4.ascend_ops import run_dsv4_layer_reference
 from dspark.runtime.dsv4.paged import (
     NULL_PAGE,
@@ -26,20 +27,20 @@ from dspark.runtime.dsv4.paged import (
     run_step,
 )
 from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
-from dspark.runtime.models.dsv4 import DSV4Config, DSV4Model, DSV4State
+from dspark.runtime.models.dsv4 import DSV4Model, DSV4State
 
 N = 4  # rows a request verifies at most
 # csa_ratio 4 and a C128-kind ratio of 8 so blocks of both kinds close every few positions; window 6 wraps.
-SMALL = DSV4Config(vocab_size=64, dim=32, compress_ratios=(0, 4, 8), csa_ratio=4, hca_ratio=8, n_heads=2,
-                   head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
-                   index_topk=3, inter_dim=48)
-PUBLISHED = DSV4Config(vocab_size=64, dim=32, compress_ratios=(0, 4, 128), n_heads=2, head_dim=16, rope_dim=4,
-                       q_lora_rank=16, window=16, index_n_heads=2, index_head_dim=8, index_topk=4,
-                       inter_dim=48)
+SMALL = Dsv4Geometry(vocab_size=64, dim=32, compress_ratios=(0, 4, 8), csa_ratio=4, hca_ratio=8, n_heads=2,
+                     head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
+                     index_topk=3, inter_dim=48)
+PUBLISHED = Dsv4Geometry(vocab_size=64, dim=32, compress_ratios=(0, 4, 128), n_heads=2, head_dim=16,
+                         rope_dim=4, q_lora_rank=16, window=16, index_n_heads=2, index_head_dim=8,
+                         index_topk=4, inter_dim=48)
 PROMPTS = {"small": (13, 22, 31), "published": (126, 133, 255)}  # published: steps cross 128 and 256
 
 
-def step_config(cfg: DSV4Config) -> Dsv4StepConfig:
+def step_config(cfg: Dsv4Geometry) -> Dsv4StepConfig:
     ratios = tuple(r for r in sorted(set(cfg.compress_ratios)) if r)
     page = 4 if cfg is SMALL else 8
     ring = -(-required_ring_size(cfg, N) // page) * page  # 12 (small), 136 (published)
@@ -54,12 +55,12 @@ def geometry(request) -> str:
     return request.param
 
 
-def config_of(name: str) -> DSV4Config:
+def config_of(name: str) -> Dsv4Geometry:
     return SMALL if name == "small" else PUBLISHED
 
 
 @functools.cache
-def model(cfg: DSV4Config) -> DSV4Model:
+def model(cfg: Dsv4Geometry) -> DSV4Model:
     return DSV4Model(cfg, seed=0)
 
 
@@ -71,7 +72,7 @@ def random_tokens(n: int, seed: int) -> list[int]:
 class Bench:
     """Three requests prefilled both ways: the paged caches (through `prefill`) and the reference states."""
 
-    cfg: DSV4Config
+    cfg: Dsv4Geometry
     step: Dsv4StepConfig
     prompts: tuple[tuple[int, ...], ...]
     caches: Dsv4PagedCaches  # never mutated: tests take clone()

@@ -22,12 +22,12 @@ from safetensors.torch import save_file
 transformers = pytest.importorskip("transformers")
 
 from dspark.cli.compile import main as compile_main  # noqa: E402
-from dspark.formats.dsv4_config import dsv4_config_kwargs, dsv4_geometry  # noqa: E402
+from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_geometry  # noqa: E402
 from dspark.runtime.dsv4.paged import Dsv4PagedCaches, prefill, run_step  # noqa: E402
 from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig  # noqa: E402
 from dspark.runtime.engine.runtime import Runtime  # noqa: E402
 from dspark.runtime.models.checkpoint import CheckpointError, load_target  # noqa: E402
-from dspark.runtime.models.dsv4 import DSV4Config, DSV4Model  # noqa: E402
+from dspark.runtime.models.dsv4 import DSV4Model  # noqa: E402
 from dspark.runtime.models.dsv4_weights import Dsv4WeightsError, load_dsv4_weights  # noqa: E402
 from dspark.runtime.package import load_package  # noqa: E402
 from dspark.runtime.tokenizer import BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE  # noqa: E402
@@ -89,9 +89,8 @@ def reference_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
         return hf_model(ids[None]).logits[0]
 
 
-def config_of(checkpoint: Path) -> DSV4Config:
-    geometry = dsv4_geometry(json.loads((checkpoint / "config.json").read_text()))
-    return DSV4Config(**dsv4_config_kwargs(geometry))
+def config_of(checkpoint: Path) -> Dsv4Geometry:
+    return dsv4_geometry(json.loads((checkpoint / "config.json").read_text()))
 
 
 def ours(checkpoint: Path) -> DSV4Model:
@@ -101,12 +100,11 @@ def ours(checkpoint: Path) -> DSV4Model:
 def test_the_checkpoint_reads_as_the_whole_architecture(checkpoint: Path) -> None:
     assert len(list(checkpoint.glob("*.safetensors"))) > 1
     assert (checkpoint / "model.safetensors.index.json").is_file()
-    geometry = dsv4_geometry(json.loads((checkpoint / "config.json").read_text()))
-    g = geometry
+    g = config_of(checkpoint)
     assert (g.ffn, g.n_routed_experts, g.n_activated_experts, g.n_hash_layers) == ("moe", 6, 2, 1)
     assert (g.hc_mult, g.hc_sinkhorn_iters, g.o_groups, g.o_lora_rank) == (3, 5, 2, 8)
     assert (g.rope_factor, g.rope_original_max_position, g.swiglu_limit) == (4.0, 16, 0.5)
-    assert (geometry.compress_ratios, geometry.rope_dim, geometry.route_scale) == ((0, 4, 8, 4), 8, 1.5)
+    assert (g.compress_ratios, g.rope_dim, g.route_scale) == ((0, 4, 8, 4), 8, 1.5)
 
 
 def test_prefill_and_incremental_logits_equal_transformers(hf_model, checkpoint: Path) -> None:

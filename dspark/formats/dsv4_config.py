@@ -1,10 +1,10 @@
 """What a DeepSeek-V4 (DSV4) Hugging Face config.json says, read for dspark's DSV4 reference model.
 
-`dsv4_geometry(cfg)` reads a config.json (a dict) into a `Dsv4Geometry`, whose fields are exactly
-`dspark.runtime.models.dsv4.DSV4Config`'s, and `dsv4_config_kwargs(geometry)` gives the keyword arguments
-for `DSV4Config`. A key whose value changes the computation in a way the reference does not implement is
-refused with a `ConfigFieldError` (hf_config's) naming the key and what to do, so a checkpoint is never
-served with a computation other than the one it was trained with. Torch-free: the compiler imports it.
+`dsv4_geometry(cfg)` reads a config.json (a dict) into a `Dsv4Geometry`, the compiler's geometry and the
+model's config in one (`dspark.runtime.models.dsv4.DSV4Model` takes it). A key whose value changes the
+computation in a way the reference does not implement is refused with a `ConfigFieldError` (hf_config's)
+naming the key and what to do, so a checkpoint is never served with a computation other than the one it
+was trained with. Torch-free: the compiler imports it.
 
 Where the key names come from (read, not copied)
 -----------------------------------------------
@@ -162,27 +162,65 @@ DSV4_READ_KEYS = frozenset({
 
 
 @dataclass(frozen=True)
-class Dsv4Geometry:
-    """A DSV4 model as dspark's reference computes it: `DSV4Config`'s fields, validated as it validates
-    them, errors naming the config.json key each field is read from (`DSV4_GEOMETRY_KEYS`)."""
+class Rope:
+    """RoPE of a layer: interleaved pairs of the trailing `dim` channels at base `theta`; with `yarn_factor`
+    above 1 the frequencies YaRN stretches for contexts past `yarn_original_max` positions (DeepSeek-V4's
+    compressed layers), without YaRN's attention scaling (V4 applies none)."""
 
-    vocab_size: int
+    theta: float
     dim: int
-    compress_ratios: tuple[int, ...]  # one per layer: 0 (window only), csa_ratio or hca_ratio
-    csa_ratio: int
-    hca_ratio: int
-    n_heads: int
-    head_dim: int
-    rope_dim: int
-    q_lora_rank: int
-    window: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    inter_dim: int
-    norm_eps: float
-    rope_theta: float
-    compress_rope_theta: float
+    yarn_factor: float = 1.0
+    yarn_original_max: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+
+    def frequencies(self) -> list[float]:
+        """One angle per position step for each rotated pair, in double precision."""
+        half = self.dim // 2
+        if self.yarn_factor == 1.0:
+            return [self.theta ** (-2.0 * i / self.dim) for i in range(half)]
+        # YaRN (arXiv 2309.00071): pairs that turn more than beta_fast times over the original context keep
+        # their frequency, pairs that turn fewer than beta_slow times are divided by the factor, a linear ramp
+        # between (its ends truncated to whole pairs)
+        def pair_at(turns: float) -> float:
+            rotations = math.log(self.yarn_original_max / (turns * 2 * math.pi))
+            return self.dim * rotations / (2 * math.log(self.theta))
+
+        low = max(math.floor(pair_at(self.yarn_beta_fast)), 0)
+        high = min(math.ceil(pair_at(self.yarn_beta_slow)), self.dim - 1)
+        span = (high - low) if high != low else 0.001
+        out = []
+        for i in range(half):
+            base = self.theta ** (-2.0 * i / self.dim)
+            keep = 1.0 - min(max((i - low) / span, 0.0), 1.0)
+            out.append(base / self.yarn_factor * (1.0 - keep) + base * keep)
+        return out
+
+
+@dataclass(frozen=True)
+class Dsv4Geometry:
+    """A DeepSeek-V4 model as dspark computes it: the compiler's geometry and the model's config
+    (`dspark.runtime.models.dsv4.DSV4Model` takes it), validated here, errors naming the config.json key
+    each field is read from (`DSV4_GEOMETRY_KEYS`). Torch-free."""
+
+    # The defaults are a tiny test geometry; the comments give DeepSeek-V4-Flash's values.
+    vocab_size: int = 256
+    dim: int = 64  # hidden size (4096)
+    compress_ratios: tuple[int, ...] = (0, 4, 128, 4)  # per layer: 0 (window only), csa_ratio or hca_ratio
+    csa_ratio: int = 4  # C4: overlapping compressor + indexer top-k
+    hca_ratio: int = 128  # C128: compressor, every closed entry read
+    n_heads: int = 4  # (64)
+    head_dim: int = 32  # the one latent KV head, K = V (512)
+    rope_dim: int = 8  # trailing channels RoPE rotates (64)
+    q_lora_rank: int = 32  # (1024)
+    window: int = 16  # raw positions a row reads, itself included (128)
+    index_n_heads: int = 2  # (64)
+    index_head_dim: int = 16  # (128)
+    index_topk: int = 4  # compressed entries a C4 row reads (512)
+    inter_dim: int = 128  # width of each expert and the shared expert, or of the dense SwiGLU (2048)
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0  # window-only layers
+    compress_rope_theta: float = 160000.0  # layers with a compressor
     # YaRN on the compressed layers; factor 1: none
     rope_factor: float = 1.0
     rope_original_max_position: int = 0
@@ -274,6 +312,17 @@ class Dsv4Geometry:
     def n_layers(self) -> int:
         return len(self.compress_ratios)
 
+    def rope_for(self, ratio: int) -> Rope:
+        """A layer's RoPE: plain at rope_theta on window-only layers; compress_rope_theta, with YaRN when
+        rope_factor > 1, on compressed ones (their compressor and indexer too)."""
+        if not ratio:
+            return Rope(float(self.rope_theta), self.rope_dim)
+        return Rope(float(self.compress_rope_theta), self.rope_dim, float(self.rope_factor),
+                    self.rope_original_max_position, float(self.rope_beta_fast), float(self.rope_beta_slow))
+
+    def is_hash_layer(self, layer_id: int) -> bool:
+        return self.ffn == "moe" and layer_id < self.n_hash_layers
+
     # The Llama-style size names a DSpark draft copies from its target (`BlockDraftConfig.for_target`),
     # and the names the runtime's shared checks read: one latent K=V head (MQA), no biases.
     @property
@@ -363,11 +412,6 @@ def dsv4_cache_layout(geometry: Dsv4Geometry, num_draft_tokens: int, page_size: 
                            swa_page_size=page_size, swa_ring_size=ring, cmp_page_size=page_size,
                            index_topk=geometry.index_topk,
                            max_rows_per_request=ring + 1 - geometry.ring_reach)
-
-
-def dsv4_config_kwargs(geometry: Dsv4Geometry) -> dict[str, Any]:
-    """The keyword arguments of `dspark.runtime.models.dsv4.DSV4Config` for `geometry` (same names)."""
-    return {f.name: getattr(geometry, f.name) for f in fields(geometry)}
 
 
 def dsv4_geometry(cfg: Any) -> Dsv4Geometry:

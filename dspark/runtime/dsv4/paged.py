@@ -57,7 +57,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dspark.formats.dsv4_config import compressed_ratios, ring_reach
+from dspark.formats.dsv4_config import Dsv4Geometry, compressed_ratios, ring_reach
 from dspark.runtime.dsv4.verify_metadata import (
     INDEXER_RATIO,
     NULL_PAGE,
@@ -66,33 +66,33 @@ from dspark.runtime.dsv4.verify_metadata import (
     Dsv4VerifyMetadata,
     plan_dsv4_verify,
 )
-from dspark.runtime.models.dsv4 import Compressor, DSV4Config, DSV4Layer, DSV4Model
+from dspark.runtime.models.dsv4 import Compressor, DSV4Layer, DSV4Model
 
 
 class Dsv4PagedError(ValueError):
     """A model, step config, cache or step that do not fit together; the message says which part."""
 
 
-def _ratios(cfg: DSV4Config) -> tuple[int, ...]:
+def _ratios(cfg: Dsv4Geometry) -> tuple[int, ...]:
     return compressed_ratios(cfg.compress_ratios)
 
 
-def _reach(cfg: DSV4Config) -> int:
+def _reach(cfg: Dsv4Geometry) -> int:
     """Positions before and including its own that one row reads back from the ring (window or compressor)."""
     return ring_reach(cfg.window, cfg.compress_ratios, cfg.csa_ratio)
 
 
-def required_ring_size(cfg: DSV4Config, rows: int) -> int:
+def required_ring_size(cfg: Dsv4Geometry, rows: int) -> int:
     """The least SWA ring size C for steps of up to `rows` rows per request (before page rounding)."""
     return _reach(cfg) + rows - 1
 
 
-def max_rows_per_request(cfg: DSV4Config, ring_size: int) -> int:
+def max_rows_per_request(cfg: Dsv4Geometry, ring_size: int) -> int:
     """The most rows one request may run in a step (a prefill chunk) with a ring of `ring_size` slots."""
     return ring_size + 1 - _reach(cfg)
 
 
-def check_compatible(cfg: DSV4Config, config: Dsv4StepConfig) -> None:
+def check_compatible(cfg: Dsv4Geometry, config: Dsv4StepConfig) -> None:
     """Raise Dsv4PagedError unless steps planned with `config` can run `cfg`'s layers."""
     if config.window != cfg.window:
         raise Dsv4PagedError(f"step config window {config.window} != model window {cfg.window}")
@@ -156,15 +156,15 @@ class Dsv4PagedCaches:
     """Every layer's caches for up to `max_requests` requests of up to `max_len` positions (P + L), and
     a fixed page assignment per request id (`page_tables` hands it to the planner)."""
 
-    model_config: DSV4Config
+    model_config: Dsv4Geometry
     step_config: Dsv4StepConfig
     layers: list[Dsv4LayerCache]
     swa_pages: np.ndarray  # int32 [max_requests, ring_pages]: each request's ring pages (ids >= 1)
     cmp_pages: dict[int, np.ndarray]  # ratio -> int32 [max_requests, pages]
 
     @classmethod
-    def allocate(cls, model_config: DSV4Config, step_config: Dsv4StepConfig, max_requests: int, max_len: int,
-                 *, seed: int | None = None) -> Dsv4PagedCaches:
+    def allocate(cls, model_config: Dsv4Geometry, step_config: Dsv4StepConfig, max_requests: int,
+                 max_len: int, *, seed: int | None = None) -> Dsv4PagedCaches:
         """Zeroed caches; page ids are shuffled by `seed` (None: in order) so tests see non-contiguous pages.
         Page 0 of every pool is the null page."""
         check_compatible(model_config, step_config)
@@ -360,7 +360,7 @@ def run_step(model: DSV4Model, caches: Dsv4PagedCaches, requests: Sequence[int],
     return meta, [logits[cu[i] : cu[i + 1]] for i in range(len(rows))]
 
 
-def prefill_config(cfg: DSV4Config, config: Dsv4StepConfig) -> Dsv4StepConfig:
+def prefill_config(cfg: Dsv4Geometry, config: Dsv4StepConfig) -> Dsv4StepConfig:
     """`config` with num_draft_tokens raised to the most rows a request may run with its ring."""
     rows = max_rows_per_request(cfg, config.swa_ring_size)
     return dataclasses.replace(config, num_draft_tokens=rows, padding_request_rows=0)

@@ -16,9 +16,9 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_config_kwargs
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.dsv4.verify_metadata import Dsv4VerifyMetadata
-from dspark.runtime.models.dsv4 import DSV4Config, DSV4Layer, DSV4Model
+from dspark.runtime.models.dsv4 import DSV4Layer, DSV4Model
 
 
 class Dsv4LayerBackend(Protocol):
@@ -39,7 +39,7 @@ class Dsv4ForCausalLM(nn.Module):
     def __init__(self, cfg: Dsv4Geometry) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DSV4Model(DSV4Config(**dsv4_config_kwargs(cfg)))
+        self.model = DSV4Model(cfg)
         # The engine reads the model's dtype and device off its LM head; this one is the model's own head
         # (under tensor parallelism the vocab-parallel head of this rank's rows, `shard_dsv4_target`).
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

@@ -52,7 +52,7 @@ The rest of the architecture
   Sinkhorn-normalised matrix, collapsed by the head; ``hc_mult=0`` is a plain residual (small tests).
 * The grouped low-rank output projection: ``o_groups`` groups of heads, each through its rows of ``wo_a``
   to ``o_lora_rank`` channels, then ``wo_b``; ``o_groups=0`` is one ``wo`` (small tests).
-* YaRN (`dsv4_ops.Rope`) on the compressed layers' RoPE (their compressors and indexer included), as
+* YaRN (`dspark.formats.dsv4_config.Rope`) on the compressed layers' RoPE (their compressors and indexer included), as
   transformers computes it, without an attention factor.
 * Not here: quantisation (fp8 / fp4 weights, the QAT round trips) and so no Hadamard rotation of indexer
   queries and keys (orthogonal on both sides, it leaves the scores unchanged in exact arithmetic); all fp32.
@@ -83,10 +83,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from dspark.formats.dsv4_config import Dsv4Geometry, Rope
 from dspark.runtime.models.dsv4_hyper import HyperConnection, HyperHead
-from dspark.runtime.models.dsv4_moe import SCORE_FUNCS, MoE
+from dspark.runtime.models.dsv4_moe import MoE
 from dspark.runtime.models.dsv4_ops import (
-    Rope,
     apply_rope,
     ordered_sum,
     rms_norm,
@@ -94,133 +94,6 @@ from dspark.runtime.models.dsv4_ops import (
     rowwise_silu,
     swiglu,
 )
-
-
-@dataclass(frozen=True)
-class DSV4Config:
-    vocab_size: int = 256
-    dim: int = 64  # hidden size (4096 in V4-Flash)
-    compress_ratios: tuple[int, ...] = (0, 4, 128, 4)  # one per layer: 0, csa_ratio or hca_ratio
-    csa_ratio: int = 4  # C4: overlapping compressor + indexer top-k
-    hca_ratio: int = 128  # C128: compressor, every closed entry read
-    n_heads: int = 4
-    head_dim: int = 32  # the one latent KV head, K = V (512 published)
-    rope_dim: int = 8  # trailing channels RoPE rotates (64 published)
-    q_lora_rank: int = 32
-    window: int = 16  # raw positions a row reads, itself included (128 published)
-    index_n_heads: int = 2  # (64 published)
-    index_head_dim: int = 16  # (128 published)
-    index_topk: int = 4  # compressed entries a C4 row reads (512 published)
-    inter_dim: int = 128  # dense SwiGLU width standing in for the MoE
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0  # window-only layers
-    compress_rope_theta: float = 160000.0  # layers with a compressor
-    # YaRN on the compressed layers (the release's rope_scaling): factor 1 is plain RoPE
-    rope_factor: float = 1.0
-    rope_original_max_position: int = 0
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    # The FFN: "moe" (routed experts + one shared expert of inter_dim each) or "dense" (one SwiGLU of
-    # inter_dim: a simplification for small tests only, which a spec must ask for)
-    ffn: str = "dense"
-    n_routed_experts: int = 0
-    n_activated_experts: int = 0  # top-k (num_experts_per_tok)
-    n_hash_layers: int = 0  # the first layers route by tid2eid[token]
-    score_func: str = "sqrtsoftplus"
-    route_scale: float = 1.0  # routed_scaling_factor
-    swiglu_limit: float = 0.0  # clamp of every SwiGLU's gate and up projections; 0: none
-    # Hyper-connections: hc_mult residual streams; 0 is a plain residual (a simplification for small tests)
-    hc_mult: int = 0
-    hc_sinkhorn_iters: int = 20
-    hc_eps: float = 1e-6
-    # Grouped low-rank output projection: heads in o_groups groups, each to o_lora_rank, then wo_b; 0: one wo
-    o_groups: int = 0
-    o_lora_rank: int = 0
-
-    def __post_init__(self) -> None:
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"DSV4Config.{name} {why} (got {getattr(self, name)!r})")
-
-        for name in ("vocab_size", "dim", "csa_ratio", "hca_ratio", "n_heads", "head_dim", "q_lora_rank",
-                     "window", "index_n_heads", "index_head_dim", "index_topk", "inter_dim", "rope_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                fail(name, "must be an integer >= 1")
-        for name in ("norm_eps", "rope_theta", "compress_rope_theta"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                fail(name, "must be a number > 0")
-        if self.csa_ratio == self.hca_ratio:
-            fail("hca_ratio", "must differ from csa_ratio, as a layer's kind is read from its ratio")
-        if isinstance(self.compress_ratios, list):
-            object.__setattr__(self, "compress_ratios", tuple(self.compress_ratios))
-        if not isinstance(self.compress_ratios, tuple) or not self.compress_ratios:
-            fail("compress_ratios", "must be a non-empty tuple, one ratio per layer")
-        allowed = (0, self.csa_ratio, self.hca_ratio)
-        for ratio in self.compress_ratios:
-            if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio not in allowed:
-                fail("compress_ratios", f"may only hold 0, csa_ratio or hca_ratio {allowed}")
-        if self.rope_dim % 2:
-            fail("rope_dim", "must be even (RoPE rotates pairs)")
-        if self.rope_dim > self.head_dim:
-            fail("rope_dim", f"must be <= head_dim {self.head_dim}")
-        if self.rope_dim > self.index_head_dim:
-            fail("rope_dim", f"must be <= index_head_dim {self.index_head_dim}")
-        for name in ("rope_factor", "rope_beta_fast", "rope_beta_slow", "hc_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-                fail(name, "must be a number > 0")
-        if self.rope_factor < 1:
-            fail("rope_factor", "must be >= 1 (1: no YaRN)")
-        if self.rope_factor > 1 and not self.rope_original_max_position >= 1:
-            fail("rope_original_max_position", "must be >= 1 with YaRN (rope_factor > 1)")
-        for name in ("n_routed_experts", "n_activated_experts", "n_hash_layers", "hc_mult", "o_groups",
-                     "o_lora_rank", "rope_original_max_position"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                fail(name, "must be an integer >= 0")
-        if self.ffn not in ("moe", "dense"):
-            fail("ffn", "must be 'moe' or 'dense'")
-        if self.ffn == "moe":
-            if self.n_routed_experts < 1:
-                fail("n_routed_experts", "must be >= 1 with ffn 'moe'")
-            if not 1 <= self.n_activated_experts <= self.n_routed_experts:
-                fail("n_activated_experts", f"must be in 1..n_routed_experts {self.n_routed_experts}")
-            if self.n_hash_layers > self.n_layers:
-                fail("n_hash_layers", f"must be <= the {self.n_layers} layers")
-            if self.score_func not in SCORE_FUNCS:
-                fail("score_func", f"must be one of {SCORE_FUNCS}")
-        elif self.n_routed_experts or self.n_hash_layers:
-            fail("ffn", "is 'dense', so n_routed_experts and n_hash_layers must be 0")
-        for name in ("route_scale", "swiglu_limit"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                fail(name, "must be a number >= 0")
-        if self.hc_mult and self.hc_sinkhorn_iters < 1:
-            fail("hc_sinkhorn_iters", "must be >= 1")
-        if self.o_groups:
-            if self.n_heads % self.o_groups:
-                fail("o_groups", f"must divide n_heads {self.n_heads}")
-            if self.o_lora_rank < 1:
-                fail("o_lora_rank", "must be >= 1 with o_groups")
-        elif self.o_lora_rank:
-            fail("o_lora_rank", "must be 0 without o_groups")
-
-    def rope_for(self, ratio: int) -> Rope:
-        """A layer's RoPE: plain at rope_theta on window-only layers; compress_rope_theta, with YaRN when
-        rope_factor > 1, on compressed ones (their compressor and indexer too)."""
-        if not ratio:
-            return Rope(float(self.rope_theta), self.rope_dim)
-        return Rope(float(self.compress_rope_theta), self.rope_dim, float(self.rope_factor),
-                    self.rope_original_max_position, float(self.rope_beta_fast), float(self.rope_beta_slow))
-
-    def is_hash_layer(self, layer_id: int) -> bool:
-        return self.ffn == "moe" and layer_id < self.n_hash_layers
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.compress_ratios)
-
 
 # --------------------------------------------------------------------------------------------------------
 # Row-invariant primitives: `dsv4_ops` (shared with the MoE and the hyper-connections).
@@ -388,7 +261,7 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """C4 layers: scores closed entries per row and picks the top-k the attention reads."""
 
-    def __init__(self, cfg: DSV4Config, rope: Rope) -> None:
+    def __init__(self, cfg: Dsv4Geometry, rope: Rope) -> None:
         super().__init__()
         self.cfg, self.rope = cfg, rope
         self.wq_b = nn.Parameter(torch.empty(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank))
@@ -415,7 +288,7 @@ Mixes = tuple[Tensor, Tensor]  # a sub-layer's hyper-connection post [L, n] and 
 
 
 class DSV4Layer(nn.Module):
-    def __init__(self, cfg: DSV4Config, ratio: int, layer_id: int = 0) -> None:
+    def __init__(self, cfg: Dsv4Geometry, ratio: int, layer_id: int = 0) -> None:
         super().__init__()
         self.cfg, self.ratio, self.layer_id = cfg, ratio, layer_id
         self.rope = cfg.rope_for(ratio)
@@ -633,7 +506,7 @@ class DSV4Model(nn.Module):
     """Embedding (copied into hc_mult streams), one DSV4Layer per compress ratio, the streams' collapse
     (hc_head), final RMSNorm, LM head; seeded random weights."""
 
-    def __init__(self, cfg: DSV4Config, seed: int = 0) -> None:
+    def __init__(self, cfg: Dsv4Geometry, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))

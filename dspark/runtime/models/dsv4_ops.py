@@ -10,12 +10,12 @@ handful of streams or experts are written out in a fixed order.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dspark.formats.dsv4_config import Rope
 from dspark.runtime.models.ops import SMALL_ELEMENT_TILE, lanewise
 
 
@@ -52,42 +52,6 @@ def swiglu(gate: Tensor, up: Tensor, limit: float) -> Tensor:
     if limit:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return tiled(F.silu, gate) * up
-
-
-@dataclass(frozen=True)
-class Rope:
-    """RoPE of a layer: interleaved pairs of the trailing `dim` channels at base `theta`; with `yarn_factor`
-    above 1 the frequencies YaRN stretches for contexts past `yarn_original_max` positions (DeepSeek-V4's
-    compressed layers), without YaRN's attention scaling (V4 applies none)."""
-
-    theta: float
-    dim: int
-    yarn_factor: float = 1.0
-    yarn_original_max: int = 0
-    yarn_beta_fast: float = 32.0
-    yarn_beta_slow: float = 1.0
-
-    def frequencies(self) -> list[float]:
-        """One angle per position step for each rotated pair, in double precision."""
-        half = self.dim // 2
-        if self.yarn_factor == 1.0:
-            return [self.theta ** (-2.0 * i / self.dim) for i in range(half)]
-        # YaRN (arXiv 2309.00071): pairs that turn more than beta_fast times over the original context keep
-        # their frequency, pairs that turn fewer than beta_slow times are divided by the factor, a linear ramp
-        # between (its ends truncated to whole pairs)
-        def pair_at(turns: float) -> float:
-            rotations = math.log(self.yarn_original_max / (turns * 2 * math.pi))
-            return self.dim * rotations / (2 * math.log(self.theta))
-
-        low = max(math.floor(pair_at(self.yarn_beta_fast)), 0)
-        high = min(math.ceil(pair_at(self.yarn_beta_slow)), self.dim - 1)
-        span = (high - low) if high != low else 0.001
-        out = []
-        for i in range(half):
-            base = self.theta ** (-2.0 * i / self.dim)
-            keep = 1.0 - min(max((i - low) / span, 0.0), 1.0)
-            out.append(base / self.yarn_factor * (1.0 - keep) + base * keep)
-        return out
 
 
 _ROPE_TABLES: dict[Rope, tuple[Tensor, Tensor]] = {}

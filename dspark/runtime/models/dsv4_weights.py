@@ -17,7 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dspark.runtime.models.dsv4 import DSV4Config, DSV4Model
+from dspark.formats.dsv4_config import Dsv4Geometry
+from dspark.runtime.models.dsv4 import DSV4Model
 from dspark.runtime.models.dsv4_quant import FP8_BLOCK, Dsv4QuantError, dequantize_state
 
 
@@ -129,7 +130,7 @@ _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 
 
-def dsv4_state_dict(state: dict[str, Tensor], cfg: DSV4Config) -> dict[str, Tensor]:
+def dsv4_state_dict(state: dict[str, Tensor], cfg: Dsv4Geometry) -> dict[str, Tensor]:
     """The checkpoint's tensors -> `DSV4Model(cfg).state_dict()`'s names. Read: the release's names,
     transformers' module names (`model.layers.N.self_attn...`, packed experts), and what transformers'
     `save_pretrained` writes (the release's names under `model.`, `head.weight`), dequantised
