@@ -52,10 +52,11 @@ The rest of the architecture
   Sinkhorn-normalised matrix, collapsed by the head; ``hc_mult=0`` is a plain residual (small tests).
 * The grouped low-rank output projection: ``o_groups`` groups of heads, each through its rows of ``wo_a``
   to ``o_lora_rank`` channels, then ``wo_b``; ``o_groups=0`` is one ``wo`` (small tests).
-* YaRN (`dspark.formats.dsv4_config.Rope`) on the compressed layers' RoPE (their compressors and indexer included), as
-  transformers computes it, without an attention factor.
-* Not here: quantisation (fp8 / fp4 weights, the QAT round trips) and so no Hadamard rotation of indexer
-  queries and keys (orthogonal on both sides, it leaves the scores unchanged in exact arithmetic); all fp32.
+* YaRN (`dspark.formats.dsv4_config.Rope`) on the compressed layers' RoPE (their compressors and indexer
+  included), as transformers computes it, without an attention factor.
+* Not here: quantised computation (fp8 / fp4 weights load dequantised; the QAT round trips) and so no
+  Hadamard rotation of indexer queries and keys (orthogonal on both sides, it leaves the scores unchanged
+  in exact arithmetic); all fp32.
   MTP / DSpark stages are not part of the target. Every size is a config field, and ``hca_ratio`` can be
   small in tests so C128-kind blocks close often.
 
