@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dspark.runtime.dsv4 import Dsv4VerifyMetadata
-from dspark.runtime.dsv4.ascend_ops import reference_lightning_indexer, reference_sparse_attn_sharedkv
+from dspark.runtime.dsv4.ascend_ops import reference_quant_lightning_indexer, reference_sparse_attn_sharedkv
 
 SAS, SAS_PLAN = "npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata"
 LI, LI_PLAN = "npu_quant_lightning_indexer", "npu_quant_lightning_indexer_metadata"
@@ -189,8 +189,8 @@ class FakeNpu:
                  key_quant_mode: int, metadata: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         assert query_quant_mode == 0 and key_quant_mode == 0 and metadata.shape == (1024,)
         self._check_heads(metadata, query)
-        return reference_lightning_indexer(query * query_dequant_scale[..., None],
-                                           key * key_dequant_scale[..., None], weights, **kw)
+        return reference_quant_lightning_indexer(query, key, weights, query_dequant_scale=query_dequant_scale,
+                                                 key_dequant_scale=key_dequant_scale, **kw)
 
     def npu_sparse_attn_sharedkv(self, q: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self._call(SAS, self._sas, (q,), kw)

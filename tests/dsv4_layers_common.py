@@ -55,7 +55,7 @@ CFG = Dsv4Geometry(vocab_size=64, dim=32, compress_ratios=(4, 0, 8, 4), csa_rati
                    head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
                    index_topk=3, inter_dim=48, ffn="moe", n_routed_experts=4, n_activated_experts=2,
                    n_hash_layers=1, route_scale=1.5, swiglu_limit=10.0, hc_mult=2, o_groups=2, o_lora_rank=8,
-                   rope_factor=4.0, rope_original_max_position=16)
+                   rope_factor=4.0, rope_original_max_position=16, index_quant=True)
 RING = 12  # required_ring_size(CFG, N) = 8 + N - 1, in whole pages
 STEP = Dsv4StepConfig(num_draft_tokens=N, window=CFG.window, compress_ratios=(4, 8), swa_page_size=4,
                       swa_ring_size=RING, cmp_page_sizes={4: 3, 8: 2}, index_topk=CFG.index_topk,

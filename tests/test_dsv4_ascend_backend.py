@@ -114,16 +114,19 @@ def refill(caches: list[Dsv4LayerCache], seed: int) -> None:
 def make_inputs(tier: int, seed: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     c4_pages = 1 + CMP_PAGES[4].size
+    page = CFG.cmp_page_sizes[4]
+    # the quantised indexer's inputs: int8 codes and float16 dequant scales (quant mode 0)
     return [dict(q=torch.randn(tier, H, D, generator=g), sinks=torch.randn(H, generator=g),
-                 index_query=torch.randn(tier, IH, ID, generator=g),
+                 index_query=torch.randint(-127, 128, (tier, IH, ID), generator=g, dtype=torch.int8),
                  index_weights=torch.randn(tier, IH, generator=g),
-                 query_dequant_scale=torch.rand(tier, IH, generator=g) + 0.5,
-                 key_dequant_scale=torch.rand(c4_pages, CFG.cmp_page_sizes[4], 1, generator=g) + 0.5)
+                 query_dequant_scale=(torch.rand(tier, IH, generator=g) + 0.5).half(),
+                 index_key=torch.randint(-127, 128, (c4_pages, page, ID), generator=g, dtype=torch.int8),
+                 key_dequant_scale=(torch.rand(c4_pages, page, 1, generator=g) + 0.5).half())
             for _ in LAYERS]
 
 
 def layer_kwargs(inp: dict[str, torch.Tensor], ratio: int) -> dict[str, torch.Tensor]:
-    keys = ("sinks", "index_query", "index_weights", "query_dequant_scale", "key_dequant_scale")
+    keys = ("sinks", "index_query", "index_weights", "query_dequant_scale", "index_key", "key_dequant_scale")
     return {k: inp[k] for k in (keys if ratio == 4 else keys[:1])}
 
 
@@ -139,8 +142,9 @@ def cpu_attention(meta: Dsv4VerifyMetadata, cache: Dsv4LayerCache, inp: dict[str
     if ratio:
         extra["cmp_kv"] = cache.cmp_kv.unsqueeze(2)
     if ratio == 4:
-        extra.update(index_query=inp["index_query"] * inp["query_dequant_scale"][..., None],
-                     index_key=cache.index_kv.unsqueeze(2) * inp["key_dequant_scale"][..., None],
+        # the float indexer on the dequantised inputs: the same scores up to rounding
+        extra.update(index_query=inp["index_query"].float() * inp["query_dequant_scale"].float()[..., None],
+                     index_key=(inp["index_key"].float() * inp["key_dequant_scale"].float()).unsqueeze(2),
                      index_weights=inp["index_weights"])
     return run_dsv4_layer_reference(meta, compress_ratio=ratio, q=inp["q"], ori_kv=cache.swa_kv.unsqueeze(2),
                                     softmax_scale=SCALE, sinks=inp["sinks"], **extra, **kw)

@@ -130,13 +130,15 @@ def test_indexer_choice_is_indexer_select_on_a_step(name: str) -> None:
         assert torch.equal(plain(got), tr.topk)
 
 
-def test_indexer_ties_go_to_the_lower_id_as_indexer_select_orders_them() -> None:
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_indexer_ties_go_to_the_lower_id_as_indexer_select_orders_them(int8: bool) -> None:
     """Scores built from small dyadic values (exact in any summation order) with many equal scores, zero
     scores (every head's relu at 0) and ties across the top-k boundary; rows see 0, fewer than k, k, and more
     than k entries over shuffled pages of several slots; a table narrower than k pads with -1."""
     g = torch.Generator().manual_seed(0)
     heads, dim, k, page = 3, 4, 4, 2
-    indexer = Indexer(dataclasses.replace(CFG, index_n_heads=heads, index_head_dim=dim, index_topk=k), 1.0)
+    cfg = dataclasses.replace(CFG, index_n_heads=heads, index_head_dim=dim, index_topk=k, index_quant=int8)
+    indexer = Indexer(cfg, 1.0)
     pool = torch.tensor([[1.0, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [-1, -1, -1, -1]])
     slots, cols = 3, 5  # 10 entries per slot
     index_kv = torch.zeros(1 + slots * cols, page, dim)
@@ -152,7 +154,8 @@ def test_indexer_ties_go_to_the_lower_id_as_indexer_select_orders_them() -> None
     w = torch.tensor([1.0, 0.5, -0.25])[None, :].expand(rows, heads).clone()
     w[3] = 0.0  # every score 0: the k lowest ids
     keys = entries[row_slot.long()]  # [T, E, ID]: each row's entries in id order
-    got = indexer_topk(q, w, index_kv, row_slot=row_slot, cmp_block_table=table, cmp_visible=visible, topk=k)
+    got = indexer_topk(q, w, index_kv, row_slot=row_slot, cmp_block_table=table, cmp_visible=visible, topk=k,
+                       int8=int8)
     assert got.dtype == torch.int32 and got.shape == (rows, k)
     assert torch.equal(got, _select_rows(indexer, q, w, keys, visible, k))
     # ties do decide: some row has equal scores on both sides of its k-th choice
@@ -161,7 +164,7 @@ def test_indexer_ties_go_to_the_lower_id_as_indexer_select_orders_them() -> None
     assert any(len(r) > k and r[k - 1] == r[k] for r in ranked), "no tie across the top-k boundary"
     narrow = table[:, :1]  # 2 entries per slot < k
     got = indexer_topk(q, w, index_kv, row_slot=row_slot, cmp_block_table=narrow,
-                       cmp_visible=visible.clamp(max=page), topk=k)
+                       cmp_visible=visible.clamp(max=page), topk=k, int8=int8)
     assert torch.equal(got, _select_rows(indexer, q, w, keys, visible.clamp(max=page), k))
     assert (got[:, page:] == -1).all()
 

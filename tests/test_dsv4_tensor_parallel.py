@@ -30,6 +30,7 @@ other, and the sharded reference path (`DSV4Model.step` through `greedy_continue
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -415,10 +416,20 @@ def _device_rank(rank: int, size: int, port: int, backend: str, package_dir: str
 
 
 @pytest.fixture(scope="module")
-def device_reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    """One process's target-only decoding of the CPU package of the same geometry."""
-    package = device_package("cpu", tmp_path_factory.mktemp("dsv4_cpu"))
-    return Runtime(load_package(package)).generate(device_prompts(), DEVICE_NEW_TOKENS, target_only=True)[0]
+def device_package_cpu(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return device_package("cpu", tmp_path_factory.mktemp("dsv4_cpu"))
+
+
+@pytest.fixture
+def device_reference(backend: str, device_package_cpu: Path,
+                     monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """One process's target-only decoding of the CPU package of the same geometry (for Ascend, with the
+    indexer computed as its int8 operator does)."""
+    if backend == "ascend":
+        monkeypatch.setattr(Dsv4Geometry, "for_backend",
+                            lambda g, _: dataclasses.replace(g, index_quant=True))
+    runtime = Runtime(load_package(device_package_cpu))
+    return runtime.generate(device_prompts(), DEVICE_NEW_TOKENS, target_only=True)[0]
 
 
 @pytest.mark.slow

@@ -83,6 +83,7 @@ a feature than noise.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -132,7 +133,10 @@ DSV4_GEOMETRY_KEYS = {
     "hc_eps": "hc_eps",
     "o_groups": "o_groups",
     "o_lora_rank": "o_lora_rank",
+    "index_quant": "index_quant (the backend's, not config.json's)",
 }
+# Fields the runtime sets for a backend; the spec and config.json do not carry them.
+DSV4_RUNTIME_FIELDS = ("index_quant",)
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # the MoE's (dspark.runtime.models.dsv4_moe)
 # transformers' DeepseekV4Config defaults for the keys read here that a config.json may leave out.
 DSV4_DEFAULTS: dict[str, Any] = {
@@ -239,6 +243,11 @@ class Dsv4Geometry:
     hc_eps: float = 1e-6
     o_groups: int = 0  # 0: one output projection, a simplification a spec must ask for
     o_lora_rank: int = 0
+    # Not a config.json key and not a spec field: how the deployment's backend scores the lightning
+    # indexer. True on Ascend, whose quantised indexer takes int8 queries and keys with float16 scales
+    # (`dsv4_ops.quantize_int8`); the runtime sets it (`for_backend`), and a CPU reference with it computes
+    # what the Ascend layers compute.
+    index_quant: bool = False
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str, hint: str) -> None:
@@ -258,6 +267,9 @@ class Dsv4Geometry:
             elif f.name in zero_ok:
                 if not _int_at_least(value, 0):
                     fail(f.name, f"is {value!r}, not an integer >= 0", "write it as an integer >= 0")
+            elif f.name == "index_quant":
+                if not isinstance(value, bool):
+                    fail(f.name, f"is {value!r}, not true or false", "write true or false")
             elif f.name not in ("compress_ratios", "ffn", "score_func") and not _int_at_least(value, 1):
                 fail(f.name, f"is {value!r}, not an integer >= 1", "write it as a positive integer")
         if isinstance(self.compress_ratios, list):
@@ -322,6 +334,10 @@ class Dsv4Geometry:
 
     def is_hash_layer(self, layer_id: int) -> bool:
         return self.ffn == "moe" and layer_id < self.n_hash_layers
+
+    def for_backend(self, backend: str) -> Dsv4Geometry:
+        """The model's config on `backend`: on Ascend the lightning indexer scores int8 (`index_quant`)."""
+        return dataclasses.replace(self, index_quant=backend == "ascend")
 
     # The Llama-style size names a DSpark draft copies from its target (`BlockDraftConfig.for_target`),
     # and the names the runtime's shared checks read: one latent K=V head (MQA), no biases.

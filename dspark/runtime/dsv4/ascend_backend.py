@@ -379,13 +379,14 @@ class Dsv4AscendAttention:
     def attend(self, layer_id: int, q: torch.Tensor, cache: Dsv4LayerCache, meta: Dsv4VerifyMetadata, *,
                sinks: torch.Tensor | None = None, index_query: torch.Tensor | None = None,
                index_weights: torch.Tensor | None = None, query_dequant_scale: torch.Tensor | None = None,
-               key_dequant_scale: torch.Tensor | None = None) -> torch.Tensor:
+               index_key: torch.Tensor | None = None, key_dequant_scale: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """Layer `layer_id`'s attention output [T, H, D] for queries q [T, H, D] over its caches.
 
-        C4 layers also take the indexer's inputs: index_query [T, IH, ID] (quantised or not, quant mode 0),
-        index_weights [T, IH], query_dequant_scale [T, IH] and key_dequant_scale [blocks, block_size(, 1)] for
-        the cache's `index_kv`. The caches must already hold this step's writes (the compressor and the window
-        writes run before attention, as in both peers).
+        C4 layers also take the indexer's inputs: index_query int8 [T, IH, ID] (quant mode 0), index_weights
+        [T, IH], query_dequant_scale float16 [T, IH], and the int8 index keys index_key [blocks, block_size,
+        (1,) ID] with key_dequant_scale float16 [blocks, block_size(, 1)]. The caches must already hold this
+        step's writes (the compressor and the window writes run before attention, as in both peers).
         """
         ratio = self.layer_ratios[layer_id]
         if cache.ratio != ratio:
@@ -398,11 +399,11 @@ class Dsv4AscendAttention:
             kwargs["cmp_kv"] = _paged(cache.cmp_kv, "cmp_kv")
         if ratio == INDEXER_RATIO:
             if index_query is None or index_weights is None or query_dequant_scale is None \
-                    or key_dequant_scale is None:
+                    or index_key is None or key_dequant_scale is None:
                 raise Dsv4AscendBackendError(f"C4 layer {layer_id} needs index_query, index_weights, "
-                                             f"query_dequant_scale and key_dequant_scale")
+                                             f"query_dequant_scale, index_key and key_dequant_scale")
             assert self._indexer is not None and args.topk is not None
-            topk, _ = self._indexer(query=index_query, key=_paged(cache.index_kv, "index_kv"),
+            topk, _ = self._indexer(query=index_query, key=_paged(index_key, "index_key"),
                                     weights=index_weights, query_dequant_scale=query_dequant_scale,
                                     key_dequant_scale=key_dequant_scale, **args.indexer_base)
             args.topk.copy_(topk.view(args.topk.shape))

@@ -10,11 +10,11 @@ The indexer's quantisation mode
 -------------------------------
 The operator is the quantised lightning indexer with query_quant_mode = key_quant_mode = 0 (per token and
 head: an int8 query [T, IH, ID] and keys with float16 dequant scales [T, IH] and [blocks, block_size, 1], the
-score being scale_q * scale_k * (q . k)). The reference model has no indexer quantisation, so this backend
-passes the index query and keys as they are with unit float16 scales (a [T, IH] buffer per tier, one
-[blocks, block_size, 1] buffer for every C4 layer): exactly the reference's scores on the operator model. The
-device operator documents int8 inputs, so quantising the index query and keys (as the peers' fp8/int8 indexer
-caches do) is still needed before this runs on an NPU.
+score being sum_h w_h * relu(q_h . k * scale_q * scale_k)). The index query is quantised per row and head at
+each step, and every index key as it is written: `lc.index_kv` keeps the pooled key (the CPU path and the
+graphs' shapes read it), and an int8 copy with its scale per entry beside it is what the operator reads
+(`dsv4_ops.quantize_int8`, symmetric, the scale max|k| / 127 in float16). A model whose `index_quant` is set
+(the runtime sets it on Ascend, `Dsv4Geometry.for_backend`) computes the same scores on the CPU.
 
 NPU graphs per token tier
 -------------------------
@@ -47,16 +47,16 @@ from dspark.runtime.dsv4.ascend_backend import (
     Dsv4AscendBackendError,
     Dsv4AscendOps,
 )
-from dspark.runtime.dsv4.device_layers import Dsv4DeviceLayers, Dsv4Step
+from dspark.runtime.dsv4.device_layers import Dsv4DeviceLayers, Dsv4Step, flat
 from dspark.runtime.dsv4.paged import Dsv4LayerCache, Dsv4PagedCaches
 from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
 from dspark.runtime.models.dsv4 import DSV4Layer
+from dspark.runtime.models.dsv4_ops import quantize_int8
 
 if TYPE_CHECKING:
     from dspark.formats.dsv4_config import Dsv4CacheLayout
     from dspark.runtime.dsv4.target import Dsv4ForCausalLM
 
-INDEX_SCALE_DTYPE = torch.float16  # the quantised indexer's dequant scales
 
 
 class Dsv4AscendLayers(Dsv4DeviceLayers):
@@ -75,11 +75,14 @@ class Dsv4AscendLayers(Dsv4DeviceLayers):
                                          f"{attention.layer_ratios}, the caches hold {ratios}")
         super().__init__(caches, max_extend_rows, max_context_len)
         self.attention = attention
-        # Unit dequant scales of the index keys [blocks, block_size, 1], one for all C4 layers (module docs).
-        index_kv = next((lc.index_kv for lc in caches.layers if lc.index_kv is not None), None)
-        self._key_scale = None if index_kv is None else torch.ones(
-            *index_kv.shape[:2], 1, dtype=INDEX_SCALE_DTYPE, device=self.device)
-        self._query_scale: dict[int, Tensor] = {}  # tier -> unit [T, index_n_heads]
+        # Per C4 layer, the int8 index keys [blocks, block_size, ID] and their float16 scales
+        # [blocks, block_size, 1] the operator reads, written beside `index_kv` (module docstring); from the
+        # keys the caches already hold (zeros, or a prefill's).
+        self._int8_keys: dict[int, tuple[Tensor, Tensor]] = {}
+        for i, lc in enumerate(caches.layers):
+            if lc.index_kv is not None:
+                codes, scales = quantize_int8(lc.index_kv.float())
+                self._int8_keys[i] = (codes, scales.unsqueeze(-1))
 
     @classmethod
     def allocate(cls, target: Dsv4ForCausalLM, layout: Dsv4CacheLayout, config: Dsv4StepConfig,
@@ -98,30 +101,27 @@ class Dsv4AscendLayers(Dsv4DeviceLayers):
                                         ops=ops)
         return cls(caches, attention, layout.max_rows_per_request, max_context_len)
 
-    def _query_scale_for(self, tier: int) -> Tensor:
-        """The tier's unit query dequant scales [T, index_n_heads], allocated once (outside any capture)."""
-        scale = self._query_scale.get(tier)
-        if scale is None:
-            scale = torch.ones(tier, self.caches.model_config.index_n_heads, dtype=INDEX_SCALE_DTYPE,
-                               device=self.device)
-            self._query_scale[tier] = scale
-        return scale
+    def _index_keys_written(self, layer_id: int, lc: Dsv4LayerCache, loc: Tensor) -> None:
+        codes, scales = self._int8_keys[layer_id]
+        keys = flat(lc.index_kv)[loc].float()  # as the cache holds them
+        key_codes, key_scales = quantize_int8(keys)
+        flat(codes).index_copy_(0, loc, key_codes)
+        flat(scales).index_copy_(0, loc, key_scales[:, None])
 
     def _attend(self, layer_id: int, layer: DSV4Layer, lc: Dsv4LayerCache, step: Dsv4Step, q: Tensor,
                 index: tuple[Tensor, Tensor] | None) -> Tensor:
         extra: dict[str, Tensor | None] = {}
         if index is not None:
-            extra = dict(index_query=index[0], index_weights=index[1],
-                         query_dequant_scale=self._query_scale_for(step.meta.tier),
-                         key_dequant_scale=self._key_scale)
+            query_codes, query_scales = quantize_int8(index[0].float())  # per row and head
+            key_codes, key_scales = self._int8_keys[layer_id]
+            extra = dict(index_query=query_codes, index_weights=index[1], query_dequant_scale=query_scales,
+                         index_key=key_codes, key_dequant_scale=key_scales)
         return self.attention.attend(layer_id, q, lc, step.meta, sinks=layer.attn_sink, **extra)
 
     # ------------------------------------------------------------------------------------------------------
     # graphs: the attention's buffers, update stream and event carry this module's static arrays too
 
     def _capture_context(self, tier: int, meta: Dsv4VerifyMetadata) -> AbstractContextManager[Any]:
-        if self._key_scale is not None:
-            self._query_scale_for(tier)
         return self.attention.capturing(tier, meta)
 
     def _captured_pass_begins(self) -> None:

@@ -55,8 +55,10 @@ the request's compressed entries j < floor(actual_seq_lengths_key[b] / cmp_ratio
 the top `sparse_count` scores, in descending score order, ties to the smaller index (the golden's stable
 sort), then -1. `actual_seq_lengths_query` holds cumulative row ends (TND). Indices are logical entry ids, the
 form SAS's `cmp_sparse_indices` takes. `sparse_values` (not returned by the device yet) comes back as the
-selected scores, -inf where the index is -1. Left out: the quantised variants' int8/fp8 inputs and
-dequant scales (multiply them into q/k/weights beforehand), fp16 intermediate rounding, `metadata`,
+selected scores, -inf where the index is -1. `reference_quant_lightning_indexer` models the quantised
+variant at quant mode 0 (per token and head): it takes only an int8 query and int8 keys with float16 dequant
+scales, as the device does, and scores sum_h w_h * ReLU((q_h . k_j) * scale_q * scale_k) with the integer
+dot products exact. Left out: fp8 inputs, other quant modes, fp16 intermediate rounding, `metadata`,
 pre_tokens/next_tokens other than the default, BSND layouts.
 
 `reference_compressor_write` -- the compressor's write of the compressed caches
@@ -74,6 +76,7 @@ compute; only the null page receives it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +113,8 @@ def _tensor(name: str, a: object, *, dtypes: tuple[torch.dtype, ...], ndim: int)
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INT32 = (torch.int32,)
+_INT8 = (torch.int8,)
+_FP16 = (torch.float16,)
 
 
 def _cu_seqlens(name: str, cu: object, rows: int) -> list[int]:
@@ -345,6 +350,68 @@ def reference_lightning_indexer(
 
     `reads`, when given a dict, receives reads["key"][t]: the key slots row t scored.
     """
+    query, key, group = _queries_and_cache("query", query, "key", key)
+    qf, key_flat = query.float(), key.reshape(-1, key.shape[2], key.shape[3]).float()
+
+    def score(t: int, heads: slice, slots: list[int], n2: int, w: torch.Tensor) -> torch.Tensor:
+        return w @ torch.relu(qf[t, heads] @ key_flat[slots, n2].T)
+
+    return _indexer_top(query.shape, key.shape, group, weights, score, actual_seq_lengths_query,
+                        actual_seq_lengths_key, block_table, layout_query, layout_key, sparse_count,
+                        sparse_mode, pre_tokens, next_tokens, cmp_ratio, reads)
+
+
+def reference_quant_lightning_indexer(
+    query: torch.Tensor, key: torch.Tensor, weights: torch.Tensor, *, query_dequant_scale: torch.Tensor,
+    key_dequant_scale: torch.Tensor, query_quant_mode: int = 0, key_quant_mode: int = 0,
+    actual_seq_lengths_query: torch.Tensor, actual_seq_lengths_key: torch.Tensor, block_table: torch.Tensor,
+    layout_query: str = "TND", layout_key: str = "PA_BSND", sparse_count: int = 2048,
+    sparse_mode: int = RIGHT_DOWN_CAUSAL, pre_tokens: int = NO_LIMIT, next_tokens: int = NO_LIMIT,
+    cmp_ratio: int = 1, reads: Reads | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU model of the quantised lightning indexer (quant mode 0): an int8 query [T, N1, D] with float16
+    dequant scales [T, N1] (per token and head) and int8 keys [blocks, block_size, N2, D] with float16 scales
+    [blocks, block_size, N2]; score_j = sum_h w_h * ReLU((q_h . k_j) * scale_q,h * scale_k,j), the integer
+    dot products exact. The rest as `reference_lightning_indexer`."""
+    if query_quant_mode != 0 or key_quant_mode != 0:
+        raise NotImplementedError("only quant mode 0 (per token and head) is modelled")
+    query = _tensor("query", query, dtypes=_INT8, ndim=3)
+    key = _tensor("key", key, dtypes=_INT8, ndim=4)
+    rows, heads, head_dim = query.shape
+    if key.shape[3] != head_dim or key.shape[2] < 1 or heads % key.shape[2]:
+        raise AscendOpArgumentError(f"key must be int8 [blocks, block_size, KV_N, D={head_dim}] with KV_N "
+                                    f"dividing N1={heads}, got {list(key.shape)}")
+    q_scale = _tensor("query_dequant_scale", query_dequant_scale, dtypes=_FP16, ndim=2)
+    if tuple(q_scale.shape) != (rows, heads):
+        raise AscendOpArgumentError(f"query_dequant_scale must be [T={rows}, N1={heads}], got "
+                                    f"{list(q_scale.shape)}")
+    k_scale = _tensor("key_dequant_scale", key_dequant_scale, dtypes=_FP16, ndim=key_dequant_scale.ndim)
+    if k_scale.ndim not in (2, 3) or tuple(k_scale.shape[:2]) != tuple(key.shape[:2]) or (
+            k_scale.ndim == 3 and k_scale.shape[2] != key.shape[2]):
+        raise AscendOpArgumentError(f"key_dequant_scale must be [blocks, block_size(, KV_N)] of the key's "
+                                    f"{list(key.shape[:3])}, got {list(k_scale.shape)}")
+    group = heads // key.shape[2]
+    q_codes, qs = query.to(torch.float32), q_scale.to(torch.float32)
+    k_codes = key.reshape(-1, key.shape[2], head_dim).to(torch.float32)
+    ks = k_scale.reshape(-1, k_scale.shape[2] if k_scale.ndim == 3 else 1).to(torch.float32)
+
+    def score(t: int, hs: slice, slots: list[int], n2: int, w: torch.Tensor) -> torch.Tensor:
+        dots = (q_codes[t, hs].unsqueeze(1) * k_codes[slots, n2]).sum(-1)  # [G, n], exact integers
+        scaled = dots * qs[t, hs][:, None] * ks[slots, min(n2, ks.shape[1] - 1)][None, :]
+        return (scaled.relu() * w[:, None]).sum(0)
+
+    return _indexer_top(query.shape, key.shape, group, weights, score, actual_seq_lengths_query,
+                        actual_seq_lengths_key, block_table, layout_query, layout_key, sparse_count,
+                        sparse_mode, pre_tokens, next_tokens, cmp_ratio, reads)
+
+
+def _indexer_top(query_shape: torch.Size, key_shape: torch.Size, group: int, weights: torch.Tensor,
+                 score: Callable[[int, slice, list[int], int, torch.Tensor], torch.Tensor],
+                 actual_seq_lengths_query: torch.Tensor, actual_seq_lengths_key: torch.Tensor,
+                 block_table: torch.Tensor, layout_query: str, layout_key: str, sparse_count: int,
+                 sparse_mode: int, pre_tokens: int, next_tokens: int, cmp_ratio: int, reads: Reads | None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both indexers' masking and top-k around their `score(t, heads, key slots, n2, weights)`."""
     if layout_query != "TND" or layout_key != "PA_BSND":
         raise NotImplementedError(f"only layout_query='TND' with layout_key='PA_BSND' is modelled, got "
                                   f"{layout_query!r}, {layout_key!r}")
@@ -356,9 +423,8 @@ def reference_lightning_indexer(
         raise AscendOpArgumentError(f"sparse_count must be >= 1, got {sparse_count}")
     if cmp_ratio < 1:
         raise AscendOpArgumentError(f"cmp_ratio must be >= 1, got {cmp_ratio}")
-    query, key, group = _queries_and_cache("query", query, "key", key)
-    rows, heads, head_dim = query.shape
-    kv_heads = key.shape[2]
+    rows, heads = query_shape[0], query_shape[1]
+    blocks, bs, kv_heads = key_shape[0], key_shape[1], key_shape[2]
     weights = _tensor("weights", weights, dtypes=_FLOATS, ndim=2)
     if tuple(weights.shape) != (rows, heads):
         raise AscendOpArgumentError(f"weights must be [T={rows}, N1={heads}], got {list(weights.shape)}")
@@ -368,9 +434,7 @@ def reference_lightning_indexer(
     batch = len(ends)
     kv_lens = _lengths("actual_seq_lengths_key", actual_seq_lengths_key, batch)
     table = _table("block_table", block_table, batch)
-    blocks, bs = key.shape[0], key.shape[1]
-    key_flat = key.reshape(-1, kv_heads, head_dim).float()
-    qf, wf = query.float(), weights.float()
+    wf = weights.float()
 
     indices = torch.full((rows, kv_heads, sparse_count), -1, dtype=torch.int32)
     values = torch.full((rows, kv_heads, sparse_count), float("-inf"), dtype=torch.float32)
@@ -391,8 +455,7 @@ def reference_lightning_indexer(
                 reads["key"][t] = sorted(slots)
             for n2 in range(kv_heads):
                 hs = slice(n2 * group, (n2 + 1) * group)
-                relu = torch.relu(qf[t, hs] @ key_flat[slots, n2].T)  # [G, visible]
-                scores = wf[t, hs] @ relu
+                scores = score(t, hs, slots, n2, wf[t, hs])
                 # Stable descending sort: equal scores keep index order, the golden's tie rule.
                 order = torch.sort(scores, descending=True, stable=True).indices[:sparse_count]
                 indices[t, n2, : order.numel()] = order.to(torch.int32)

@@ -58,6 +58,7 @@ from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetada
 from dspark.runtime.kernels.dispatch import Impl
 from dspark.runtime.kernels.dsv4_attention import dsv4_attention
 from dspark.runtime.models.dsv4 import DSV4Layer
+from dspark.runtime.models.dsv4_ops import quantize_int8
 
 if TYPE_CHECKING:
     from dspark.formats.dsv4_config import Dsv4CacheLayout
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
 
 
 def indexer_topk(index_query: Tensor, weights: Tensor, index_kv: Tensor, *, row_slot: Tensor,
-                 cmp_block_table: Tensor, cmp_visible: Tensor, topk: int) -> Tensor:
+                 cmp_block_table: Tensor, cmp_visible: Tensor, topk: int, int8: bool = False) -> Tensor:
     """The lightning indexer's choice: int32 [T, topk], row t's min(topk, cmp_visible[t]) best entries in
     ascending id order, then -1.
 
@@ -74,7 +75,8 @@ def indexer_topk(index_query: Tensor, weights: Tensor, index_kv: Tensor, *, row_
     `cmp_block_table[b, e // Cp] * Cp + e % Cp`; row_slot, cmp_visible int32 [T]; cmp_block_table int32
     [B, cols]. Scores are fp32 sum_h w_h * relu(q_h . k_e) in `Indexer.select`'s order of operations, with
     its tie rule (the lower id first); the dot products are one batched matmul, which may round them an ulp
-    away from select's multiply-and-sum.
+    away from select's multiply-and-sum. `int8` (the model's `index_quant`): queries and keys quantised as
+    `Indexer.scores` quantises them, whose integer dot products are exact.
     """
     total, page = index_query.shape[0], index_kv.shape[1]
     capacity = cmp_block_table.shape[1] * page  # E: every entry a row's table can name
@@ -82,7 +84,12 @@ def indexer_topk(index_query: Tensor, weights: Tensor, index_kv: Tensor, *, row_
     e = torch.arange(capacity, device=device)
     pages = cmp_block_table.long()[row_slot.long()][:, e // page]  # [T, E]
     keys = flat(index_kv)[pages * page + e % page].float()  # [T, E, ID]
-    dots = torch.einsum("thd,ted->the", index_query.float(), keys)  # [T, IH, E]
+    if int8:
+        (q_codes, q_scale), (k_codes, k_scale) = quantize_int8(index_query.float()), quantize_int8(keys)
+        dots = torch.einsum("thd,ted->the", q_codes.float(), k_codes.float())  # [T, IH, E], exact
+        dots = dots * q_scale.float()[:, :, None] * k_scale.float()[:, None, :]
+    else:
+        dots = torch.einsum("thd,ted->the", index_query.float(), keys)  # [T, IH, E]
     scores = (dots.relu() * weights.float()[:, :, None]).sum(1)  # [T, E]
     visible = cmp_visible.long()[:, None]  # [T, 1]
     scores = scores.masked_fill(e[None, :] >= visible, float("-inf"))
@@ -148,7 +155,8 @@ class Dsv4CudaLayers(Dsv4DeviceLayers):
             args["topk"] = indexer_topk(*index, lc.index_kv, row_slot=args["row_slot"],
                                         cmp_block_table=args["cmp_block_table"],
                                         cmp_visible=args["cmp_visible"],
-                                        topk=self.caches.step_config.index_topk)
+                                        topk=self.caches.step_config.index_topk,
+                                        int8=layer.cfg.index_quant)
         return dsv4_attention(q.to(lc.swa_kv.dtype), lc.swa_kv, lc.cmp_kv, layer.attn_sink.float(),
                               scale=layer.cfg.head_dim**-0.5, impl=self.impl, **args)
 

@@ -345,6 +345,7 @@ class Dsv4DeviceLayers(ABC):
             indexer = layer.indexer
             self._compress(indexer.compressor, step, x, pos, lc.index_state_kv, lc.index_state_score,
                            lc.index_kv)
+            self._index_keys_written(layer_id, lc, step.blocks(indexer.compressor.ratio).loc)
             # Indexer.query, rotated with the device tables
             iq = row_linear(qr, indexer.wq_b).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
             index = (rotate(iq, cos[:, None], sin[:, None]),  # [T, IH, ID]
@@ -353,6 +354,11 @@ class Dsv4DeviceLayers(ABC):
         # DSV4Layer.finish_rows: V carried rotated channels, so the output is rotated back by its row's angle
         o = rotate(o, cos[:, None], -sin[:, None])
         return layer.output_rows(h, o, tokens, mixes, static_shapes=True)  # summed over the ranks under TP
+
+    def _index_keys_written(self, layer_id: int, lc: Dsv4LayerCache, loc: Tensor) -> None:
+        """The step's index keys are in `lc.index_kv` at slots `loc` [M] (padding at the null page): a
+        backend that keeps them in another form too (Ascend: int8 with scales) writes it here."""
+        return  # the CUDA layers read `index_kv` as it is
 
     def _compress(self, comp: Compressor, step: Dsv4Step, x: Tensor, pos: Tensor, state_kv: Tensor | None,
                   state_score: Tensor | None, entries: Tensor | None) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dspark.formats.dsv4_config import DSV4_FAMILY
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.modes import SpeculationOff
 from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
@@ -142,6 +142,8 @@ class Runtime:
 
     def _check_models(self, target: ServingTarget, draft: DSparkBlockDraft) -> None:
         geo = self.deployment.model.geometry
+        if isinstance(geo, Dsv4Geometry):  # as the backend computes it (Ascend: an int8 indexer)
+            geo = geo.for_backend(self.deployment.backend)
         tc, dc = target.cfg, draft.cfg
         # every field that changes the computation, not only the shapes: a config.json edited after
         # compiling (another rope_theta or RoPE scaling, tied embeddings) is refused, not served

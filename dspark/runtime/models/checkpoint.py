@@ -95,10 +95,13 @@ def target_config(path: Path, family: str | None = None) -> tuple[str, ModelGeom
 
 
 def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
-                family: str | None = None) -> TargetModel:
-    """The target checkpoint `ref` of `family` (None: the family its config.json names)."""
+                family: str | None = None, backend: str = "cpu") -> TargetModel:
+    """The target checkpoint `ref` of `family` (None: the family its config.json names), as it computes on
+    `backend` (a DeepSeek-V4 indexer scores int8 on Ascend, `Dsv4Geometry.for_backend`)."""
     path = resolve_checkpoint(ref, "target", base_dir)
     family, cfg = target_config(path, family)
+    if isinstance(cfg, Dsv4Geometry):
+        cfg = cfg.for_backend(backend)
     model = build_target(family, cfg)
     if family == DSV4_FAMILY:
         try:
@@ -133,8 +136,11 @@ def load_target_model(deployment: DeploymentConfig, base_dir: Path, device: torc
     (`load_format: dummy`)."""
     model = deployment.model
     if model.load_format == "dummy":
-        return dummy_target(model.geometry, DTYPES[model.dtype], device, model.family)
-    return load_target(model.checkpoint, model.dtype, base_dir, model.family).to(device)
+        geometry = model.geometry
+        if isinstance(geometry, Dsv4Geometry):
+            geometry = geometry.for_backend(deployment.backend)
+        return dummy_target(geometry, DTYPES[model.dtype], device, model.family)
+    return load_target(model.checkpoint, model.dtype, base_dir, model.family, deployment.backend).to(device)
 
 
 def load_draft_model(deployment: DeploymentConfig, base_dir: Path, device: torch.device,

@@ -89,7 +89,9 @@ from dspark.runtime.models.dsv4_hyper import HyperConnection, HyperHead
 from dspark.runtime.models.dsv4_moe import MoE
 from dspark.runtime.models.dsv4_ops import (
     apply_rope,
+    int8_index_scores,
     ordered_sum,
+    quantize_int8,
     rms_norm,
     row_linear,
     rowwise_silu,
@@ -277,9 +279,18 @@ class Indexer(nn.Module):
         weights = row_linear(x, self.weights_proj) * (cfg.index_head_dim * cfg.index_n_heads) ** -0.5
         return q, weights
 
+    def scores(self, q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
+        """One row's scores of its closed index keys [n, ID] for its query q [IH, ID] and head weights [IH]
+        -> [n]: sum_h w_h * relu(q_h . k), or with `index_quant` the same over int8 queries and keys
+        (`dsv4_ops.int8_index_scores`, as Ascend's quantised lightning indexer scores them)."""
+        if self.cfg.index_quant:
+            (q_codes, q_scale), (k_codes, k_scale) = quantize_int8(q), quantize_int8(keys)
+            return int8_index_scores(q_codes, q_scale, k_codes, k_scale, weights)
+        return ((q.unsqueeze(1) * keys).sum(-1).relu() * weights.unsqueeze(1)).sum(0)
+
     def select(self, q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
         """One row: q [IH, ID], weights [IH], its closed index keys [n, ID] -> chosen entry ids, ascending."""
-        scores = ((q.unsqueeze(1) * keys).sum(-1).relu() * weights.unsqueeze(1)).sum(0)  # [n]
+        scores = self.scores(q, weights, keys)  # [n]
         # stable: equal scores (all heads' relu at 0 is common) go to the lower index, on every path
         top = torch.sort(scores, descending=True, stable=True).indices[: self.cfg.index_topk]
         return top.sort().values
@@ -440,7 +451,10 @@ class DSV4Layer(nn.Module):
             if self.indexer is not None:
                 keys = self.indexer.compressor.full(x)  # [nb, ID]
                 iq, weights = self.indexer.query(x, qr, pos)
-                scores = (torch.einsum("thd,nd->thn", iq, keys).relu() * weights.unsqueeze(-1)).sum(1)
+                if cfg.index_quant:
+                    scores = torch.stack([self.indexer.scores(iq[t], weights[t], keys) for t in range(n)])
+                else:
+                    scores = (torch.einsum("thd,nd->thn", iq, keys).relu() * weights.unsqueeze(-1)).sum(1)
                 scores = scores.masked_fill(~readable, float("-inf"))  # [T, nb]
                 top = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : cfg.index_topk]
                 chosen = torch.zeros_like(readable).scatter(1, top, True)

@@ -85,6 +85,28 @@ def apply_rope(x: Tensor, pos: Tensor, rope: Rope, inverse: bool = False) -> Ten
     return torch.cat([nope, rot], dim=-1)
 
 
+def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 over the last dimension, as Ascend's quantised lightning indexer takes its inputs (quant
+    mode 0: one scale per token and head, or per key): x [..., d] -> codes int8 [..., d] and float16 dequant
+    scales [...], scale = max|x| / 127 rounded to float16, codes = round(x / scale) (half to even), clamped
+    to +-127; an all-zero vector gets scale 0 and codes 0. Elementwise but for the row's own maximum, so a
+    row's codes do not depend on the rows beside it."""
+    scale = (x.abs().amax(-1) / 127.0).to(torch.float16)
+    s = scale.to(torch.float32).unsqueeze(-1)
+    codes = torch.where(s > 0, torch.round(x / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
+    return codes.to(torch.int8), scale
+
+
+def int8_index_scores(q_codes: Tensor, q_scale: Tensor, k_codes: Tensor, k_scale: Tensor, weights: Tensor
+                      ) -> Tensor:
+    """One row's lightning-indexer scores over int8 keys: q_codes [IH, ID], q_scale [IH], k_codes [n, ID],
+    k_scale [n], weights [IH] -> [n] fp32: sum_h w_h * relu(q_h . k * s_q,h * s_k). The integer dot products
+    are exact in fp32 (|q . k| <= 127^2 * ID < 2^24 for ID < 1040)."""
+    dots = (q_codes.to(torch.float32).unsqueeze(1) * k_codes.to(torch.float32)).sum(-1)  # [IH, n]
+    scaled = dots * q_scale.to(torch.float32)[:, None] * k_scale.to(torch.float32)[None, :]
+    return (scaled.relu() * weights.to(torch.float32)[:, None]).sum(0)
+
+
 def ordered_sum(parts: list[Tensor]) -> Tensor:
     """parts[0] + parts[1] + ... added left to right (a few streams or experts: the order is the model's)."""
     total = parts[0]
