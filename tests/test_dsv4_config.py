@@ -101,6 +101,14 @@ def test_absent_keys_resolve_as_transformers_and_the_ratio_list_may_omit_the_mtp
     assert dsv4_geometry(no_mtp) == EXPECTED
 
 
+def test_a_dspark_bearing_config_reads_as_its_target() -> None:
+    # the release's DSpark checkpoints: three draft stages after the layers, their keys beside the target's
+    stages = {**TINY, "num_nextn_predict_layers": 3, "compress_ratios": [0, 4, 8, 4, 0, 0, 0],
+              "dspark_block_size": 5, "dspark_noise_token_id": 250, "dspark_target_layer_ids": [1, 2, 3],
+              "dspark_markov_rank": 16, "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 1}
+    assert dsv4_geometry(stages) == EXPECTED
+
+
 def test_the_releases_fp8_quantization_config_reads_with_its_block() -> None:
     from dspark.formats.dsv4_config import fp8_block
 

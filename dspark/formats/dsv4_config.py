@@ -73,7 +73,8 @@ transformers_version, bos/eos/pad_token_id, use_cache, initializer_range, attent
 max_position_embeddings (read only where a YaRN factor is left out), num_nextn_predict_layers beyond
 checking the ratio list (the MTP layers are not part of the target's forward), expert_dtype (the loader
 reads each tensor's format from its dtype and scales), output_router_logits, router_aux_loss_coef,
-router_jitter_noise (training).
+router_jitter_noise (training), and a DSpark-bearing checkpoint's dspark_* keys (`DSV4_DRAFT_STAGE_KEYS`: they
+describe the draft stages, not the target).
 
 Unknown keys are refused, unlike the llama / qwen3 reader (which reads the keys it knows and leaves the
 rest): the DeepSeek-V4 layout is young and its variants add keys that change the computation (engram,
@@ -149,6 +150,13 @@ DSV4_IGNORED_KEYS = frozenset({
     "architectures", "torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id",
     "pad_token_id", "use_cache", "initializer_range", "attention_dropout", "max_position_embeddings",
     "expert_dtype", "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
+})
+# The DSpark stages a checkpoint may carry beside its target (mtp.* tensors, num_nextn_predict_layers of
+# them): their keys describe the draft, not the target's computation, so the target reader accepts them and
+# its weights reader leaves the mtp.* tensors out. dspark does not build those stages as a draft yet.
+DSV4_DRAFT_STAGE_KEYS = frozenset({
+    "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
+    "dspark_n_routed_experts", "dspark_num_experts_per_tok",
 })
 DSV4_READ_KEYS = frozenset({
     "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -443,7 +451,7 @@ def dsv4_geometry(cfg: Any) -> Dsv4Geometry:
     if model_type != DSV4_MODEL_TYPE:
         raise ConfigFieldError("model_type", f"is {model_type!r}, not {DSV4_MODEL_TYPE!r}",
                                "point at a DeepSeek-V4 checkpoint, or read it with its own family")
-    unknown = sorted(set(cfg) - DSV4_READ_KEYS - DSV4_IGNORED_KEYS)
+    unknown = sorted(set(cfg) - DSV4_READ_KEYS - DSV4_IGNORED_KEYS - DSV4_DRAFT_STAGE_KEYS)
     if unknown:
         raise ConfigFieldError(unknown[0], "is not a DeepSeek-V4 config key dspark knows, so it may change "
                                "the computation", "remove it if it does not, or use a checkpoint without it")
