@@ -10,7 +10,13 @@ from typing import Any
 
 from dspark import __version__
 from dspark.compiler.literals import py_literal
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4CacheLayout, Dsv4Geometry, dsv4_cache_layout
+from dspark.formats.dsv4_config import (
+    DSV4_FAMILY,
+    DSV4_RUNTIME_FIELDS,
+    Dsv4CacheLayout,
+    Dsv4Geometry,
+    dsv4_cache_layout,
+)
 from dspark.modes import SpeculationOff, VerifyMode
 from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
@@ -380,7 +386,9 @@ def _geometry_fields(resolved: ResolvedSpec) -> str:
     geometry = resolved.geometry
     pad = " " * GEOMETRY_INDENT
     if isinstance(geometry, Dsv4Geometry):
-        values = {f.name: getattr(geometry, f.name) for f in fields(geometry)}
+        # the compiled fields; the backend's own (index_quant) the runtime sets
+        values = {f.name: getattr(geometry, f.name) for f in fields(geometry)
+                  if f.name not in DSV4_RUNTIME_FIELDS}
     else:
         values = {name: getattr(geometry, name) for name in DENSE_GEOMETRY_FIELDS}
         scaling = geometry.rope_scaling
