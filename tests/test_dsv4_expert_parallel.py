@@ -1,8 +1,9 @@
 """Expert parallelism for DeepSeek-V4's MoE (`dspark.runtime.distributed.expert_parallel`), the seed's
 bring-up step 5 on gloo: the routed experts sharded over 2 and 4 ranks, tokens dispatched to their experts'
 ranks with ragged per-rank token counts (each rank a different number of rows, one rank none) and combined
-back, equal to one process bit for bit; the graph-safe path (rows all-gathered, no shape set by the routing)
-and rows replicated on every rank (plain tensor parallelism) the same. End to end: the tiny dsv4 builds
+back, equal to one process bit for bit; pairs of ranks holding the same rows (a DP rank's attention ranks)
+dispatching half each; the graph-safe path (rows all-gathered, no shape set by the routing) and rows
+replicated on every rank (plain tensor parallelism) the same. End to end: the tiny dsv4 builds
 recompiled with `ep` under torchrun, with plain tensor parallelism and with DP attention, decode as one
 process's target-only decoding (compact verify, every rank's rows and tier its own)."""
 
@@ -57,6 +58,8 @@ def _moe_rank(rank: int, size: int, port: int, out_dir: str) -> None:
                             timeout=timedelta(seconds=60))
     try:
         ep = TPGroup.of(dist.group.WORLD)
+        # pairs of ranks holding the same rows, as a DP rank's two attention ranks do (size 4)
+        pairs = [dist.new_group([2 * p, 2 * p + 1]) for p in range(size // 2)] if size == 4 else []
         out: dict[str, Any] = {}
         for hashed in (False, True):
             layer = moe(hashed)
@@ -75,6 +78,10 @@ def _moe_rank(rank: int, size: int, port: int, out_dir: str) -> None:
                     tier_x, tier_tokens = torch.zeros(2, DIM), torch.zeros(2, dtype=torch.long)  # padding
                 got = layer(tier_x, tier_tokens, static_shapes=True)
                 out[f"static_{hashed}"] = (tier_x, tier_tokens, got)
+                if pairs:
+                    leader = rank - rank % 2
+                    layer.parallel = DispatchedExperts(ep, TPGroup.of(pairs[rank // 2]))
+                    out[f"shared_{hashed}"] = (leader, layer(*rows_of(leader)))
                 shared_x, shared_tokens = rows_of(2)  # the same rows on every rank
                 layer.parallel = ReplicatedRowsExperts(ep)
                 out[f"replicated_{hashed}"] = layer(shared_x, shared_tokens)
@@ -96,6 +103,9 @@ def test_dispatched_and_replicated_experts_equal_one_process(size: int, tmp_path
             for rank in range(size):
                 tier_x, tier_tokens, got = ranks[rank][f"static_{hashed}"]
                 assert torch.equal(got, whole(tier_x, tier_tokens)), (size, hashed, rank)
+                if size == 4:  # each pair dispatched its leader's rows once, half each, and gathered them
+                    leader, got = ranks[rank][f"shared_{hashed}"]
+                    assert torch.equal(got, whole(*rows_of(leader))), (hashed, rank)
             x, tokens = rows_of(2)
             want = whole(x, tokens)
         assert all(torch.equal(r[f"replicated_{hashed}"], want) for r in ranks), (size, hashed)

@@ -11,7 +11,9 @@ and the shared expert stay whole on every rank). A layer's MoE routes its rows a
   global tier of them, padding rows routed with their token's valid ids like any other),
   `DispatchedExperts`: each (row, slot) is sent to its expert's rank with its weight and expert id
   (`all_to_all_single` with per-rank counts, the counts exchanged first: the step's shapes agreed), the
-  receiving rank runs its experts on what it received and sends the weighted outputs back the same way.
+  receiving rank runs its experts on what it received and sends the weighted outputs back the same way. A
+  DP rank's attention ranks hold the same rows: each dispatches its share of them, and the shares' slot
+  outputs are all-gathered among them.
 
 Either way a slot's output is its expert's SwiGLU of that row alone, times its weight, and `MoE.combine`
 adds a row's slots in ascending expert id from zero: the bits of one process, whatever rows or ranks share
@@ -65,10 +67,13 @@ def _from_owners(local: Tensor, ids: Tensor, held: int, ep: TPGroup) -> Tensor:
 
 class DispatchedExperts:
     """Slots over `ep` ranks holding different rows: (row, slot) pairs dispatched to their experts' ranks and
-    their outputs combined back."""
+    their outputs combined back. `share`: the ranks that hold the same rows as this one (a DP rank's
+    attention ranks): each dispatches its share of them and the shares are all-gathered, so no row is
+    computed twice."""
 
-    def __init__(self, ep: TPGroup) -> None:
+    def __init__(self, ep: TPGroup, share: TPGroup | None = None) -> None:
         self.ep = ep
+        self.share = share
 
     def _exchange(self, send: Tensor, send_counts: list[int], recv_counts: list[int]) -> Tensor:
         recv = send.new_empty(sum(recv_counts), *send.shape[1:])
@@ -80,6 +85,21 @@ class DispatchedExperts:
                      static_shapes: bool = False) -> Tensor:
         if static_shapes:
             return self._gathered(moe, x, ids, weights)
+        share = self.share
+        if share is None or share.size == 1:
+            return self._dispatched(moe, x, ids, weights)
+        n_rows = x.shape[0]
+        per = -(-n_rows // share.size)
+        mine = slice(min(n_rows, share.rank * per), min(n_rows, (share.rank + 1) * per))
+        part = self._dispatched(moe, x[mine], ids[mine], weights[mine])  # [rows of this share, k, dim]
+        padded = part.new_zeros(per, *part.shape[1:])
+        padded[: part.shape[0]] = part
+        parts = [torch.empty_like(padded) for _ in range(share.size)]
+        with COMM_CLOCK.timed():
+            dist.all_gather(parts, padded, group=share.group)
+        return torch.cat(parts)[:n_rows]
+
+    def _dispatched(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         n_rows, k = ids.shape
         held = moe.experts.w1.shape[0]
         owner = (ids // held).flatten()  # [L·k]
@@ -124,10 +144,11 @@ class DispatchedExperts:
 
 
 @torch.no_grad()
-def shard_dsv4_experts(model: Dsv4ForCausalLM, ep: TPGroup, rows_replicated: bool) -> None:
+def shard_dsv4_experts(model: Dsv4ForCausalLM, ep: TPGroup, rows_replicated: bool,
+                       share: TPGroup | None = None) -> None:
     """Keep this rank's routed experts of every MoE layer, in place, and route the other slots through the
-    ranks (`rows_replicated`: plain tensor parallelism, else DP attention). One rank leaves the model
-    whole."""
+    ranks (`rows_replicated`: plain tensor parallelism, else DP attention, where `share` is this DP rank's
+    attention ranks, which hold the same rows). One rank leaves the model whole."""
     cfg = model.model.cfg
     if cfg.ffn != "moe":
         raise ValueError("expert parallelism needs a model with routed experts (ffn: moe)")
@@ -146,7 +167,7 @@ def shard_dsv4_experts(model: Dsv4ForCausalLM, ep: TPGroup, rows_replicated: boo
         experts.w3 = frozen_param(experts.w3[first:first + held])
         experts.w2 = frozen_param(experts.w2[first:first + held])
         experts.expert_offset = first
-        moe.parallel = ReplicatedRowsExperts(ep) if rows_replicated else DispatchedExperts(ep)
+        moe.parallel = ReplicatedRowsExperts(ep) if rows_replicated else DispatchedExperts(ep, share)
 
 
 __all__ = ["DispatchedExperts", "ReplicatedRowsExperts", "check_experts_split", "shard_dsv4_experts"]

@@ -378,7 +378,8 @@ def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.dev
         if dep.parallel.ep > 1 and isinstance(target, Dsv4ForCausalLM):
             dp_attention = isinstance(shards, DPAttentionGroups) and shards.dp.size > 1
             ep = shards.world if isinstance(shards, DPAttentionGroups) else shards
-            shard_dsv4_experts(target, ep, rows_replicated=not dp_attention)
+            share = shards.attention if isinstance(shards, DPAttentionGroups) else None
+            shard_dsv4_experts(target, ep, rows_replicated=not dp_attention, share=share)
         return target
     return load_sharded_target(dep.model.checkpoint, dep.model.dtype, package.directory, dep.model.family,
                                shards, device)
