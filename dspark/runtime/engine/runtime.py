@@ -19,21 +19,18 @@ from typing import Any
 
 import torch
 
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.modes import SpeculationOff
 from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.attention.triton_paged import TritonPagedAttention
-from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
 from dspark.runtime.distributed.dp_engine import DPDispatch, RequestSpec, serve_engine
 from dspark.runtime.distributed.dp_sync import DPStepSync
-from dspark.runtime.distributed.expert_parallel import shard_dsv4_experts
 from dspark.runtime.distributed.launch import Launch, Ranks, join, leave
 from dspark.runtime.distributed.lockstep import LeaderForward, follow
-from dspark.runtime.distributed.sharded_load import load_sharded_target, read_embeddings
-from dspark.runtime.distributed.tensor_parallel import shard_dense_target, shard_dsv4_target
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
+from dspark.runtime.distributed.sharded_load import read_embeddings
+from dspark.runtime.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
+from dspark.runtime.engine.families import FamilyRuntime, family_runtime
 from dspark.runtime.engine.forward import EngineModels, backend_device, draft_attention
 from dspark.runtime.engine.requests import Request, RequestError, validate_request
 from dspark.runtime.engine.scheduler import Scheduler
@@ -42,7 +39,7 @@ from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.engine.step_forward import StepForward, StepForwards
 from dspark.runtime.engine.step_sync import LocalSync, StepSync
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
-from dspark.runtime.models.checkpoint import load_draft_model, load_target_model, target_embeddings
+from dspark.runtime.models.checkpoint import load_draft_model, target_embeddings
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
@@ -87,10 +84,11 @@ class Runtime:
         self.device = rank_device(dep.backend, ranks.launch)
         s = dep.serving
         num_pages = s.num_pages
-        target = rank_target_model(package, ranks, self.device)
-        draft = load_draft_model(dep, package.directory, self.device, self._draft_shares(target))
-        self._check_models(target, draft)
-        attn = rank_attention(package, target, self.device)
+        family = family_runtime(dep.model.family)
+        target = family.rank_target(package, ranks, self.device)
+        draft = load_draft_model(dep, package.directory, self.device, self._draft_shares(family, target))
+        self._check_models(family, target, draft)
+        attn = family.attention(package, target, self.device)
         if isinstance(attn, TorchPagedAttention) and isinstance(self.plan, AdaptiveVerifyPlan):
             # this backend pays an attention call per class of rows per request: plans keep one class
             self.plan = self.plan.with_overrides(row_classes=attn.row_classes(self.plan.schedule.cap))
@@ -115,7 +113,7 @@ class Runtime:
             self.forward = LeaderForward(forward, ranks.lockstep)
         eos = package.tokenizer.eos_ids
         self.scheduler = Scheduler(self.slots, self.plan.num_draft_tokens, s.chunked_prefill_tokens,
-                                   attn.max_extend_rows if isinstance(target, Dsv4ForCausalLM) else None)
+                                   family.max_extend_rows(attn))
         # what this engine agrees on with the others that run its steps (DP attention), or with itself
         sync: StepSync = DPStepSync(ranks.engines, self.device) if ranks.dp is not None else LocalSync()
         self.sync = sync
@@ -130,20 +128,19 @@ class Runtime:
         self._rids = itertools.count()
         self.dispatch = DPDispatch(self) if self.sync.spans_ranks and ranks.engines.rank == 0 else None
 
-    def _draft_shares(self, target: ServingTarget) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _draft_shares(self, family: FamilyRuntime, target: ServingTarget
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The target's whole embeddings and LM head, which a draft without its own copies shares: the
         loaded ones, or under tensor parallelism the checkpoint's, read by this rank alone."""
         model = self.deployment.model
-        if model.family == DSV4_FAMILY or self.deployment.draft.load_format == "dummy":
+        if not family.shares_draft_embeddings(self.deployment):
             return None
         if self.ranks.world.size == 1:
             return target_embeddings(target)
         return read_embeddings(model.checkpoint, model.dtype, self.package.directory, model.family)
 
-    def _check_models(self, target: ServingTarget, draft: DSparkBlockDraft) -> None:
-        geo = self.deployment.model.geometry
-        if isinstance(geo, Dsv4Geometry):  # as the backend computes it (Ascend: an int8 indexer)
-            geo = geo.for_backend(self.deployment.backend)
+    def _check_models(self, family: FamilyRuntime, target: ServingTarget, draft: DSparkBlockDraft) -> None:
+        geo = family.computed_config(self.deployment)
         tc, dc = target.cfg, draft.cfg
         # every field that changes the computation, not only the shapes: a config.json edited after
         # compiling (another rope_theta or RoPE scaling, tied embeddings) is refused, not served
@@ -357,49 +354,6 @@ def rank_device(backend: str, launch: Launch) -> torch.device:
     return device
 
 
-def rank_target_model(package: GeneratedPackage, ranks: Ranks, device: torch.device) -> ServingTarget:
-    """This rank's target: the whole model for one process; under tensor parallelism (and DP attention) its
-    share, read straight from the checkpoint's files (dummy weights and a dsv4 target are built whole, then
-    sliced: a dsv4 target keeps its query heads' share and replicates its K=V head, compressors and indexer,
-    `shard_dsv4_target`, and under expert parallelism its share of the routed experts,
-    `shard_dsv4_experts`)."""
-    dep = package.deployment
-    if ranks.world.size == 1:
-        return load_target_model(dep, package.directory, device)
-    shards = ranks.shards
-    if dep.model.load_format == "dummy" or dep.model.family == DSV4_FAMILY:
-        target = load_target_model(dep, package.directory, device)
-        if isinstance(shards, DPAttentionGroups):
-            shard_dp_attention_target(target, shards)
-        elif isinstance(target, Dsv4ForCausalLM):
-            shard_dsv4_target(target, shards)
-        else:
-            shard_dense_target(target, shards)
-        if dep.parallel.ep > 1 and isinstance(target, Dsv4ForCausalLM):
-            dp_attention = isinstance(shards, DPAttentionGroups) and shards.dp.size > 1
-            ep = shards.world if isinstance(shards, DPAttentionGroups) else shards
-            share = shards.attention if isinstance(shards, DPAttentionGroups) else None
-            shard_dsv4_experts(target, ep, rows_replicated=not dp_attention, share=share)
-        return target
-    return load_sharded_target(dep.model.checkpoint, dep.model.dtype, package.directory, dep.model.family,
-                               shards, device)
-
-
-def rank_attention(package: GeneratedPackage, target: ServingTarget, device: torch.device
-                   ) -> AttentionBackend | Dsv4LayerBackend:
-    """This rank's attention over its own caches, for the heads this rank holds: a DSV4 backend allocates its
-    per-slot caches (the replicated K=V head's, whole on every rank) and runs the target's local query heads
-    (`Dsv4ForCausalLM.local_num_heads`, which the device backends size their attention by); a dense target's
-    is one paged K/V cache over the pool's pages."""
-    parts, s = package.parts, package.deployment.serving
-    if isinstance(target, Dsv4ForCausalLM):
-        return parts.attention_backend(target, s.max_running_requests, s.max_context_len)
-    tc = target.cfg
-    kv = PagedKVCache(tc.num_layers, s.num_pages, s.page_size, target.local_num_kv_heads, tc.head_dim,
-                      target.lm_head.weight.dtype, device)
-    return parts.attention_backend(kv, s.page_size, target.local_num_heads, tc.head_dim ** -0.5)
-
-
 def follows(package: GeneratedPackage, **options: Any) -> bool:
     """Run this rank's part of a multi-process launch other than rank 0's, and return True once rank 0
     stopped it; on rank 0 (or one process) return False at once.
@@ -423,8 +377,9 @@ def follows(package: GeneratedPackage, **options: Any) -> bool:
     together = False
     try:
         device = rank_device(dep.backend, ranks.launch)
-        target = rank_target_model(package, ranks, device)
-        attn = rank_attention(package, target, device)
+        family = family_runtime(dep.model.family)
+        target = family.rank_target(package, ranks, device)
+        attn = family.attention(package, target, device)
         # the verify runner the engine's rank builds (its graphs, where it captures any, are this rank's)
         capture = draft_config(dep.model.geometry, dep.draft).layers_before_capture
         runner = package.parts.verify_runner(target, attn, capture)
