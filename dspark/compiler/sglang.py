@@ -222,9 +222,9 @@ def _refuse_dsv4(resolved: ResolvedSpec) -> None:
         return
     raise SpecError([SpecIssue(
         ("model", "family"),
-        f"export-sglang does not cover the {DSV4_FAMILY} family: SGLang would serve a DeepSeek-V4 checkpoint "
-        f"as the released model (MoE, hyper-connections, quantisation), not dspark's {DSV4_FAMILY} model (a "
-        "dense MLP without them), so the launch would describe another deployment",
+        f"export-sglang does not cover the {DSV4_FAMILY} family: SGLang drafts DeepSeek-V4 with the "
+        "checkpoint's own DSpark stages, which dspark does not build yet, and its expert-parallel, MoE and "
+        "quantised-kernel flags are not mapped, so the launch would describe another deployment",
         f"export-sglang prints launches for the dense families ({', '.join(FAMILIES)})",
         resolved.location_of("model.family"))])
 

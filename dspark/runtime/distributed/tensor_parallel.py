@@ -27,12 +27,14 @@ therefore all-gathered and added in rank order (`_sum_over_ranks`); on an accele
 local products are not row-invariant either, the all-reduce runs.
 
 DeepSeek-V4 (`dsv4`) splits the same way where it can, SGLang-style (`shard_dsv4_target`): a rank owns whole
-query heads (their rows of the query up-projection wq_b, their attention sinks, their columns of the output
-projection wo, which is row-parallel), a share of the dense MLP (w1 / w3 rows, w2 columns, w2 row-parallel)
-and its vocabulary rows. Its attention has one latent K=V head that every query head reads, which cannot be
-split, so the KV projection, the KV compressors and the lightning indexer are replicated: each rank computes
-the same cache entries and the same top-k. The indexer must stay whole in any case, as a row's top-k ranks
-entries by a sum over every index head's scores. Its layers keep their weights as tensors, so
+query heads (their rows of the query up-projection wq_b, their attention sinks, their part of the output
+projection, which is row-parallel: wo's columns, or whole groups of wo_a and those groups' columns of wo_b),
+a share of a dense MLP (w1 / w3 rows, w2 columns, w2 row-parallel; the MoE stays whole, or its routed experts
+go over the ranks by expert parallelism, `expert_parallel`) and its vocabulary rows. Its attention has one
+latent K=V head that every query head reads, which cannot be split, so the KV projection, the KV
+compressors and the lightning indexer are replicated: each rank computes the same cache entries and the same
+top-k. The indexer must stay whole in any case, as a row's top-k ranks entries by a sum over every index
+head's scores. Its layers keep their weights as tensors, so
 `DSV4Layer.partial_sum` (a `PartialSum`) adds wo's and w2's partial products as `RowParallelLinear` does.
 
 The collectives are not differentiable: the sharded model is for inference (its parameters do not
@@ -420,8 +422,8 @@ def shard_dsv4_vocab(model: Dsv4ForCausalLM, tp: TPGroup
 
 @torch.no_grad()
 def shard_dsv4_target(model: nn.Module, tp: TPGroup) -> None:
-    """Keep only this rank's share of a dsv4 target, in place (dsv4 loads dummy weights only: every rank
-    builds the same seeded model whole, then drops what it does not own).
+    """Keep only this rank's share of a dsv4 target, in place (every rank builds or loads the model whole,
+    then drops what it does not own).
 
     Rank r keeps query heads `[r·H/size, (r+1)·H/size)` of every layer (`shard_dsv4_layer`), its MLP columns
     and `ceil(V/size)` vocabulary rows of the embedding and of the (untied) LM head. Replicated on every rank,
