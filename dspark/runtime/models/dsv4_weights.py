@@ -75,8 +75,9 @@ _HF_TOP = {
     "hc_head.hc_scale": "hc_head.scale",
 }
 
-# the release's names inside a layer -> DSV4Layer's (experts.E.* are stacked separately)
-_RELEASE_LAYER = {
+# the release's names inside a layer -> DSV4Layer's (experts.E.* are stacked separately); the draft
+# stages' layers (mtp.{i}.*) use them too
+RELEASE_LAYER_NAMES = {
     "attn_norm.weight": "attn_norm",
     "ffn_norm.weight": "ffn_norm",
     "attn.wq_a.weight": "wq_a",
@@ -125,7 +126,7 @@ _RELEASE_TOP = {
 }
 _DRAFT_STAGE = re.compile(r"(^|\.)mtp\.")
 _TOP = {**_HF_TOP, **_RELEASE_TOP}
-_LAYER = {**_HF_LAYER, **_RELEASE_LAYER}
+_LAYER = {**_HF_LAYER, **RELEASE_LAYER_NAMES}
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 
