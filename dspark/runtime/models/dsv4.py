@@ -72,8 +72,9 @@ replays only the first ``accepted`` of them onto the state before the step, so e
 by rejected rows never exist. For the result to be *bitwise* the state of target-only decoding, every
 computation a row's writes depend on must not depend on how many rows share the step: linear layers are an
 elementwise product and a sum over the input (a BLAS GEMM picks other kernels for 1 row than for 5), each
-row's attention and top-k run on that row's own key list, and transcendental element-wise ops (SiLU) run on
-one row at a time, so a vectorised main loop and a scalar tail always split a row the same way.
+row's attention and top-k run on that row's own key list, and transcendental element-wise ops (SiLU, exp)
+run in fixed tiles (`dsv4_ops.tiled`), so a vectorised main loop and a scalar tail never split elements by
+how many rows there are.
 """
 
 from __future__ import annotations
@@ -94,7 +95,6 @@ from dspark.runtime.models.dsv4_ops import (
     quantize_int8,
     rms_norm,
     row_linear,
-    rowwise_silu,
     swiglu,
 )
 
@@ -405,11 +405,8 @@ class DSV4Layer(nn.Module):
 
     def mlp_partial(self, x: Tensor) -> Tensor:
         """This rank's partial dense-MLP product of x [L, dim] (its w1/w3 columns, w2 rows) -> [L, dim]."""
-        if self.cfg.swiglu_limit:
-            return row_linear(swiglu(row_linear(x, self.w1), row_linear(x, self.w3), self.cfg.swiglu_limit),
-                              self.w2)
-        gated = rowwise_silu(row_linear(x, self.w1)) * row_linear(x, self.w3)
-        return row_linear(gated, self.w2)
+        return row_linear(swiglu(row_linear(x, self.w1), row_linear(x, self.w3), self.cfg.swiglu_limit),
+                          self.w2)
 
     # -- pieces for other paths (dspark.runtime.dsv4.paged), the same math as step -----------------------
     def attn_inputs(self, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Mixes | None]:

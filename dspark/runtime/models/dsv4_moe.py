@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dspark.runtime.models.dsv4_ops import row_linear, row_softmax, swiglu, tiled
+from dspark.runtime.models.dsv4_ops import ordered_sum, row_linear, row_softmax, swiglu, tiled
 
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
@@ -72,7 +72,7 @@ class MoE(nn.Module):
         super().__init__()
         if score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS} (got {score_func!r})")
-        self.n_experts, self.topk, self.hashed = n_experts, topk, hashed
+        self.n_experts, self.topk = n_experts, topk
         self.score_func, self.route_scale, self.swiglu_limit = score_func, route_scale, swiglu_limit
         self.gate = Gate(n_experts, dim, topk, vocab_size, hashed)
         self.experts = Experts(n_experts, dim, inter_dim)
@@ -127,10 +127,7 @@ class MoE(nn.Module):
     @staticmethod
     def combine(slots: Tensor) -> Tensor:
         """[L, k, dim] slot outputs -> [L, dim], added slot by slot (ascending expert id) from zero."""
-        total = torch.zeros_like(slots[:, 0])
-        for j in range(slots.shape[1]):
-            total = total + slots[:, j]
-        return total
+        return ordered_sum(list(slots.unbind(1)))
 
     def expert(self, x: Tensor, local: int) -> Tensor:
         w = self.experts

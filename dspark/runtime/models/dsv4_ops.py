@@ -10,6 +10,7 @@ handful of streams or experts are written out in a fixed order.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +31,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     return x if weight is None else x * weight
 
 
-def rowwise_silu(x: Tensor) -> Tensor:
-    # x [L, n]: one row per call, so vectorised lanes and the scalar tail split every row alike
-    return torch.stack([F.silu(row) for row in x]) if x.shape[0] else x
-
-
-def tiled(fn, x: Tensor) -> Tensor:  # noqa: ANN001 - an elementwise torch function
+def tiled(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """`fn(x)` for an elementwise transcendental, every element in a full vector iteration."""
     return lanewise(fn, x, SMALL_ELEMENT_TILE) if x.numel() else x
 
