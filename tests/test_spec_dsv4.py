@@ -130,6 +130,15 @@ def test_geometry_refusals_point_at_their_field(dsv4_spec, field, value, fragmen
     assert "Dsv4Geometry" not in issue.message  # the path names the field
 
 
+def test_a_refusal_of_a_field_sharing_a_config_key_points_at_that_field(dsv4_spec):
+    # ffn and n_routed_experts are both read from config.json's n_routed_experts
+    spec = dsv4_spec(geometry={**DSV4_GEOMETRY, "n_routed_experts": 8})
+    issue = only_issue(spec)
+    assert issue.path == ("model", "geometry", "ffn")
+    assert issue.message == "ffn is dense with routed experts or hash layers", issue.message
+    assert issue.location.line == line_of(spec, "ffn:")
+
+
 def test_a_typo_in_the_geometry_suggests_the_field(dsv4_spec):
     geometry = {("windw" if key == "window" else key): value for key, value in DSV4_GEOMETRY.items()}
     with pytest.raises(SpecError) as info:

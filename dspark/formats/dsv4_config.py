@@ -89,7 +89,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from dspark.formats.hf_config import ConfigFieldError
+from dspark.formats.hf_config import ConfigFieldError, yarn_ramp
 
 DSV4_FAMILY = "dsv4"  # a spec's model.family
 DSV4_MODEL_TYPE = "deepseek_v4"
@@ -139,6 +139,7 @@ DSV4_GEOMETRY_KEYS = {
 # Fields the runtime sets for a backend; the spec and config.json do not carry them.
 DSV4_RUNTIME_FIELDS = ("index_quant",)
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # the MoE's (dspark.runtime.models.dsv4_moe)
+FP8_BLOCK = (128, 128)  # the release's FP8 scale block, rows x columns
 # transformers' DeepseekV4Config defaults for the keys read here that a config.json may leave out.
 DSV4_DEFAULTS: dict[str, Any] = {
     "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "rms_norm_eps": 1e-6, "num_key_value_heads": 1,
@@ -153,7 +154,8 @@ DSV4_IGNORED_KEYS = frozenset({
 })
 # The DSpark stages a checkpoint may carry beside its target (mtp.* tensors, num_nextn_predict_layers of
 # them): their keys describe the draft, not the target's computation, so the target reader accepts them and
-# its weights reader leaves the mtp.* tensors out. dspark does not build those stages as a draft yet.
+# its weights reader leaves the mtp.* tensors out (`dsv4_dspark` reads them; the engine does not draft
+# with them yet).
 DSV4_DRAFT_STAGE_KEYS = frozenset({
     "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
     "dspark_n_routed_experts", "dspark_num_experts_per_tok",
@@ -191,22 +193,23 @@ class Rope:
         half = self.dim // 2
         if self.yarn_factor == 1.0:
             return [self.theta ** (-2.0 * i / self.dim) for i in range(half)]
-        # YaRN (arXiv 2309.00071): pairs that turn more than beta_fast times over the original context keep
-        # their frequency, pairs that turn fewer than beta_slow times are divided by the factor, a linear ramp
-        # between (its ends truncated to whole pairs)
-        def pair_at(turns: float) -> float:
-            rotations = math.log(self.yarn_original_max / (turns * 2 * math.pi))
-            return self.dim * rotations / (2 * math.log(self.theta))
-
-        low = max(math.floor(pair_at(self.yarn_beta_fast)), 0)
-        high = min(math.ceil(pair_at(self.yarn_beta_slow)), self.dim - 1)
-        span = (high - low) if high != low else 0.001
+        low, high = yarn_ramp(self.dim, self.theta, self.yarn_original_max, self.yarn_beta_fast,
+                              self.yarn_beta_slow)
+        span = high - low
         out = []
         for i in range(half):
             base = self.theta ** (-2.0 * i / self.dim)
             keep = 1.0 - min(max((i - low) / span, 0.0), 1.0)
             out.append(base / self.yarn_factor * (1.0 - keep) + base * keep)
         return out
+
+
+class GeometryFieldError(ConfigFieldError):
+    """A `Dsv4Geometry` field's value refused: named by the config.json key it is read from, and `field`."""
+
+    def __init__(self, field: str, problem: str, hint: str) -> None:
+        super().__init__(DSV4_GEOMETRY_KEYS[field], f"{problem} (Dsv4Geometry.{field})", hint)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -259,7 +262,7 @@ class Dsv4Geometry:
 
     def __post_init__(self) -> None:
         def fail(name: str, problem: str, hint: str) -> None:
-            raise ConfigFieldError(DSV4_GEOMETRY_KEYS[name], f"{problem} (Dsv4Geometry.{name})", hint)
+            raise GeometryFieldError(name, problem, hint)
 
         zero_ok = ("rope_original_max_position", "n_routed_experts", "n_activated_experts", "n_hash_layers",
                    "hc_mult", "o_groups", "o_lora_rank")
@@ -516,13 +519,14 @@ def _features(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
         raise ConfigFieldError("swiglu_limit", f"is {limit!r}, not a number >= 0", "write a number or null")
     out["swiglu_limit"] = float(limit or 0.0)
     out.update(_moe(cfg, layers))
-    if cfg.get("hc_mult", 4) is None:
+    if cfg.get("hc_mult", DSV4_DEFAULTS["hc_mult"]) is None:
         out["hc_mult"] = 0  # the reference's plain residual: only null turns the streams off
     else:
         out["hc_mult"] = _int(cfg, "hc_mult", 1)
         out["hc_sinkhorn_iters"] = _int(cfg, "hc_sinkhorn_iters", 1)
         out["hc_eps"] = _number(cfg, "hc_eps")
-    groups, rank = cfg.get("o_groups", 8), cfg.get("o_lora_rank", 1024)
+    groups = cfg.get("o_groups", DSV4_DEFAULTS["o_groups"])
+    rank = cfg.get("o_lora_rank", DSV4_DEFAULTS["o_lora_rank"])
     if (groups is None) != (rank is None):
         raise ConfigFieldError("o_lora_rank" if groups is None else "o_groups",
                                "is set and the other is null",
@@ -541,7 +545,7 @@ def fp8_block(cfg: dict[str, Any]) -> tuple[int, int]:
     scales, dynamic activations, FP8 or FP4 experts; anything else is refused naming the key."""
     quant = cfg.get("quantization_config")
     if quant is None:
-        return (128, 128)
+        return FP8_BLOCK
     if not isinstance(quant, dict):
         raise ConfigFieldError("quantization_config", f"is {quant!r}, not an object", "write it as an object")
     where = "quantization_config"
@@ -556,7 +560,7 @@ def fp8_block(cfg: dict[str, Any]) -> tuple[int, int]:
     if extra:
         raise ConfigFieldError(f"{where}.{extra[0]}", "is not a key of DeepSeek-V4's FP8 layout",
                                "remove it, or use an unquantised checkpoint")
-    block = quant.get("weight_block_size", [128, 128])
+    block = quant.get("weight_block_size", list(FP8_BLOCK))
     if not isinstance(block, list) or len(block) != 2 or not all(_int_at_least(b, 1) for b in block):
         raise ConfigFieldError(f"{where}.weight_block_size", f"is {block!r}, not two positive integers",
                                "write it as [rows, columns], [128, 128] in the release")
@@ -570,7 +574,7 @@ def _moe(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     width = _ffn_width(cfg)
     if experts is None or experts == 0:
         return {"ffn": "dense", "inter_dim": _int(cfg, "n_shared_experts", 1) * width}
-    shared = cfg.get("n_shared_experts", 1)
+    shared = cfg.get("n_shared_experts", DSV4_DEFAULTS["n_shared_experts"])
     if shared != 1:
         raise ConfigFieldError("n_shared_experts", f"is {shared!r}; DeepSeek-V4 has one shared expert of "
                                "moe_intermediate_size (transformers builds exactly one)",
@@ -770,7 +774,7 @@ def _yarn(cfg: dict[str, Any], params: Any, key: str) -> dict[str, Any]:
         raise ConfigFieldError(f"{key}.factor", f"is {factor!r}, not a number >= 1", "write the YaRN factor")
     out = {"rope_factor": float(factor), "rope_original_max_position": original}
     for field, name in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow")):
-        if params.get(name) is not None:  # transformers: absent or 0 means the default (32, 1)
+        if params.get(name) is not None:  # absent or null: transformers' default (32, 1)
             out[field] = _number(params, name, f"{key}.{name}")
     return out
 

@@ -91,6 +91,22 @@ class RopeScaling:
 ROPE_SCALING_FIELDS = tuple(f.name for f in fields(RopeScaling))
 
 
+def yarn_ramp(dim: int, theta: float, original_max: int, beta_fast: float, beta_slow: float,
+              truncate: bool = True) -> tuple[float, float]:
+    """YaRN's (arXiv 2309.00071) ramp over the rotated pairs -> its ends (low, high): pairs below `low` turn
+    more than beta_fast times over the original context and keep their frequency, pairs from `high` on turn
+    fewer than beta_slow times and are interpolated; `truncate` rounds the ends outwards to whole pairs. Never
+    zero-width, as transformers."""
+    def pair_at(turns: float) -> float:
+        return dim * math.log(original_max / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair_at(beta_fast), pair_at(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    return low, (high + 0.001 if low == high else high)
+
+
 class ConfigFieldError(ValueError):
     """A config.json key with a value dspark does not implement (or cannot read)."""
 

@@ -23,9 +23,9 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from dspark.backends import ATTENTION_BY_BACKEND, default_attention
-from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_GEOMETRY_KEYS, Dsv4Geometry
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry, GeometryFieldError
 from dspark.formats.fields import FieldValueError, IntTuple, Section, strictly_increasing
-from dspark.formats.hf_config import FAMILIES, ConfigFieldError, RopeScaling
+from dspark.formats.hf_config import FAMILIES, RopeScaling
 from dspark.modes import SpeculationOff, VerifyMode
 from dspark.spec.tables import CalibrationSpec, CostModelSpec
 
@@ -212,7 +212,7 @@ class Dsv4GeometrySpec(Section):
     def _valid_geometry(self) -> Dsv4GeometrySpec:
         try:
             self.geometry()
-        except ConfigFieldError as exc:
+        except GeometryFieldError as exc:
             raise _at_field(self, exc) from None
         return self
 
@@ -223,14 +223,10 @@ class Dsv4GeometrySpec(Section):
 
 # The geometry a resolved spec compiles: a dense section, or DeepSeek-V4's (the runtime's own class).
 TargetGeometry = GeometrySpec | Dsv4Geometry
-# Dsv4Geometry's errors name the config.json key of the field they concern.
-_DSV4_FIELD_OF_KEY = {key: field for field, key in DSV4_GEOMETRY_KEYS.items()}
-
-
-def _at_field(section: Dsv4GeometrySpec, exc: ConfigFieldError) -> ValidationError:
+def _at_field(section: Dsv4GeometrySpec, exc: GeometryFieldError) -> ValidationError:
     """`Dsv4Geometry`'s refusal as an error of the field it concerns, so the spec loader points at the
     line that field is written on."""
-    field = _DSV4_FIELD_OF_KEY[exc.key]
+    field = exc.field
     problem = exc.problem.removesuffix(f" (Dsv4Geometry.{field})")
     error = FieldValueError(f"{field} {problem}", exc.hint)
     return ValidationError.from_exception_data(type(section).__name__, [InitErrorDetails(

@@ -79,24 +79,21 @@ def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
     heads_tp = tp // parallelism.dp if dp_attention else tp
     if isinstance(geometry, Dsv4Geometry):
         # DeepSeek-V4's one latent K=V head is read by every query head: each rank keeps a copy.
+        what = f"the attention TP size tp / dp = {heads_tp}" if dp_attention else f"tp {tp}"
+        knob = "tp / dp" if dp_attention else "tp"
         if geometry.num_heads % heads_tp:
-            valid = [d for d in range(1, geometry.num_heads + 1) if geometry.num_heads % d == 0]
-            what = f"the attention TP size tp / dp = {heads_tp}" if dp_attention else f"tp {tp}"
             yield SpecIssue(("parallelism", "tp"), f"{what} does not divide n_heads ({geometry.num_heads})",
                             f"every rank needs whole query heads (the latent K=V head is replicated); "
-                            f"use {'tp / dp' if dp_attention else 'tp'} in {valid}")
+                            f"use {knob} in {_divisors(geometry.num_heads)}")
         elif geometry.o_groups and geometry.o_groups % heads_tp:
-            valid = [d for d in range(1, geometry.o_groups + 1) if geometry.o_groups % d == 0]
-            what = f"the attention TP size tp / dp = {heads_tp}" if dp_attention else f"tp {tp}"
             yield SpecIssue(("parallelism", "tp"), f"{what} does not divide o_groups ({geometry.o_groups})",
                             "every rank projects whole groups of heads (the grouped output projection); use "
-                            f"{'tp / dp' if dp_attention else 'tp'} in {valid}, or DP attention over more "
+                            f"{knob} in {_divisors(geometry.o_groups)}, or DP attention over more "
                             "ranks with a smaller attention TP size")
         return
     if geometry is None or (geometry.num_heads % heads_tp == 0 and geometry.num_kv_heads % heads_tp == 0):
         return
-    common = math.gcd(geometry.num_heads, geometry.num_kv_heads)
-    valid = [d for d in range(1, common + 1) if common % d == 0]
+    valid = _divisors(math.gcd(geometry.num_heads, geometry.num_kv_heads))
     if dp_attention:
         yield SpecIssue(("parallelism", "tp"),
                         f"the attention TP size tp / dp = {heads_tp} does not divide num_heads "
@@ -107,6 +104,10 @@ def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
                     f"tp {tp} does not divide num_heads ({geometry.num_heads}) and num_kv_heads "
                     f"({geometry.num_kv_heads})",
                     f"every rank needs whole heads; use tp in {valid}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_expert_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
@@ -129,9 +130,9 @@ def check_expert_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
                         f"set ep: {parallelism.tp} (the experts over every rank; with dp > 1 use "
                         "dp_attention), or ep: 1")
     elif geometry.n_routed_experts % ep:
-        valid = [d for d in range(1, geometry.n_routed_experts + 1) if geometry.n_routed_experts % d == 0]
-        yield SpecIssue(where, f"ep {ep} does not divide n_routed_experts ({geometry.n_routed_experts})",
-                        f"every rank holds whole experts; use tp = ep in {valid}")
+        experts = geometry.n_routed_experts
+        yield SpecIssue(where, f"ep {ep} does not divide n_routed_experts ({experts})",
+                        f"every rank holds whole experts; use tp = ep in {_divisors(experts)}")
 
 
 def check_dp_attention(facts: SpecFacts) -> Iterator[SpecIssue]:

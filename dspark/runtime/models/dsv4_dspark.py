@@ -35,13 +35,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dspark.formats.dsv4_config import Dsv4Geometry
+from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
 from dspark.formats.hf_config import ConfigFieldError
 from dspark.runtime.models.dsv4 import DSV4Layer, DSV4Model
 from dspark.runtime.models.dsv4_hyper import HyperHead
 from dspark.runtime.models.dsv4_ops import apply_rope, rms_norm, row_linear
-from dspark.runtime.models.dsv4_quant import FP8_BLOCK, Dsv4QuantError, dequantize_state
-from dspark.runtime.models.dsv4_weights import RELEASE_LAYER_NAMES, Dsv4WeightsError
+from dspark.runtime.models.dsv4_quant import Dsv4QuantError, dequantize_state
+from dspark.runtime.models.dsv4_weights import (
+    EXPERT_KEY,
+    RELEASE_LAYER_NAMES,
+    Dsv4WeightsError,
+    is_draft_stage,
+)
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,6 @@ _STAGE = re.compile(r"mtp\.(\d+)\.(.+)")
 _HEADS = {"norm.weight": "norm", "hc_head_fn": "hc_head.fn", "hc_head_base": "hc_head.base",
           "hc_head_scale": "hc_head.scale", "markov_head.markov_w1.weight": "markov_w1",
           "markov_head.markov_w2.weight": "markov_w2", "confidence_head.proj.weight": "confidence"}
-_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
 
 
 def load_dsv4_dspark(stages: Dsv4DSparkStages, state: dict[str, Tensor],
@@ -164,7 +168,7 @@ def load_dsv4_dspark(stages: Dsv4DSparkStages, state: dict[str, Tensor],
     """The `mtp.{i}.*` tensors of a checkpoint (dequantised as the target's are) into `stages`; missing,
     extra and misshapen ones refused by name. Tensors outside `mtp.` are the target's and left alone."""
     try:
-        mtp = {n: t for n, t in state.items() if n.removeprefix("model.").startswith("mtp.")}
+        mtp = {n: t for n, t in state.items() if is_draft_stage(n)}
         state = dequantize_state(mtp, fp8_block)
     except Dsv4QuantError as exc:
         raise Dsv4WeightsError(str(exc)) from None
@@ -181,7 +185,7 @@ def load_dsv4_dspark(stages: Dsv4DSparkStages, state: dict[str, Tensor],
             out[_HEADS[rest]] = tensor
         elif 0 <= i <= last and rest in RELEASE_LAYER_NAMES:
             out[f"layers.{i}.{RELEASE_LAYER_NAMES[rest]}"] = tensor
-        elif 0 <= i <= last and (expert := _EXPERT.fullmatch(rest)) is not None:
+        elif 0 <= i <= last and (expert := EXPERT_KEY.fullmatch(rest)) is not None:
             experts.setdefault((i, expert.group(2)), {})[int(expert.group(1))] = tensor
         else:
             extra.append(name)
@@ -196,4 +200,4 @@ def load_dsv4_dspark(stages: Dsv4DSparkStages, state: dict[str, Tensor],
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise Dsv4WeightsError(f"draft stages: {name} has shape {list(tensor.shape)}, the config needs "
                                    f"{list(expected[name].shape)}")
-    stages.load_state_dict({n: t.to(expected[n].dtype) for n, t in out.items()}, strict=True)
+    stages.load_state_dict(out, strict=True)

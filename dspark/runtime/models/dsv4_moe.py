@@ -23,9 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dspark.formats.dsv4_config import SCORE_FUNCS
 from dspark.runtime.models.dsv4_ops import ordered_sum, row_linear, row_softmax, swiglu, tiled
-
-SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
 class ExpertSlots(Protocol):

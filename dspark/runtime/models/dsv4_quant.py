@@ -24,11 +24,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-FP8_BLOCK = (128, 128)
+from dspark.formats.dsv4_config import FP8_BLOCK
+
 FP4_GROUP = 32
 # e2m1: sign, two exponent bits (bias 1), one mantissa bit; codes 0..7 positive, 8..15 their negatives
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+# every tensor a quantised weight brings beside it
+_QUANT_SUFFIXES = (*_SCALE_SUFFIXES, ".weight_scale", ".weight_offset")
 _W8A8_STATIC = (".input_scale", ".input_offset", ".deq_scale", ".quant_bias")
 
 
@@ -114,10 +117,10 @@ def dequantize_state(state: dict[str, Tensor], fp8_block: Sequence[int] = FP8_BL
             out[name] = dequant_fp4(tensor, state[scales[0]], name)
         elif scales or w8a8:
             raise Dsv4QuantError(f"{name}: a {tensor.dtype} weight with quantisation scales")
-        for key in (*scales, stem + ".weight_scale", stem + ".weight_offset"):
-            out.pop(key, None)
-    orphans = sorted(n for n in out if n.endswith((*_SCALE_SUFFIXES, ".weight_scale", ".weight_offset"))
-                     and n.rsplit(".", 1)[0] + ".weight" not in state and not _is_hc_scale(n))
+        for suffix in _QUANT_SUFFIXES:
+            out.pop(stem + suffix, None)
+    # every scale of a weight present was dropped above: those left have no weight
+    orphans = sorted(n for n in out if n.endswith(_QUANT_SUFFIXES) and not _is_hc_scale(n))
     if orphans:
         raise Dsv4QuantError(f"{orphans[0]}: a scale without its weight")
     return out

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dspark.formats.dsv4_config import Dsv4Geometry
+from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
 from dspark.runtime.models.dsv4 import DSV4Model
-from dspark.runtime.models.dsv4_quant import FP8_BLOCK, Dsv4QuantError, dequantize_state
+from dspark.runtime.models.dsv4_quant import Dsv4QuantError, dequantize_state
 
 
 class Dsv4WeightsError(ValueError):
@@ -124,11 +124,15 @@ _RELEASE_TOP = {
     "hc_head_base": "hc_head.base",
     "hc_head_scale": "hc_head.scale",
 }
-_DRAFT_STAGE = re.compile(r"(^|\.)mtp\.")
 _TOP = {**_HF_TOP, **_RELEASE_TOP}
 _LAYER = {**_HF_LAYER, **RELEASE_LAYER_NAMES}
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")
+EXPERT_KEY = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")  # one expert's matrix, by the release
+
+
+def is_draft_stage(name: str) -> bool:
+    """A tensor of the DSpark stages a checkpoint carries beside its target (`mtp.{i}.*`): `dsv4_dspark`'s."""
+    return name.removeprefix("model.").startswith("mtp.")
 
 
 def dsv4_state_dict(state: dict[str, Tensor], cfg: Dsv4Geometry) -> dict[str, Tensor]:
@@ -140,7 +144,7 @@ def dsv4_state_dict(state: dict[str, Tensor], cfg: Dsv4Geometry) -> dict[str, Te
     experts: dict[tuple[int, str], dict[int, Tensor]] = {}
     extra = []
     for name in sorted(state):
-        if _DRAFT_STAGE.search(name):
+        if is_draft_stage(name):
             continue  # the draft stages are the draft reader's
         tensor = state[name]
         key = name.removeprefix("model.")
@@ -157,7 +161,7 @@ def dsv4_state_dict(state: dict[str, Tensor], cfg: Dsv4Geometry) -> dict[str, Te
         elif rest == "mlp.experts.gate_up_proj":
             gate, up = tensor.chunk(2, dim=1)  # [E, 2 * inter, dim]: the gate's rows, then up's
             out[f"layers.{layer}.ffn.experts.w1"], out[f"layers.{layer}.ffn.experts.w3"] = gate, up
-        elif (expert := _EXPERT.fullmatch(rest)) is not None:
+        elif (expert := EXPERT_KEY.fullmatch(rest)) is not None:
             experts.setdefault((layer, expert.group(2)), {})[int(expert.group(1))] = tensor
         else:
             extra.append(name)
@@ -180,7 +184,7 @@ def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor],
     `model`, refusing a missing, extra or misshapen one by name; hash-routing tables must name
     n_activated_experts distinct experts per token."""
     try:
-        state = dequantize_state(state, fp8_block)
+        state = dequantize_state({n: t for n, t in state.items() if not is_draft_stage(n)}, fp8_block)
     except Dsv4QuantError as exc:
         raise Dsv4WeightsError(str(exc)) from None
     mapped = dsv4_state_dict(state, model.cfg)
@@ -203,5 +207,4 @@ def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor],
                     ids.sort(-1).values.diff(dim=-1) == 0).any():
                 raise Dsv4WeightsError(f"{name}: every token must name distinct experts in "
                                        f"0..{model.cfg.n_routed_experts - 1}")
-    with torch.no_grad():
-        model.load_state_dict({n: t.to(expected[n].dtype) for n, t in mapped.items()}, strict=True)
+    model.load_state_dict(mapped, strict=True)  # copy_ casts to each parameter's dtype

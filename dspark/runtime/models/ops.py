@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from dspark.formats.hf_config import RopeScaling
+from dspark.formats.hf_config import RopeScaling, yarn_ramp
 from dspark.runtime.attention.metadata import KV_CHUNK, PAIR_TILE
 from dspark.runtime.kernels import rms_norm as rms_norm_kernels
 
@@ -393,18 +393,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = 
     # dimensions that rotate beta_slow and beta_fast times over the original context
     assert kind == "yarn" and scaling.original_max_position_embeddings and scaling.attention_factor
     assert scaling.beta_fast and scaling.beta_slow
-    dim, original = head_dim, scaling.original_max_position_embeddings
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
-    if scaling.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no zero-width ramp
-    ramp = torch.arange(dim // 2, dtype=torch.float32, device=device)
+    low, high = yarn_ramp(head_dim, theta, scaling.original_max_position_embeddings, scaling.beta_fast,
+                          scaling.beta_slow, bool(scaling.truncate))
+    ramp = torch.arange(head_dim // 2, dtype=torch.float32, device=device)
     ramp = torch.clamp((ramp - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp
     interpolated = 1.0 / (scaling.factor * base)
