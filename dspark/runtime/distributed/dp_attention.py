@@ -21,7 +21,7 @@ rows, sinks, wo columns, wo row-parallel) over `groups.attention`, with the K=V 
 indexer replicated on each of them as under plain tensor parallelism (`shard_dsv4_target`); its MLP
 (w1 / w3 rows, w2 columns) and its vocabulary over `groups.world`, the embedding and the LM head wrapped as
 the dense ones are (`DPGatheredVocab`). Its layers keep their weights as tensors, so a layer becomes a
-`DPAttentionDsv4Layer`, whose `mlp_rows` runs the MLP on the rows gathered across `dp` (wo's partial
+`DPAttentionDsv4Layer`, whose `dense_rows` runs the MLP on the rows gathered across `dp` (wo's partial
 products are summed over the attention ranks by the layer's own `partial_sum`).
 
 Row invariance on the CPU (`tensor_parallel`) holds here too: the gather only concatenates rows, the
@@ -39,7 +39,6 @@ import torch.distributed as dist
 from torch import nn
 
 from dspark.runtime.distributed.tensor_parallel import (
-    COMM_CLOCK,
     PartialSum,
     TPGroup,
     VocabParallelEmbedding,
@@ -47,6 +46,8 @@ from dspark.runtime.distributed.tensor_parallel import (
     check_dsv4_heads_split,
     check_heads_split,
     dense_target,
+    gather_rows,
+    own_rows,
     shard_attention,
     shard_dense_target,
     shard_dsv4_heads,
@@ -107,22 +108,6 @@ class DPAttentionGroups:
         return cls(TPGroup.of(dist.group.WORLD), attention, dp_group, dp_rank)
 
 
-def gather_rows(x: torch.Tensor, dp: TPGroup) -> torch.Tensor:
-    """`[n, ...]` on each DP rank -> `[dp.size · n, ...]`, DP rank 0's rows first, on every rank."""
-    if dp.size == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(dp.size)]
-    with COMM_CLOCK.timed():
-        dist.all_gather(parts, x, group=dp.group)
-    return torch.cat(parts)
-
-
-def own_rows(x: torch.Tensor, n: int, dp: TPGroup) -> torch.Tensor:
-    """This DP rank's `[n, ...]` of gathered `[dp.size · n, ...]` rows."""
-    return x if dp.size == 1 else x[dp.rank * n:(dp.rank + 1) * n]
-
-
 class DPGatheredVocab(nn.Module):
     """A world-parallel embedding or LM head under DP attention: this DP rank's ids `[n, ...]` (or
     residual rows `[n, ..., d]`) are gathered across `dp`, the module runs on all of them, and this DP
@@ -168,19 +153,16 @@ class DPAttentionDsv4Layer(DSV4Layer):
 
     A `DSV4Layer` becomes one in place (`shard_dp_attention_target` sets its class and the two attributes):
     everything else, the paged and the device backends' calls included, is the layer's own, and both reach
-    the MLP through `output_rows` -> `mlp_rows`."""
+    the dense MLP through `output_rows` -> `mlp_rows` -> `dense_rows`."""
 
     mlp_sum: PartialSum
     dp: TPGroup
 
-    def mlp_rows(self, x: torch.Tensor, tokens: torch.Tensor | None = None,
-                 static_shapes: bool = False) -> torch.Tensor:
-        """The MLP on the gathered rows: x [n, dim] of this DP rank -> its [n, dim]. The products are the
-        base class's (`mlp_partial`), on every DP rank's rows, summed over the world in rank order. An MoE
-        runs on this DP rank's own rows: whole, or with its experts over the world (expert parallelism
-        dispatches the rows)."""
-        if self.ffn is not None:
-            return self.ffn(x, tokens, static_shapes)
+    def dense_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense MLP on the gathered rows: x [n, dim] of this DP rank -> its [n, dim]. The products are
+        the base class's (`mlp_partial`), on every DP rank's rows, summed over the world in rank order. (An
+        MoE runs on this DP rank's own rows: whole, or with its experts over the world, expert parallelism
+        dispatching the rows.)"""
         gathered = gather_rows(x, self.dp)  # [dp · n, dim]
         return own_rows(self.mlp_sum(self.mlp_partial(gathered)), x.shape[0], self.dp)
 
@@ -196,7 +178,7 @@ def shard_dsv4_dp_attention(model: Dsv4ForCausalLM, groups: DPAttentionGroups) -
     if groups.dp.size == 1:
         shard_dsv4_target(model, groups.world)
         return
-    check_dsv4_heads_split(cfg.n_heads, groups.attention)
+    check_dsv4_heads_split(cfg.n_heads, groups.attention, cfg.o_groups)
     ref = model.model
     embed, head = shard_dsv4_vocab(model, groups.world)
     ref.vocab_embed = DPGatheredVocab(embed, groups.dp)

@@ -9,14 +9,15 @@ and the shared expert stay whole on every rank). A layer's MoE routes its rows a
   for all rows, and the slot outputs are all-gathered; a slot's output is taken from its expert's rank;
 * **rows differing per rank** (DP attention: a DP rank holds only its requests' rows, every rank the step's
   global tier of them, padding rows routed with their token's valid ids like any other),
-  `DispatchedExperts`: each (row, slot) is sent to its expert's rank with its weight and expert id
+  `DispatchedExperts`: each (row, slot) is sent to its expert's rank with its expert id
   (`all_to_all_single` with per-rank counts, the counts exchanged first: the step's shapes agreed), the
-  receiving rank runs its experts on what it received and sends the weighted outputs back the same way. A
+  receiving rank runs its experts on what it received and sends the outputs back the same way, where the
+  sending rank weights them. A
   DP rank's attention ranks hold the same rows: each dispatches its share of them, and the shares' slot
   outputs are all-gathered among them.
 
 Either way a slot's output is its expert's SwiGLU of that row alone, times its weight, and `MoE.combine`
-adds a row's slots in ascending expert id from zero: the bits of one process, whatever rows or ranks share
+adds a row's slots in ascending expert id: the bits of one process, whatever rows or ranks share
 the step. Padding rows' outputs are computed and discarded by the engine as one process's are. DeepEP's
 dispatch and combine would replace the all-to-all on GPUs where it is installed; it is not used here (not
 installed). The all-to-all reads its counts on the host, so device backends that capture graphs take the
@@ -30,7 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dspark.runtime.distributed.tensor_parallel import COMM_CLOCK, TPGroup, frozen_param
+from dspark.runtime.distributed.tensor_parallel import (
+    COMM_CLOCK,
+    TPGroup,
+    frozen_param,
+    gather_rows,
+    own_rows,
+)
 from dspark.runtime.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.models.dsv4_moe import MoE
 
@@ -56,13 +63,10 @@ class ReplicatedRowsExperts:
 def _from_owners(local: Tensor, ids: Tensor, held: int, ep: TPGroup) -> Tensor:
     """Every rank's slot outputs [L, k, dim] for the same rows, all-gathered: each slot from its expert's
     rank."""
-    parts = [torch.empty_like(local) for _ in range(ep.size)]
-    with COMM_CLOCK.timed():
-        dist.all_gather(parts, local.contiguous(), group=ep.group)
+    every = gather_rows(local, ep).view(ep.size, *local.shape)  # [ep, L, k, dim]
     owner = ids // held  # [L, k]: the rank holding each slot's expert
-    rows, slots = torch.meshgrid(torch.arange(ids.shape[0], device=ids.device),
-                                 torch.arange(ids.shape[1], device=ids.device), indexing="ij")
-    return torch.stack(parts)[owner, rows, slots]
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+    return every[owner, rows, torch.arange(ids.shape[1], device=ids.device)]
 
 
 class DispatchedExperts:
@@ -94,10 +98,7 @@ class DispatchedExperts:
         part = self._dispatched(moe, x[mine], ids[mine], weights[mine])  # [rows of this share, k, dim]
         padded = part.new_zeros(per, *part.shape[1:])
         padded[: part.shape[0]] = part
-        parts = [torch.empty_like(padded) for _ in range(share.size)]
-        with COMM_CLOCK.timed():
-            dist.all_gather(parts, padded, group=share.group)
-        return torch.cat(parts)[:n_rows]
+        return gather_rows(padded, share)[:n_rows]
 
     def _dispatched(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         n_rows, k = ids.shape
@@ -109,38 +110,23 @@ class DispatchedExperts:
         with COMM_CLOCK.timed():
             dist.all_to_all_single(their, counts, group=self.ep.group)
         send_counts, recv_counts = counts.tolist(), their.tolist()
-        rows = order // k
-        got_x = self._exchange(x[rows], send_counts, recv_counts)
+        got_x = self._exchange(x[order // k], send_counts, recv_counts)
         got_ids = self._exchange(ids.flatten()[order], send_counts, recv_counts)
-        got_w = self._exchange(weights.flatten()[order], send_counts, recv_counts)
-        out = got_x.new_zeros(got_x.shape)
-        first = moe.experts.expert_offset
-        for e in range(first, first + held):
-            mine = torch.nonzero(got_ids == e, as_tuple=True)[0]
-            if mine.numel():
-                out[mine] = moe.expert(got_x[mine], e - first) * got_w[mine, None]
+        # the received pairs as one slot each; weighted here by 1, on the sending rank by their weight
+        out = moe.slot_outputs(got_x, got_ids[:, None], torch.ones_like(got_x[:, :1]))[:, 0]
         back = self._exchange(out, recv_counts, send_counts)  # in the order the pairs were sent
         slots = x.new_zeros(n_rows * k, x.shape[-1])
-        slots[order] = back
+        slots[order] = back * weights.flatten()[order][:, None]
         return slots.view(n_rows, k, x.shape[-1])
-
 
     def _gathered(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """The graph-safe path (no host reads, no shape set by the routing; every rank passes the step's
         global tier of rows): every rank's rows all-gathered, this rank's experts run on all of them, the
         slot outputs all-gathered back and this rank's rows' slots taken from their experts' ranks."""
-        n_rows = x.shape[0]
-
-        def gather(t: Tensor) -> Tensor:
-            parts = [torch.empty_like(t) for _ in range(self.ep.size)]
-            with COMM_CLOCK.timed():
-                dist.all_gather(parts, t.contiguous(), group=self.ep.group)
-            return torch.cat(parts)
-
-        all_ids = gather(ids)
-        local = moe.slot_outputs(gather(x), all_ids, gather(weights), static_shapes=True)
-        mine = slice(self.ep.rank * n_rows, (self.ep.rank + 1) * n_rows)
-        return _from_owners(local, all_ids, moe.experts.w1.shape[0], self.ep)[mine]
+        ep = self.ep
+        all_ids = gather_rows(ids, ep)
+        local = moe.slot_outputs(gather_rows(x, ep), all_ids, gather_rows(weights, ep), static_shapes=True)
+        return own_rows(_from_owners(local, all_ids, moe.experts.w1.shape[0], ep), x.shape[0], ep)
 
 
 @torch.no_grad()

@@ -115,6 +115,22 @@ class TPGroup:
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
 
+def gather_rows(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """`[n, ...]` on each rank of `group` -> `[group.size · n, ...]`, rank 0's rows first, on every rank."""
+    if group.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size)]
+    with COMM_CLOCK.timed():
+        dist.all_gather(parts, x, group=group.group)
+    return torch.cat(parts)
+
+
+def own_rows(x: torch.Tensor, n: int, group: TPGroup) -> torch.Tensor:
+    """This rank's `[n, ...]` of `gather_rows`' `[group.size · n, ...]`."""
+    return x if group.size == 1 else x[group.rank * n:(group.rank + 1) * n]
+
+
 def _local_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T (+ bias)` over any leading dimensions, through the row-invariant `ops.linear`."""
     rows = x.reshape(-1, x.shape[-1])  # [N, in]
@@ -369,9 +385,9 @@ def shard_dsv4_heads(layer: DSV4Layer, tp: TPGroup) -> None:
     """Keep rank r's query heads `[r·H/size, (r+1)·H/size)` of one layer: their rows of wq_b (the query
     up-projection from the replicated latent qr), their sinks and their part of the output projection
     (row-parallel: wo's columns, or with groups their wo_a rows and wo_b's columns of those groups);
-    `partial_sum` then adds the projection's partial products over `tp` (None for a group of one)."""
+    `partial_sum` then adds the projection's partial products over `tp` (None for a group of one). The
+    caller has checked the split (`check_dsv4_heads_split`)."""
     cfg = layer.cfg
-    check_dsv4_heads_split(cfg.n_heads, tp, cfg.o_groups)
     heads, hd = cfg.n_heads // tp.size, cfg.head_dim
     h0, h1 = tp.rank * heads, (tp.rank + 1) * heads  # this rank's query heads
     q0, q1 = h0 * hd, h1 * hd  # their wq_b rows, wo columns
@@ -442,7 +458,7 @@ def shard_dsv4_target(model: nn.Module, tp: TPGroup) -> None:
         raise ValueError("the model is already sharded")
     if tp.size == 1:
         return
-    check_dsv4_heads_split(cfg.n_heads, tp)
+    check_dsv4_heads_split(cfg.n_heads, tp, cfg.o_groups)
     ref = model.model
     embed, head = shard_dsv4_vocab(model, tp)
     ref.vocab_embed, ref.vocab_head = embed, head

@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from dspark.runtime.dsv4.target import Dsv4ForCausalLM
 
 
-
 class Dsv4AscendLayers(Dsv4DeviceLayers):
     """DSV4 layers over paged caches on an Ascend NPU (`Dsv4LayerBackend`), attention by the operators.
 

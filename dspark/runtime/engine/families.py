@@ -11,9 +11,14 @@ from typing import Protocol
 import torch
 
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.formats.hf_config import FAMILIES as DENSE_FAMILIES
 from dspark.runtime.attention.metadata import AttentionBackend
-from dspark.runtime.config import DeploymentConfig, ModelGeometry
-from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
+from dspark.runtime.config import MODEL_FAMILIES, DeploymentConfig, ModelGeometry
+from dspark.runtime.distributed.dp_attention import (
+    DPAttentionGroups,
+    shard_dp_attention_target,
+    shard_dsv4_dp_attention,
+)
 from dspark.runtime.distributed.expert_parallel import shard_dsv4_experts
 from dspark.runtime.distributed.launch import Ranks
 from dspark.runtime.distributed.sharded_load import load_sharded_target
@@ -97,15 +102,14 @@ class Dsv4Family:
             return target
         assert isinstance(target, Dsv4ForCausalLM)
         shards = ranks.shards
-        dp_attention = isinstance(shards, DPAttentionGroups) and shards.dp.size > 1
         if isinstance(shards, DPAttentionGroups):
-            shard_dp_attention_target(target, shards)
+            shard_dsv4_dp_attention(target, shards)
+            ep, share, rows_replicated = shards.world, shards.attention, shards.dp.size == 1
         else:
             shard_dsv4_target(target, shards)
+            ep, share, rows_replicated = shards, None, True
         if dep.parallel.ep > 1:
-            ep = shards.world if isinstance(shards, DPAttentionGroups) else shards
-            share = shards.attention if isinstance(shards, DPAttentionGroups) else None
-            shard_dsv4_experts(target, ep, rows_replicated=not dp_attention, share=share)
+            shard_dsv4_experts(target, ep, rows_replicated=rows_replicated, share=share)
         return target
 
     def attention(self, package: GeneratedPackage, target: ServingTarget, device: torch.device
@@ -125,12 +129,13 @@ class Dsv4Family:
         return False  # not handed to a draft yet: a draft of a V4 target carries its own
 
 
-FAMILIES: dict[str, FamilyRuntime] = {"llama": DenseFamily(), "qwen3": DenseFamily(),
-                                       DSV4_FAMILY: Dsv4Family()}
+FAMILY_RUNTIMES: dict[str, FamilyRuntime] = {**{family: DenseFamily() for family in DENSE_FAMILIES},
+                                              DSV4_FAMILY: Dsv4Family()}
+assert set(FAMILY_RUNTIMES) == set(MODEL_FAMILIES), "every family the compiler accepts has a runtime here"
 
 
 def family_runtime(family: str) -> FamilyRuntime:
     try:
-        return FAMILIES[family]
+        return FAMILY_RUNTIMES[family]
     except KeyError:
-        raise ValueError(f"model family {family!r} is not one of {', '.join(FAMILIES)}") from None
+        raise ValueError(f"model family {family!r} is not one of {', '.join(FAMILY_RUNTIMES)}") from None

@@ -302,7 +302,7 @@ Mixes = tuple[Tensor, Tensor]  # a sub-layer's hyper-connection post [L, n] and 
 class DSV4Layer(nn.Module):
     def __init__(self, cfg: Dsv4Geometry, ratio: int, layer_id: int = 0) -> None:
         super().__init__()
-        self.cfg, self.ratio, self.layer_id = cfg, ratio, layer_id
+        self.cfg, self.ratio = cfg, ratio
         self.rope = cfg.rope_for(ratio)
         h, d = cfg.n_heads, cfg.head_dim
         self.attn_norm = nn.Parameter(torch.empty(cfg.dim))
@@ -360,9 +360,11 @@ class DSV4Layer(nn.Module):
         qr = rms_norm(row_linear(x, self.wq_a), self.q_norm, cfg.norm_eps)
         q = row_linear(qr, self.wq_b).unflatten(-1, (self.local_heads, cfg.head_dim))
         q = apply_rope(rms_norm(q, None, cfg.norm_eps), pos.unsqueeze(-1), self.rope)
-        kv = rms_norm(row_linear(x, self.wkv), self.kv_norm, cfg.norm_eps)
-        kv = apply_rope(kv, pos, self.rope)
-        return q, qr, kv
+        return q, qr, self.project_kv(x, pos)
+
+    def project_kv(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x [L, dim] at positions pos [L] -> the latent K=V [L, D], normalised and rotated."""
+        return apply_rope(rms_norm(row_linear(x, self.wkv), self.kv_norm, self.cfg.norm_eps), pos, self.rope)
 
     def _whole(self, partial: Tensor) -> Tensor:
         return partial if self.partial_sum is None else self.partial_sum(partial)
@@ -401,6 +403,11 @@ class DSV4Layer(nn.Module):
         parallelism, else whole on every rank)."""
         if self.ffn is not None:
             return self.ffn(x, tokens, static_shapes)
+        return self.dense_rows(x)
+
+    def dense_rows(self, x: Tensor) -> Tensor:
+        """The dense MLP of normed rows x [L, dim] -> [L, dim], its columns' partial products summed over the
+        tensor-parallel ranks."""
         return self._whole(self.mlp_partial(x))
 
     def mlp_partial(self, x: Tensor) -> Tensor:

@@ -39,7 +39,7 @@ from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
 from dspark.formats.hf_config import ConfigFieldError
 from dspark.runtime.models.dsv4 import DSV4Layer, DSV4Model
 from dspark.runtime.models.dsv4_hyper import HyperHead
-from dspark.runtime.models.dsv4_ops import apply_rope, rms_norm, row_linear
+from dspark.runtime.models.dsv4_ops import rms_norm, row_linear
 from dspark.runtime.models.dsv4_quant import Dsv4QuantError, dequantize_state
 from dspark.runtime.models.dsv4_weights import (
     EXPERT_KEY,
@@ -117,9 +117,7 @@ class Dsv4DSparkStages(nn.Module):
 
     def context_kv(self, main_x: Tensor, positions: Tensor) -> list[Tensor]:
         """Each stage's context K=V [T, head_dim] of committed positions [T]."""
-        eps = self.cfg.stage.norm_eps
-        return [apply_rope(rms_norm(row_linear(main_x, layer.wkv), layer.kv_norm, eps), positions, layer.rope)
-                for layer in self.layers]
+        return [layer.project_kv(main_x, positions) for layer in self.layers]
 
     @torch.no_grad()
     def propose(self, target: DSV4Model, context: list[Tensor], anchor: int, anchor_pos: int,
@@ -134,25 +132,25 @@ class Dsv4DSparkStages(nn.Module):
         tokens = torch.full((gamma,), cfg.noise_token_id, dtype=torch.long)
         tokens[0] = anchor
         pos = anchor_pos + torch.arange(gamma)
-        h = target.embed[tokens].unsqueeze(1).expand(-1, g.hc_mult, -1).contiguous()
+        h = target.embed_tokens(tokens)  # [gamma, hc_mult, dim]: the stages' streams are the target's
         for layer, ctx in zip(self.layers, context, strict=True):
             _, q, _, kv, mixes = layer.attn_inputs(h, pos)
             outs = []
             for i in range(gamma):
-                seen = ctx[max(0, int(pos[i]) - g.window + 1):anchor_pos]  # the window before the block
+                seen = ctx[max(0, anchor_pos + i - g.window + 1):anchor_pos]  # the window before the block
                 outs.append(layer.attend_row(q[i], torch.cat([seen, kv])))
             h = layer.finish_rows(h, torch.stack(outs), pos, tokens, mixes)
         hidden = self.hc_head(h)  # [gamma, dim], pre-norm
         base = row_linear(rms_norm(hidden, self.norm, g.norm_eps), target.head)  # [gamma, V]
-        drafts, logits, prevs = [], [], []
+        drafts, logits = [], []
         prev = anchor
         for k in range(gamma):
-            prevs.append(prev)
             step = base[k] + row_linear(self.markov_w1[prev], self.markov_w2)
             logits.append(step)
             prev = int(step.argmax())
             drafts.append(prev)
-        conf_in = torch.cat([hidden, self.markov_w1[torch.tensor(prevs)]], dim=-1)
+        prevs = torch.tensor([anchor, *drafts[:-1]])  # the token before each draft
+        conf_in = torch.cat([hidden, self.markov_w1[prevs]], dim=-1)
         confidence = row_linear(conf_in, self.confidence).squeeze(-1)
         return torch.tensor(drafts), torch.stack(logits), confidence
 

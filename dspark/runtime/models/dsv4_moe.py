@@ -112,12 +112,12 @@ class MoE(nn.Module):
         experts = self.experts
         first, held = experts.expert_offset, experts.w1.shape[0]
         out = x.new_zeros(*ids.shape, x.shape[-1])
-        for e in range(first, first + held):
-            if static_shapes:
+        if static_shapes:
+            for e in range(first, first + held):
                 y = self.expert(x, e - first)  # [L, dim]
-                for j in range(ids.shape[1]):
-                    out[:, j] = torch.where((ids[:, j] == e)[:, None], y * weights[:, j, None], out[:, j])
-                continue
+                out = torch.where((ids == e)[..., None], y[:, None] * weights[..., None], out)
+            return out
+        for e in range(first, first + held):
             rows, slot = torch.nonzero(ids == e, as_tuple=True)
             if rows.numel():
                 out[rows, slot] = self.expert(x[rows], e - first) * weights[rows, slot, None]
@@ -125,7 +125,7 @@ class MoE(nn.Module):
 
     @staticmethod
     def combine(slots: Tensor) -> Tensor:
-        """[L, k, dim] slot outputs -> [L, dim], added slot by slot (ascending expert id) from zero."""
+        """[L, k, dim] slot outputs -> [L, dim], added slot by slot (ascending expert id)."""
         return ordered_sum(list(slots.unbind(1)))
 
     def expert(self, x: Tensor, local: int) -> Tensor:
