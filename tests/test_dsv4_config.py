@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_geometry
+from dspark.formats.dsv4_config import Dsv4Geometry
+from dspark.formats.dsv4_hf_config import dsv4_geometry
 from dspark.formats.hf_config import ConfigFieldError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +111,7 @@ def test_a_dspark_bearing_config_reads_as_its_target() -> None:
 
 
 def test_the_releases_fp8_quantization_config_reads_with_its_block() -> None:
-    from dspark.formats.dsv4_config import fp8_block
+    from dspark.formats.dsv4_hf_config import fp8_block
 
     quant = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 64],
              "activation_scheme": "dynamic", "expert_dtype": "fp4"}

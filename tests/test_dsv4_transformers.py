@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 transformers = pytest.importorskip("transformers")
 
 from dspark.cli.compile import main as compile_main  # noqa: E402
-from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_geometry  # noqa: E402
+from dspark.formats.dsv4_config import Dsv4Geometry  # noqa: E402
+from dspark.formats.dsv4_hf_config import dsv4_geometry  # noqa: E402
 from dspark.runtime.dsv4.paged import Dsv4PagedCaches, prefill, run_step  # noqa: E402
 from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig  # noqa: E402
 from dspark.runtime.engine.runtime import Runtime  # noqa: E402

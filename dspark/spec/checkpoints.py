@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.digest import DigestError, checkpoint_digest
-from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_MODEL_TYPE, Dsv4Geometry, dsv4_geometry
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.formats.dsv4_hf_config import DSV4_MODEL_TYPE, dsv4_geometry
 from dspark.formats.fields import FieldValueError
 from dspark.formats.hf_config import (
     FAMILIES,

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.dspark_block_config import BlockDraftConfigError
-from dspark.formats.dsv4_config import DSV4_FAMILY, DSV4_MODEL_TYPE, Dsv4Geometry, dsv4_geometry, fp8_block
+from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.formats.dsv4_hf_config import DSV4_MODEL_TYPE, dsv4_geometry, fp8_block
 from dspark.formats.hf_config import ConfigFieldError, family_of_config
 from dspark.runtime.config import DeploymentConfig, ModelGeometry
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
