@@ -7,6 +7,7 @@ ints). `device_only` wraps a step's device arrays so that reading their values o
 graph records what a stream capture would (the operators' launches and the caller's own tensor ops) and
 replays it on the same memory, so a captured tier can be checked after `update_captured` against an eager
 run of the new step. Streams and events only log what is asked of them, in order (`FakeNpu.log`).
+`index_quant_everywhere` makes a CPU package a reference for an Ascend one (its indexer scored int8).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.dsv4 import Dsv4VerifyMetadata
 from dspark.runtime.dsv4.ascend_ops import reference_quant_lightning_indexer, reference_sparse_attn_sharedkv
 
@@ -53,6 +55,14 @@ def device_only(meta: Dsv4VerifyMetadata) -> Dsv4VerifyMetadata:
 
 def plain(x: Any) -> Any:
     return x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else x
+
+
+def index_quant_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backend's model configured as Ascend's (`Dsv4Geometry.for_backend("ascend")`: the lightning
+    indexer scored int8), so a CPU package computes what an Ascend package computes (undone with
+    `monkeypatch`)."""
+    for_backend = Dsv4Geometry.for_backend
+    monkeypatch.setattr(Dsv4Geometry, "for_backend", lambda g, _backend: for_backend(g, "ascend"))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -3,6 +3,12 @@ a small geometry whose C4 and C128-kind (ratio 8) blocks close every few positio
 the steps they run, the forwards through a layer backend and through `paged.layer_forward`, and the checks of
 `Dsv4CudaLayers` that run both on the torch oracle (in pytest) and on the Triton kernel under the interpreter.
 
+The lightning indexer scores in float (`index_quant` False, as CUDA and the CPU run it) unless a function is
+given `index_quant=True` (Ascend's int8 indexer, `Dsv4Geometry.for_backend("ascend")`; also an option of the
+CUDA layers): the model, its prefilled caches and the CPU forward then score int8 queries and keys. Both
+models have the same weights. On the steps of LAYER_STEPS the two scorings choose different entries for some
+rows (tests/test_dsv4_cuda_layers.py asserts it), so a backend that scores the other way fails the checks.
+
 `TRITON_INTERPRET` is read when `triton.jit` decorates a kernel, so run as a script this module sets it before
 importing anything, in a fresh process (tests/test_dsv4_cuda_layers.py starts it through
 `tests.interp_runner.interpreter_results`), and prints one JSON object: check name -> "ok" or the traceback.
@@ -50,19 +56,21 @@ from tests.interp_runner import run_checks  # noqa: E402
 
 N = 4  # rows a request verifies at most
 # The whole architecture: routed experts (the first layer hash-routed), hyper-connections, the grouped output
-# projection, YaRN on the compressed layers.
+# projection, YaRN on the compressed layers. The float indexer (CUDA's and the CPU's); `geometry(True)` is
+# Ascend's int8 one. Four index heads (and PROMPTS): some rows of LAYER_STEPS choose otherwise in int8.
 CFG = Dsv4Geometry(vocab_size=64, dim=32, compress_ratios=(4, 0, 8, 4), csa_ratio=4, hca_ratio=8, n_heads=2,
-                   head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
+                   head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=4, index_head_dim=8,
                    index_topk=3, inter_dim=48, ffn="moe", n_routed_experts=4, n_activated_experts=2,
                    n_hash_layers=1, route_scale=1.5, swiglu_limit=10.0, hc_mult=2, o_groups=2, o_lora_rank=8,
-                   rope_factor=4.0, rope_original_max_position=16, index_quant=True)
+                   rope_factor=4.0, rope_original_max_position=16, index_quant=False)
 RING = 12  # required_ring_size(CFG, N) = 8 + N - 1, in whole pages
 STEP = Dsv4StepConfig(num_draft_tokens=N, window=CFG.window, compress_ratios=(4, 8), swa_page_size=4,
                       swa_ring_size=RING, cmp_page_sizes={4: 3, 8: 2}, index_topk=CFG.index_topk,
                       padding_request_rows=2)
 MAX_REQ, MAX_LEN = 4, 64
-# Prefixes 3 and 5: the next step closes C4 block 0 and C8 block 0 (no predecessor), and C4 block 1.
-PROMPTS = (3, 5, 13, 22)
+# Prefixes 3 and 5: the next step closes C4 block 0 and C8 block 0 (no predecessor), and C4 block 1; 29 and
+# 22 give the indexer a choice among up to 8 entries.
+PROMPTS = (3, 5, 29, 22)
 ENTRIES = ("cmp_kv", "index_kv")  # pooled: compared within 1e-6; every other cache bitwise
 
 LAYER_STEPS = {  # name -> verify_lens, tier, num_slots (prefixes: PROMPTS)
@@ -82,9 +90,15 @@ TIER, SLOTS = 16, 12
 GRAPH_STEPS = [([2, 4, 1, 3], [1, 2, 0, 3]), ([4, 1, 3, 2], [4, 1, 2, 1]), ([1, 2, 1, 4], [1, 1, 1, 2])]
 
 
+def geometry(index_quant: bool = False) -> Dsv4Geometry:
+    """CFG with the float (False) or the int8 (True) lightning indexer."""
+    return dataclasses.replace(CFG, index_quant=index_quant)
+
+
 @functools.cache
-def model() -> DSV4Model:
-    return DSV4Model(CFG, seed=0)
+def model(index_quant: bool = False) -> DSV4Model:
+    """The model of `geometry(index_quant)`: the same weights either way."""
+    return DSV4Model(geometry(index_quant), seed=0)
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -92,10 +106,12 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 @functools.cache
-def prefilled() -> Dsv4PagedCaches:
-    """The four requests' prompts in the caches (shuffled pages), by the CPU path; never mutated: clone()."""
-    caches = Dsv4PagedCaches.allocate(CFG, STEP, MAX_REQ, MAX_LEN, seed=7)
-    prefill(model(), caches, range(MAX_REQ), [tokens(n, seed=10 + i) for i, n in enumerate(PROMPTS)])
+def prefilled(index_quant: bool = False) -> Dsv4PagedCaches:
+    """The four requests' prompts in the caches (shuffled pages), by the CPU path of `model(index_quant)`;
+    never mutated: clone()."""
+    caches = Dsv4PagedCaches.allocate(geometry(index_quant), STEP, MAX_REQ, MAX_LEN, seed=7)
+    prefill(model(index_quant), caches, range(MAX_REQ),
+            [tokens(n, seed=10 + i) for i, n in enumerate(PROMPTS)])
     return caches
 
 
@@ -110,17 +126,18 @@ def step_tokens(meta: Dsv4VerifyMetadata, seed: int) -> torch.Tensor:
 
 
 def forward(layers: Dsv4LayerBackend, toks: torch.Tensor, meta: Dsv4VerifyMetadata,
-            m: DSV4Model | None = None) -> torch.Tensor:
-    """Logits [T, vocab] of the step through `layers` (with `model()`'s weights unless `m` is given)."""
-    m = model() if m is None else m
+            m: DSV4Model | None = None, *, index_quant: bool = False) -> torch.Tensor:
+    """Logits [T, vocab] of the step through `layers` (with `model(index_quant)` unless `m` is given)."""
+    m = model(index_quant) if m is None else m
     h = m.embed_tokens(toks)
     for i, layer in enumerate(m.layers):
         h = layers.forward_layer(i, layer, h, toks, meta)
     return plain(m.lm_head(h))
 
 
-def cpu_forward(caches: Dsv4PagedCaches, toks: torch.Tensor, meta: Dsv4VerifyMetadata) -> torch.Tensor:
-    m = model()
+def cpu_forward(caches: Dsv4PagedCaches, toks: torch.Tensor, meta: Dsv4VerifyMetadata, *,
+                index_quant: bool = False) -> torch.Tensor:
+    m = model(index_quant)
     h = m.embed_tokens(toks)
     for layer, lc in zip(m.layers, caches.layers, strict=True):
         h = layer_forward(layer, lc, h, toks, meta, None)
@@ -158,16 +175,17 @@ def model_on(device: torch.device | str, dtype: torch.dtype) -> DSV4Model:
     return copy.deepcopy(model()).to(device=device, dtype=dtype)
 
 
-def check_layers(impl: Impl, name: str) -> None:
-    """One step of LAYER_STEPS, layer by layer: every row's output (padding rows too, which see no key and
-    give the sink's zeros in both) within 1e-5, the caches as `assert_caches_match` says."""
+def check_layers(impl: Impl, name: str, index_quant: bool = False) -> None:
+    """One step of LAYER_STEPS, layer by layer, with the float or the int8 indexer (the model's
+    `index_quant`): every row's output (padding rows too, which see no key and give the sink's zeros in both)
+    within 1e-5, the caches as `assert_caches_match` says."""
     lens, tier, num_slots = LAYER_STEPS[name]
-    base = prefilled()
+    base = prefilled(index_quant)
     meta = plan(base, lens, list(PROMPTS), tier=tier, num_slots=num_slots)
     cpu, mine = base.clone(), base.clone()
     layers = cuda_layers(mine, impl)
     guarded = device_only(meta)
-    m = model()
+    m = model(index_quant)
     toks = step_tokens(meta, seed=len(name))
     h = m.embed_tokens(toks)
     with torch.no_grad():
@@ -197,18 +215,19 @@ def check_bf16(device: torch.device | str, impl: Impl, tol: float) -> None:
 
 
 @functools.cache
-def target() -> Dsv4ForCausalLM:
-    t = Dsv4ForCausalLM(Dsv4Geometry(**dataclasses.asdict(CFG)))
+def target(index_quant: bool = False) -> Dsv4ForCausalLM:
+    t = Dsv4ForCausalLM(geometry(index_quant))
     t.model.load_state_dict(model().state_dict())
     return t
 
 
-def check_multi_step(impl: Impl, script: list[tuple[int | None, list[tuple[int, int]]]] = SCRIPT) -> None:
+def check_multi_step(impl: Impl, script: list[tuple[int | None, list[tuple[int, int]]]] = SCRIPT,
+                     index_quant: bool = False) -> None:
     """Prefill chunks, then verify steps with scripted acceptances (rejected rows closing blocks of both
     kinds), through `Dsv4ForCausalLM.forward_paged_states` with caches from `allocate` on request slots out
-    of order: the logits of every real row within 1e-4 of the CPU backend's and the same argmax, and at the
-    end every cache within 1e-4."""
-    t = target()
+    of order, with the float or the int8 indexer: the logits of every real row within 1e-4 of the CPU
+    backend's and the same argmax, and at the end every cache within 1e-4."""
+    t = target(index_quant)
     layout = dsv4_cache_layout(t.cfg, N, page_size=STEP.swa_page_size, prefill_rows=N)
     config = step_config(layout, N, padding_request_rows=2)
     cpu = Dsv4PagedAttention.allocate(t, layout, config, MAX_REQ, MAX_LEN)
@@ -259,7 +278,8 @@ def check_multi_step(impl: Impl, script: list[tuple[int | None, list[tuple[int, 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# run as a script: the Triton kernel under the interpreter
+# run as a script: the Triton kernel under the interpreter (the float indexer, as CUDA serves: the indexer is
+# torch code either way, checked with int8 on the torch oracle)
 
 INTERP_CHECKS = {
     **{f"layers_{name}": functools.partial(check_layers, "triton", name) for name in LAYER_STEPS},

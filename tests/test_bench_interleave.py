@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -62,22 +63,61 @@ def _result(rates: dict[str, list[float]]) -> InterleaveResult:
     return InterleaveResult(_config(rounds), 0.5, passes, (), "", "", {})
 
 
+def _median_quantile(values: list[float], q: float) -> tuple[float, float]:
+    """The q-quantile of the median of len(values) (odd) draws from `values` with replacement, exactly
+    (the bootstrap's limit), and how far the distribution function at it and below it lies from q."""
+    n, ordered = len(values), sorted(values)
+    assert n % 2 == 1 and len(set(values)) == n
+
+    def at_most(i: int) -> float:  # P(median <= ordered[i - 1]): at least (n + 1) / 2 draws at or below it
+        p = i / n
+        return sum(math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range((n + 1) // 2, n + 1))
+
+    i = next(i for i in range(1, n + 1) if at_most(i) >= q)
+    return ordered[i - 1], min(at_most(i) - q, q - at_most(i - 1))
+
+
 def test_the_best_base_is_over_every_pass_and_the_ratio_paired_by_pass() -> None:
-    # pass 2 ran on a machine twice as slow for everyone; adaptive is 2 % ahead of fixed-8 in every pass
-    result = _result({"target-only": [100, 100, 50, 100], "fixed-4": [300, 290, 150, 310],
-                      "fixed-8": [400, 410, 200, 390], "adaptive": [408, 418.2, 204, 397.8],
-                      "adaptive-twin": [400, 410, 200, 390]})
+    # Pass 2 ran on a machine twice as slow for everyone. Fixed-8 is the best base over every pass though
+    # fixed-4 wins pass 3; adaptive's ratio to fixed-8 varies by pass, lowest in the slow pass.
+    fixed8 = [400, 410, 200, 390, 420, 405, 395]
+    fixed4 = [300, 290, 150, 420, 310, 300, 295]
+    by_pass = [1.01, 0.98, 0.95, 1.06, 1.04, 1.10, 1.03]  # adaptive / fixed-8 in each pass
+    twin_by_pass = [0.97, 1.02, 1.00, 0.99, 1.04, 1.01, 0.96]
+    adaptive = [rate * r for rate, r in zip(fixed8, by_pass, strict=True)]
+    result = _result({"target-only": [100, 100, 50, 100, 105, 100, 95], "fixed-4": fixed4,
+                      "fixed-8": fixed8, "adaptive": adaptive,
+                      "adaptive-twin": [rate * r for rate, r in zip(fixed8, twin_by_pass, strict=True)]})
+    assert fixed4[3] > fixed8[3]  # the pass-3 winner is not the best base
     assert result.best_base(C4) == "fixed-8"
-    seconds = sum(1000 / r for r in (400, 410, 200, 390))
-    assert result.throughput("fixed-8", C4) == pytest.approx(4000 / seconds)
-    assert result.paired(C4) == pytest.approx([1.02] * 4)
-    assert result.ratio(C4) == pytest.approx(1.02)
+    seconds = sum(1000 / r for r in fixed8)
+    assert result.throughput("fixed-8", C4) == pytest.approx(7000 / seconds)
+    assert result.throughput("fixed-4", C4) == pytest.approx(7000 / sum(1000 / r for r in fixed4))
+    assert result.paired(C4) == pytest.approx(by_pass)  # against fixed-8 in every pass, pass 3 included
+    # the median of the paired ratios, neither the pooled ratio nor a ratio of medians
+    median = sorted(by_pass)[3]
+    pooled = (7000 / sum(1000 / r for r in adaptive)) / (7000 / seconds)
+    of_medians = sorted(adaptive)[3] / sorted(fixed8)[3]
+    assert median == 1.03 and abs(pooled - median) > 0.01 and abs(of_medians - median) > 0.01
+    assert result.ratio(C4) == pytest.approx(median)
     assert result.ratio(C4, "adaptive-twin") == pytest.approx(1.0)
+    # the 90 % bootstrap interval: the 5 % and 95 % quantiles of the median of 7 passes drawn with
+    # replacement, each far enough from a step of the exact distribution for 2000 resamples to agree
+    (low, low_margin), (high, high_margin) = (_median_quantile(by_pass, q) for q in (0.05, 0.95))
+    (twin_low, twin_low_margin), (twin_high, twin_high_margin) = (_median_quantile(twin_by_pass, q)
+                                                                  for q in (0.05, 0.95))
+    assert (low, high) == (0.98, 1.06) and (twin_low, twin_high) == (0.97, 1.02)
+    assert min(low_margin, high_margin, twin_low_margin, twin_high_margin) > 0.03
     data = json.loads(json.dumps(result.to_json()))
     assert data["best_bases"] == {"c=4": "fixed-8"}
-    assert data["ratio_intervals"]["c=4"] == pytest.approx([1.02, 1.02])
+    assert data["ratios"]["c=4"] == pytest.approx(median)
+    assert data["ratio_intervals"]["c=4"] == pytest.approx([low, high])
+    assert data["twin_ratios"]["c=4"] == pytest.approx(1.0)
+    assert data["twin_ratio_intervals"]["c=4"] == pytest.approx([twin_low, twin_high])
+    assert data["throughput"]["c=4"]["adaptive"] == pytest.approx(pooled * 7000 / seconds)
     table = format_interleaved(result)
-    assert "1.020x [1.020, 1.020]" in table and "adaptive-twin / best base" in table
+    assert f"{median:.3f}x [{low:.3f}, {high:.3f}]" in table and "adaptive-twin / best base" in table
+    assert f"1.000x [{twin_low:.3f}, {twin_high:.3f}]" in table
 
 
 def test_fewer_passes_than_an_interval_needs_give_none() -> None:
@@ -129,7 +169,9 @@ def test_a_small_interleaved_sweep_is_complete_and_lossless(tmp_path: Path,
     # the same work for every engine and pass: --num-prompts requests, and 2 per slot at c = 3
     assert {(p["load"]["label"], p["tokens"]) for p in passes} == {("c=1", 3 * 8), ("c=3", 6 * 8)}
     assert all(p["seconds"] > 0 and p["turns"] >= 1 for p in passes)
+    assert [check["policy"] for check in data["lossless"]] == ["target-only", "fixed-3", "adaptive"]
     assert all(check["identical"] and check["compared"] == 3 + 6 for check in data["lossless"])
+    assert "lossless adaptive: 9/9 outputs equal target-only's" in table
     assert "--interleave --slice-seconds 0.05" in data["command"] and "--rounds 2" in data["command"]
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from dspark.measure.step_timer import ProfileError, VerifyStepTimer
 from dspark.runtime.engine.runtime import Runtime
+from dspark.runtime.engine.step_forward import VerifyForward
+from dspark.runtime.layout import VerifyLayout
 from dspark.runtime.package import load_package
 
 from .benchmark_loader import load_benchmark
@@ -27,13 +30,29 @@ def test_a_layout_reads_and_names_back() -> None:
             bench.parse_layout(bad)
 
 
-def test_a_ragged_step_is_timed_and_a_bad_one_refused() -> None:
+def test_a_ragged_step_is_timed_and_a_bad_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     runtime = Runtime(load_package(REPO / "generated" / "tiny_cpu_compact"))
     timer = VerifyStepTimer(runtime, context_len=32)
+    real, calls = runtime.forward.verify, []
+
+    def spy(step: VerifyForward) -> tuple[VerifyLayout, torch.Tensor, torch.Tensor | None]:
+        layout, hidden, states = real(step)
+        calls.append((step, layout, hidden.shape[0]))
+        return layout, hidden, states
+
+    monkeypatch.setattr(runtime.forward, "verify", spy)
     assert timer.time_lens((8, 8, 3, 1)) > 0
+    # the runtime's verify forward ran the ragged step itself: each request its own rows, packed
+    # (no graph tiers on the CPU), after 32 cached tokens each, on the timer's slots
+    [(step, layout, rows)] = calls
+    assert step.verify_lens == step.run_lens == (8, 8, 3, 1)
+    assert step.prefix_lens == (32,) * 4 and step.slots == tuple(timer.slots[:4]) and step.tier is None
+    assert layout.packed and layout.total_rows == layout.tier == rows == 8 + 8 + 3 + 1
+    assert layout.host_qo_indptr == (0, 8, 16, 19, 20)
     for bad in ((), (9,), (8, 0)):
         with pytest.raises(ProfileError, match="every request runs 1..8 rows"):
             timer.time_lens(bad)
+    assert len(calls) == 1  # a refused layout runs nothing
 
 
 def test_the_script_prints_each_layout_beside_its_even_spread(capsys: pytest.CaptureFixture[str]) -> None:

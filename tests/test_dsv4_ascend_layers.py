@@ -11,12 +11,12 @@ What is equal and how:
 * a replayed graph and the eager step: bitwise, every row and every cache page (the same ops).
 The geometry is small, with a C128-kind ratio of 8 so both kinds of block close every few positions; the
 device operator takes compress ratios 4 and 128 only, so the stand-in's SAS model is let accept 8 as well
-(its math is ratio-generic).
+(its math is ratio-generic). The CPU path scores the lightning indexer as the device's int8 operator does
+(`index_quant`, which `Dsv4Geometry.for_backend` sets for Ascend).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_cache_layout
+from dspark.formats.dsv4_config import dsv4_cache_layout
 from dspark.runtime.dsv4 import ascend_ops
 from dspark.runtime.dsv4.ascend_backend import Dsv4AscendAttention, Dsv4AscendBackendError
 from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers
@@ -59,12 +59,15 @@ from tests.dsv4_layers_common import (
     check_host_refusals,
     cpu_forward,
     forward,
+    geometry,
     model,
     plan,
     prefilled,
     step_tokens,
     tokens,
 )
+
+QUANT = CFG.for_backend("ascend").index_quant  # True: the int8 indexer, as Ascend serves
 
 
 @pytest.fixture
@@ -85,7 +88,7 @@ def ascend(caches: Dsv4PagedCaches) -> Dsv4AscendLayers:
 
 
 def test_pooling_many_blocks_is_close_block() -> None:
-    m = model()
+    m = model(QUANT)
     comps = [m.layers[0].compressor, m.layers[2].compressor, m.layers[0].indexer.compressor]  # C4, C8, index
     g = torch.Generator().manual_seed(0)
     blocks = torch.tensor([0, 1, 2, 5, 0, 9, 3])
@@ -112,9 +115,9 @@ def test_pooling_many_blocks_is_close_block() -> None:
 @pytest.mark.parametrize("name", sorted(LAYER_STEPS))
 def test_each_layer_equals_the_paged_forward_and_writes_the_same_caches(npu: FakeNpu, name: str) -> None:
     lens, tier, num_slots = LAYER_STEPS[name]
-    base = prefilled()
+    base = prefilled(QUANT)
     meta = plan(base, lens, list(PROMPTS), tier=tier, num_slots=num_slots)
-    real, m = meta.total_rows, model()
+    real, m = meta.total_rows, model(QUANT)
     for ratio in STEP.compress_ratios:  # real boundaries, block 0 among them, and padding entries
         plan_r = meta.compressed[ratio].host
         closing = plan_r.cmp_positions[plan_r.boundary_rows >= 0]
@@ -141,14 +144,14 @@ def test_each_layer_equals_the_paged_forward_and_writes_the_same_caches(npu: Fak
 
 
 def test_steps_are_checked_on_the_host(npu: FakeNpu) -> None:
-    check_host_refusals(ascend(prefilled().clone()), Dsv4AscendBackendError)
+    check_host_refusals(ascend(prefilled(QUANT).clone()), Dsv4AscendBackendError)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # (2) prefill, then verify steps with scripted acceptances, through the whole model
 
 def test_prefill_and_verify_steps_with_rollback_give_the_paged_logits(npu: FakeNpu) -> None:
-    cpu = Dsv4PagedCaches.allocate(CFG, STEP, MAX_REQ, MAX_LEN, seed=3)
+    cpu = Dsv4PagedCaches.allocate(geometry(QUANT), STEP, MAX_REQ, MAX_LEN, seed=3)
     layers = ascend(cpu.clone())
     reqs = range(MAX_REQ)
     seqs = [tokens(n, seed=20 + i) for i, n in enumerate(PROMPTS)]
@@ -162,8 +165,9 @@ def test_prefill_and_verify_steps_with_rollback_give_the_paged_logits(npu: FakeN
             meta = plan_dsv4_verify([len(rows[r]) for r in live], [done[r] for r in live], chunk,
                                     cpu.page_tables(live))
             toks = torch.tensor([t for r in live for t in rows[r]])
-            want = cpu_forward(cpu, toks, meta)
-            torch.testing.assert_close(forward(layers, toks, device_only(meta)), want, rtol=1e-4, atol=1e-4)
+            want = cpu_forward(cpu, toks, meta, index_quant=QUANT)
+            got = forward(layers, toks, device_only(meta), index_quant=QUANT)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             for slot, r in enumerate(live):
                 done[r] += len(rows[r])
                 pending[r] = int(want[meta.host.cu_seqlens_q[slot + 1] - 1].argmax())
@@ -176,8 +180,8 @@ def test_prefill_and_verify_steps_with_rollback_give_the_paged_logits(npu: FakeN
             cu = meta.host.cu_seqlens_q
             for r in reqs:
                 toks[cu[r]] = pending[r]  # each request's first row is the token its last step predicted
-            got = forward(layers, toks, device_only(meta))
-            want = cpu_forward(cpu, toks, meta)
+            got = forward(layers, toks, device_only(meta), index_quant=QUANT)
+            want = cpu_forward(cpu, toks, meta, index_quant=QUANT)
             torch.testing.assert_close(got[: meta.total_rows], want[: meta.total_rows], rtol=1e-4, atol=1e-4)
             assert torch.equal(got[: meta.total_rows].argmax(-1), want[: meta.total_rows].argmax(-1))
             for r, (n, accepted) in enumerate(script):  # the rest is rejected: forgotten, not undone
@@ -211,8 +215,8 @@ def logging_copies(npu: FakeNpu) -> Iterator[list[tuple[str, int]]]:
 
 
 def test_a_captured_tier_replays_the_updated_steps_as_eager(npu: FakeNpu) -> None:
-    m = model()
-    base = prefilled()
+    m = model(QUANT)
+    base = prefilled(QUANT)
     graph_layers, eager_layers, cpu = ascend(base.clone()), ascend(base.clone()), base.clone()
     static_h = torch.zeros(TIER, CFG.hc_mult, CFG.dim)  # the graph's input buffer: the residual streams
     static_ids = torch.zeros(TIER, dtype=torch.long)  # the rows' tokens (hash-routed experts read them)
@@ -244,19 +248,19 @@ def test_a_captured_tier_replays_the_updated_steps_as_eager(npu: FakeNpu) -> Non
                 written = {ptr for _, ptr in copies}
                 assert all(t.data_ptr() in written for t in graph_layers._tiers[TIER].arrays.values())
                 graph.replay()
-            eager = forward(eager_layers, toks, guarded)
+            eager = forward(eager_layers, toks, guarded, index_quant=QUANT)
             assert torch.equal(plain(static_logits), eager)  # padding rows too
             for name, t in graph_layers.caches.tensors().items():
                 assert torch.equal(t, eager_layers.caches.tensors()[name]), name
-            want = cpu_forward(cpu, toks, meta)
+            want = cpu_forward(cpu, toks, meta, index_quant=QUANT)
             real = meta.total_rows
             torch.testing.assert_close(eager[:real], want[:real], rtol=1e-4, atol=1e-4)
             prefix = [p + a for p, a in zip(prefix, accepted, strict=True)]
 
 
 def test_graph_misuse_is_refused(npu: FakeNpu) -> None:
-    layers = ascend(prefilled().clone())
-    meta = plan(prefilled(), [2, 4, 1, 3], list(PROMPTS), tier=TIER, num_slots=SLOTS, max_kv_len=MAX_LEN)
+    layers = ascend(prefilled(QUANT).clone())
+    meta = plan(prefilled(QUANT), [2, 4, 1, 3], list(PROMPTS), tier=TIER, num_slots=SLOTS, max_kv_len=MAX_LEN)
     with pytest.raises(Dsv4AscendBackendError, match="was not captured"):
         layers.update_captured(TIER, meta)
     with pytest.raises(Dsv4AscendBackendError, match="capturing tier 12"):
@@ -264,7 +268,8 @@ def test_graph_misuse_is_refused(npu: FakeNpu) -> None:
             pass
     with layers.capturing(TIER, meta):
         pass
-    other = plan(prefilled(), [2, 4, 1, 3], list(PROMPTS), tier=TIER, num_slots=SLOTS + 1, max_kv_len=MAX_LEN)
+    other = plan(prefilled(QUANT), [2, 4, 1, 3], list(PROMPTS), tier=TIER, num_slots=SLOTS + 1,
+                 max_kv_len=MAX_LEN)
     with pytest.raises(Dsv4AscendBackendError, match=f"num_slots={SLOTS}"):
         layers.update_captured(TIER, other)
 
@@ -274,10 +279,10 @@ def test_graph_misuse_is_refused(npu: FakeNpu) -> None:
 
 
 def test_allocate_lays_the_caches_out_as_the_cpu_backend_does(npu: FakeNpu) -> None:
-    geometry = Dsv4Geometry(**dataclasses.asdict(CFG))
-    target = Dsv4ForCausalLM(geometry)
-    target.model.load_state_dict(model().state_dict())
-    layout = dsv4_cache_layout(geometry, N, page_size=STEP.swa_page_size, prefill_rows=N)
+    cfg = geometry(QUANT)
+    target = Dsv4ForCausalLM(cfg)
+    target.model.load_state_dict(model(QUANT).state_dict())
+    layout = dsv4_cache_layout(cfg, N, page_size=STEP.swa_page_size, prefill_rows=N)
     config = step_config(layout, N, padding_request_rows=2)
     cpu = Dsv4PagedAttention.allocate(target, layout, config, MAX_REQ, MAX_LEN)
     layers = Dsv4AscendLayers.allocate(target, layout, config, MAX_REQ, MAX_LEN, device="cpu")

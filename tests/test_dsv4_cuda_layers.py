@@ -6,6 +6,9 @@ What is equal and how:
 * a layer's output, padding rows included (they see no key, so the sink gives zeros in both): within 1e-5;
   raw K=V and compressor rows bitwise, pooled entries within 1e-6 (tests/dsv4_layers_common.py);
 * the indexer's choice: `Indexer.select`'s, id for id, on a step's real scores and on constructed ties;
+The layers run with the float lightning indexer (`index_quant` False, what CUDA serves) and with its int8
+option; on the steps checked, the two choose different entries for some rows (asserted), so a layer that
+scored the other way would fail.
 * logits of prefill chunks and verify steps with rollback through `Dsv4ForCausalLM.forward_paged_states`:
   within 1e-4 and the same argmax;
 * a captured tier replayed after `update_captured` (a recording of every op, standing in for a CUDA graph)
@@ -60,19 +63,23 @@ from tests.recorded_graph import RecordedGraph
 # ---------------------------------------------------------------------------------------------------------
 # one step, layer by layer, and many steps through the target, on the torch oracle
 
+QUANT = pytest.mark.parametrize("index_quant", [False, True], ids=["float", "int8"])
 
+
+@QUANT
 @pytest.mark.parametrize("name", sorted(LAYER_STEPS))
-def test_each_layer_equals_the_paged_forward_and_writes_the_same_caches(name: str) -> None:
+def test_each_layer_equals_the_paged_forward_and_writes_the_same_caches(name: str, index_quant: bool) -> None:
     lens, tier, num_slots = LAYER_STEPS[name]
-    meta = plan(prefilled(), lens, list(PROMPTS), tier=tier, num_slots=num_slots)
+    meta = plan(prefilled(index_quant), lens, list(PROMPTS), tier=tier, num_slots=num_slots)
     visible = meta.compressed[4].host.cmp_visible
     assert visible.max() > CFG.index_topk  # the indexer has a real choice
     assert (meta.host.row_slot >= meta.num_requests).any() == (tier is not None)  # padding rows
-    check_layers("torch", name)
+    check_layers("torch", name, index_quant)
 
 
-def test_prefill_and_verify_steps_with_rollback_give_the_cpu_backends_logits() -> None:
-    check_multi_step("torch")
+@QUANT
+def test_prefill_and_verify_steps_with_rollback_give_the_cpu_backends_logits(index_quant: bool) -> None:
+    check_multi_step("torch", index_quant=index_quant)
 
 
 def test_bf16_is_finite_and_close() -> None:
@@ -106,13 +113,13 @@ def _select_rows(indexer: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch
     return out
 
 
-@pytest.mark.parametrize("name", sorted(LAYER_STEPS))
-def test_indexer_choice_is_indexer_select_on_a_step(name: str) -> None:
-    """On the step's own index queries, weights and keys (paged.layer_forward's trace, whose top-k is
-    Indexer.select's): the same ids for every row, padding rows included."""
+def _step_choices(name: str, index_quant: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A step of LAYER_STEPS through paged.layer_forward (whose top-k is Indexer.select's) with the float or
+    the int8 indexer: per C4 layer, the trace's top-k and `indexer_topk` on the trace's own index queries,
+    weights and keys, int8 as the model scores and the other way."""
     lens, tier, num_slots = LAYER_STEPS[name]
-    meta = plan(prefilled(), lens, list(PROMPTS), tier=tier, num_slots=num_slots)
-    caches, m = prefilled().clone(), model()
+    meta = plan(prefilled(index_quant), lens, list(PROMPTS), tier=tier, num_slots=num_slots)
+    caches, m = prefilled(index_quant).clone(), model(index_quant)
     trace: list[Dsv4LayerTrace] = []
     toks = step_tokens(meta, seed=len(name))
     h = m.embed_tokens(toks)
@@ -122,12 +129,35 @@ def test_indexer_choice_is_indexer_select_on_a_step(name: str) -> None:
     plan4 = guarded.compressed[4].device
     c4 = [(lc, tr) for lc, tr in zip(caches.layers, trace, strict=True) if tr.topk is not None]
     assert len(c4) == 2
+    out = []
     for lc, tr in c4:  # a layer's index keys are written by its own layer only: as its indexer saw them
         assert tr.index_query is not None and tr.index_weights is not None and lc.index_kv is not None
-        got = indexer_topk(tr.index_query, tr.index_weights, lc.index_kv, row_slot=guarded.device.row_slot,
-                           cmp_block_table=plan4.cmp_block_table, cmp_visible=plan4.cmp_visible,
-                           topk=CFG.index_topk)
-        assert torch.equal(plain(got), tr.topk)
+        assert tr.topk is not None
+        got, other = (plain(indexer_topk(tr.index_query, tr.index_weights, lc.index_kv,
+                                         row_slot=guarded.device.row_slot, cmp_visible=plan4.cmp_visible,
+                                         cmp_block_table=plan4.cmp_block_table, topk=CFG.index_topk,
+                                         int8=int8))
+                      for int8 in (index_quant, not index_quant))
+        out.append((tr.topk, got, other))
+    return out
+
+
+@QUANT
+@pytest.mark.parametrize("name", sorted(LAYER_STEPS))
+def test_indexer_choice_is_indexer_select_on_a_step(name: str, index_quant: bool) -> None:
+    """On the step's own index queries, weights and keys, scored as the model scores them (float or int8):
+    the same ids as the trace's (Indexer.select's) for every row, padding rows included."""
+    for want, got, _ in _step_choices(name, index_quant):
+        assert torch.equal(got, want)
+
+
+@QUANT
+def test_the_int8_and_float_indexers_choose_differently_on_the_layer_steps(index_quant: bool) -> None:
+    """What makes the float and int8 checks above meaningful: on the steps of LAYER_STEPS, scoring the other
+    way chooses other entries for some row (so a layer or `indexer_topk` scoring the wrong way fails)."""
+    differ = {name: [int((got != other).any(1).sum()) for _, got, other in _step_choices(name, index_quant)]
+              for name in sorted(LAYER_STEPS)}
+    assert any(sum(rows) for rows in differ.values()), differ
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
@@ -158,9 +188,10 @@ def test_indexer_ties_go_to_the_lower_id_as_indexer_select_orders_them(int8: boo
                        int8=int8)
     assert got.dtype == torch.int32 and got.shape == (rows, k)
     assert torch.equal(got, _select_rows(indexer, q, w, keys, visible, k))
-    # ties do decide: some row has equal scores on both sides of its k-th choice
-    scores = ((q[:, :, None, :] * keys[:, None]).sum(-1).relu() * w[:, :, None]).sum(1)
-    ranked = [sorted(scores[t, : int(visible[t])].tolist(), reverse=True) for t in range(rows)]
+    # ties do decide: some row has equal scores (as the indexer scores them: int8 or float) on both sides of
+    # its k-th choice
+    ranked = [sorted(indexer.scores(q[t], w[t], keys[t, : int(visible[t])]).tolist(), reverse=True)
+              for t in range(rows)]
     assert any(len(r) > k and r[k - 1] == r[k] for r in ranked), "no tie across the top-k boundary"
     narrow = table[:, :1]  # 2 entries per slot < k
     got = indexer_topk(q, w, index_kv, row_slot=row_slot, cmp_block_table=narrow,

@@ -7,7 +7,6 @@ output equals the same spec's CPU package's target-only output, token for token,
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,11 @@ import torch
 import yaml
 
 from dspark.compiler import build
-from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.engine import forward
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
 
-from .dsv4_fake_npu import SAS, FakeCuda, FakeGraph, install_fake_npu
+from .dsv4_fake_npu import SAS, FakeCuda, FakeGraph, index_quant_everywhere, install_fake_npu
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 12
@@ -56,7 +54,7 @@ def test_a_generated_device_package_serves_the_cpu_packages_tokens(
         mode: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as cpu:
         if backend == "ascend":  # the CPU package computing the indexer as Ascend's int8 operator does
-            cpu.setattr(Dsv4Geometry, "for_backend", lambda g, _: dataclasses.replace(g, index_quant=True))
+            index_quant_everywhere(cpu)
         want, _ = Runtime(load_package(package(mode, "cpu", tmp_path))).generate(prompts(), NEW_TOKENS,
                                                                                 target_only=True)
     fake = install_fake_npu(monkeypatch)

@@ -4,8 +4,6 @@ ue8m0 scales per 32 values, Ascend W8A8 per-channel int8 with offsets; and what 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -17,69 +15,9 @@ from dspark.runtime.models.dsv4_quant import (
     dequantize_state,
 )
 
+from .dsv4_quant_common import naive_fp4, naive_fp8, naive_w8a8, quantise_fp4, quantise_fp8
+
 GEN = torch.Generator().manual_seed(0)
-
-
-def pow2_at_least(x: float) -> float:
-    return 2.0 ** math.ceil(math.log2(x)) if x > 0 else 1.0
-
-
-def quantise_fp8(w: torch.Tensor, block: tuple[int, int], ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1])
-    scale = torch.zeros(rows, cols)
-    q = torch.zeros(w.shape, dtype=torch.float8_e4m3fn)
-    for i in range(rows):
-        for j in range(cols):
-            part = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
-            s = float(part.abs().max()) / 448.0
-            s = pow2_at_least(s) if ue8m0 else s
-            scale[i, j] = s
-            rows_, cols_ = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
-            q[rows_, cols_] = (part / s).to(torch.float8_e4m3fn)
-    return q, (scale.to(torch.float8_e8m0fnu) if ue8m0 else scale)
-
-
-def naive_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    s = scale.float()
-    out = torch.empty(q.shape)
-    for i in range(q.shape[0]):
-        for j in range(q.shape[1]):
-            out[i, j] = float(q[i, j].float()) * float(s[i // block[0], j // block[1]])
-    return out
-
-
-def e2m1_from_bits(code: int) -> float:
-    """The e2m1 value of a 4-bit code from its bits: sign, two exponent bits (bias 1), one mantissa bit."""
-    sign = -1.0 if code & 8 else 1.0
-    exp, man = (code >> 1) & 3, code & 1
-    return sign * (man / 2 if exp == 0 else 2.0 ** (exp - 1) * (1 + man / 2))
-
-
-def quantise_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    values = torch.tensor([e2m1_from_bits(c) for c in range(16)])
-    out, inn = w.shape
-    scale = torch.zeros(out, inn // 32)
-    codes = torch.zeros(out, inn, dtype=torch.long)
-    for i in range(out):
-        for g in range(inn // 32):
-            part = w[i, g * 32:(g + 1) * 32]
-            s = pow2_at_least(float(part.abs().max()) / 6.0)
-            scale[i, g] = s
-            codes[i, g * 32:(g + 1) * 32] = ((part / s).unsqueeze(1) - values).abs().argmin(1)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, scale.to(torch.float8_e8m0fnu)
-
-
-def naive_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    u8 = packed.view(torch.uint8)
-    out = torch.empty(u8.shape[0], 2 * u8.shape[1])
-    for i in range(u8.shape[0]):
-        for k in range(u8.shape[1]):
-            byte = int(u8[i, k])
-            for half, code in ((0, byte & 0xF), (1, byte >> 4)):
-                j = 2 * k + half
-                out[i, j] = e2m1_from_bits(code) * float(scale[i, j // 32].float())
-    return out
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -111,9 +49,7 @@ def test_w8a8_per_channel_dequantises_as_the_naive_rule(with_offset: bool) -> No
     zero = offset if offset is not None else torch.zeros(12)
     q = (torch.round(w / scale[:, None]) + zero[:, None]).clamp(-128, 127).to(torch.int8)
     got = dequant_w8a8(q, scale[:, None], None if offset is None else offset[:, None])
-    want = torch.tensor([[(int(q[i, j]) - float(zero[i])) * float(scale[i]) for j in range(20)]
-                         for i in range(12)])
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, naive_w8a8(q, scale, offset), rtol=0, atol=1e-6)
 
 
 def test_dequantize_state_replaces_weights_and_drops_scales() -> None:

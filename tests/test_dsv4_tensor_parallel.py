@@ -30,7 +30,6 @@ other, and the sharded reference path (`DSV4Model.step` through `greedy_continue
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -63,7 +62,7 @@ from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.layout import StepShape, plan_extend, plan_verify
 from dspark.runtime.package import load_package
 
-from .dsv4_fake_npu import FakeCuda, FakeGraph, install_fake_npu
+from .dsv4_fake_npu import FakeCuda, FakeGraph, index_quant_everywhere, install_fake_npu
 from .gloo_ranks import as_rank, generate_as_rank, spawn_ranks
 from .parallel_builds import REPO
 
@@ -426,8 +425,7 @@ def device_reference(backend: str, device_package_cpu: Path,
     """One process's target-only decoding of the CPU package of the same geometry (for Ascend, with the
     indexer computed as its int8 operator does)."""
     if backend == "ascend":
-        monkeypatch.setattr(Dsv4Geometry, "for_backend",
-                            lambda g, _: dataclasses.replace(g, index_quant=True))
+        index_quant_everywhere(monkeypatch)
     runtime = Runtime(load_package(device_package_cpu))
     return runtime.generate(device_prompts(), DEVICE_NEW_TOKENS, target_only=True)[0]
 

@@ -20,6 +20,9 @@ import yaml
 from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
+if not all(hasattr(transformers, name) for name in ("DeepseekV4Config", "DeepseekV4ForCausalLM")):
+    pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V4 (DeepseekV4Config, "
+                "DeepseekV4ForCausalLM)", allow_module_level=True)
 
 from dspark.cli.compile import main as compile_main  # noqa: E402
 from dspark.formats.dsv4_config import Dsv4Geometry  # noqa: E402
@@ -33,7 +36,7 @@ from dspark.runtime.models.dsv4_weights import Dsv4WeightsError, load_dsv4_weigh
 from dspark.runtime.package import load_package  # noqa: E402
 from dspark.runtime.tokenizer import BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE  # noqa: E402
 
-from .test_dsv4_quant import naive_fp4, naive_fp8, quantise_fp4, quantise_fp8  # noqa: E402
+from .dsv4_quant_common import naive_fp4, naive_fp8, naive_w8a8, quantise_fp4, quantise_fp8  # noqa: E402
 
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                "compressed_sparse_attention"]
@@ -234,8 +237,7 @@ def _w8a8(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict
         q = (torch.round(w / scale) + offset).clamp(-128, 127).to(torch.int8)
         quantised[name] = q
         quantised[stem + ".weight_scale"], quantised[stem + ".weight_offset"] = scale, offset
-        dequantised[name] = torch.tensor([[(int(q[i, j]) - float(offset[i])) * float(scale[i])
-                                           for j in range(w.shape[1])] for i in range(w.shape[0])])
+        dequantised[name] = naive_w8a8(q, scale, offset)
     return quantised, dequantised
 
 

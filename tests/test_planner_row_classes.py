@@ -3,8 +3,9 @@
 The torch attention runs a step's requests in blocks by how many product tiles their (row, query head)
 pairs fill, one attention call per block per layer; a step across two classes pays a call more than
 its rows say (benchmarks/verify_step_layouts.py). `AdaptiveVerifyPlan.row_classes` raises the greedy
-requests below the step's widest class into it; sampled requests keep their rows (their exactness
-is tested with random classes in tests/test_planner_sampled.py).
+requests below the step's widest class into it; sampled requests keep their rows (their exactness,
+in steps mixing them with raised greedy requests, is tested with random classes in
+tests/test_planner_sampled.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def test_the_bounds_are_where_the_block_class_changes(max_rows: int, group: int,
     assert row_class_bounds(max_rows, group) == bounds
     classes = [block_class(rows, group) for rows in range(1, max_rows + 1)]
     assert len(set(classes)) == len(bounds)
+    # the class changes right after each bound (below max_rows) and nowhere else
+    changes = tuple(rows for rows in range(1, max_rows) if classes[rows] != classes[rows - 1])
+    assert changes == bounds[:-1] and bounds[-1] == max_rows
+    for low, high in zip((0, *bounds[:-1]), bounds, strict=True):  # constant within (low, high]
+        assert len({classes[rows - 1] for rows in range(low + 1, high + 1)}) == 1
 
 
 def test_greedy_requests_join_the_widest_class_and_sampled_ones_keep_their_rows() -> None:

@@ -7,9 +7,11 @@ verification depend on its draw through the later drafts' survival; for sampled 
 their previous step instead (`AdaptiveVerifyPlan.plan_step`, docs/planner.md "Sampled drafts").
 
 - Property: for a sampled request, "draft j verified" is a function of its confidence at positions <= j
-  (and of the other requests and the past), on seeded random tables, tiers and configurations; the same
-  search finds cases where a greedy plan's (this step's survival) is not, which greedy drafts may afford
-  (they are not drawn).
+  (and of the other requests and the past), on seeded random tables, tiers, query-block classes and
+  configurations, in steps mixing sampled and greedy requests; the same search finds cases where a greedy
+  plan's (this step's survival) is not, which greedy drafts may afford (they are not drawn). With classes
+  (`one_row_class`, on steps without graph tiers) sampled requests keep their rows and greedy ones below
+  the widest class join it, which the seeds exercise.
 - Exact: the first committed token's distribution, enumerated over a two-token draft, equals the
   target's with the plan as the engine calls it, and differs when the budget reads this step.
 """
@@ -17,6 +19,7 @@ their previous step instead (`AdaptiveVerifyPlan.plan_step`, docs/planner.md "Sa
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from fractions import Fraction
 
 import pytest
@@ -24,6 +27,7 @@ import torch
 
 from dspark.modes import VerifyMode
 from dspark.runtime.attention.metadata import row_class_bounds
+from dspark.runtime.planner import verify_plan
 from dspark.runtime.planner.survival import LaggedSurvival
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 
@@ -34,44 +38,71 @@ def _random_plan(rng: random.Random, gamma: int, num_reqs: int) -> AdaptiveVerif
     n = gamma + 1
     kind = rng.choice(["sps-1d", "additive", "tier"])
     mode = rng.choice([VerifyMode.COMPACT, VerifyMode.CAP_ACCEPT])
-    tiers = tuple(sorted(set(probes(rng, num_reqs * n, rng.randint(1, 5)) + [num_reqs * n])))
+    if rng.random() < 0.5:
+        # Query-block classes (`one_row_class`) apply only to steps that run no graph tiers (`plan_step`).
+        tiers, align, classes = (), False, row_class_bounds(n, rng.choice([1, 2, 4, 8]))
+    else:
+        tiers = tuple(sorted(set(probes(rng, num_reqs * n, rng.randint(1, 5)) + [num_reqs * n])))
+        align, classes = mode.packs_rows and rng.random() < 0.5, ()
     return AdaptiveVerifyPlan(
         gamma=gamma, mode=mode, min_verify_len=rng.randint(1, 2), survival_eps=rng.choice([1e-6, 0.05]),
-        align_to_graph_tier=mode.packs_rows and rng.random() < 0.5,
-        cost_model=random_table(rng, kind, num_reqs * n, num_reqs), token_tiers=tiers,
-        row_classes=row_class_bounds(n, rng.choice([1, 2, 4, 8])) if rng.random() < 0.5 else ())
+        align_to_graph_tier=align, cost_model=random_table(rng, kind, num_reqs * n, num_reqs),
+        token_tiers=tiers, row_classes=classes)
+
+
+def _row_class(rows: int, bounds: tuple[int, ...]) -> int:
+    """The query-block class of `rows` rows: how many class bounds lie below it."""
+    return sum(bound < rows for bound in bounds)
 
 
 def _plan(plan: AdaptiveVerifyPlan, logits: torch.Tensor, earlier: torch.Tensor | None,
-          sampled: bool) -> tuple[int, ...]:
-    """verify_lens as the engine gets them: the runtime's history holds the previous step (or nothing)."""
+          sampled: tuple[bool, ...]) -> tuple[int, ...]:
+    """verify_lens as the engine gets them: the runtime's history holds the previous step (or nothing).
+
+    With query-block classes, also checks them against the plan without: sampled requests keep their
+    rows, greedy ones below the widest class are raised to its fewest rows (never past the cap)."""
     num_reqs = logits.shape[0]
     slots, gens = list(range(num_reqs)), [0] * num_reqs
     history = LaggedSurvival(plan.history_lag(), plan.gamma)
     if earlier is not None:
         history.record(slots, gens, torch.cumprod(torch.sigmoid(earlier), dim=1))
-    step = plan.plan_step(logits, num_reqs, slots, gens, history,
-                          sampled=(True,) * num_reqs if sampled else ())
-    return step.verify_lens
+    lens = plan.plan_step(logits, num_reqs, slots, gens, history, sampled=sampled).verify_lens
+    bounds = plan.row_classes
+    if bounds and plan.mode.packs_rows and not plan.token_tiers:
+        base = _plan(plan.with_overrides(row_classes=()), logits, earlier, sampled)
+        widest = max(_row_class(rows, bounds) for rows in base)
+        fewest = min(bounds[widest - 1] + 1, plan.schedule.cap) if widest else 0
+        flags = sampled or (False,) * num_reqs
+        assert lens == tuple(rows if is_sampled or _row_class(rows, bounds) == widest else max(rows, fewest)
+                             for rows, is_sampled in zip(base, flags, strict=True)), (base, bounds, flags)
+    return lens
 
 
 def _dependence(seed: int, sampled: bool) -> str | None:
-    """A case where draft j's verification changes with the confidence after it, or None."""
+    """A case where draft j's verification changes with the confidence after it, or None. `sampled`: a
+    random mix of sampled and greedy requests (at least one sampled), and only sampled requests' drafts
+    are checked; else every request is greedy (no flags), and any request's."""
     rng = random.Random(seed)
     gamma, num_reqs = rng.randint(2, 7), rng.randint(1, 6)
     plan = _random_plan(rng, gamma, num_reqs)
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_reqs, gamma, generator=gen) * 3
     earlier = None if rng.random() < 0.3 else torch.randn(num_reqs, gamma, generator=gen) * 3
+    flags: tuple[bool, ...] = ()
+    if sampled:
+        mix = [rng.random() < 0.5 for _ in range(num_reqs)]
+        mix[rng.randrange(num_reqs)] = True
+        flags = tuple(mix)
+    checked = [r for r in range(num_reqs) if not flags or flags[r]]
     try:
-        base = _plan(plan, logits, earlier, sampled)
+        base = _plan(plan, logits, earlier, flags)
     except ValueError:  # the floor alone does not fit the random table's row limit
         return None
     for _ in range(6):
-        r, j = rng.randrange(num_reqs), rng.randint(1, gamma - 1)
+        r, j = rng.choice(checked), rng.randint(1, gamma - 1)
         changed = logits.clone()
         changed[r, j:] = torch.randn(gamma - j, generator=gen) * 3  # what another draw of draft j reads
-        lens = _plan(plan, changed, earlier, sampled)
+        lens = _plan(plan, changed, earlier, flags)
         if (base[r] > j) != (lens[r] > j):  # draft j is verified when verify_len >= j + 1
             return f"seed {seed}: request {r}, draft {j}: verify_len {base[r]} -> {lens[r]}"
     return None
@@ -85,6 +116,25 @@ def test_a_sampled_drafts_verification_never_reads_the_confidence_after_it(seed:
 def test_a_budget_from_this_steps_survival_would_read_it() -> None:
     found = [case for seed in range(300) if (case := _dependence(seed, sampled=False)) is not None]
     assert found, "no case found: the property test above would not notice the budget reading this step"
+
+
+def test_the_seeds_raise_greedy_requests_beside_sampled_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The property above holds in steps where the row-class rule ran and raised greedy requests beside
+    # sampled ones (the steps whose verify_lens it changed).
+    real, steps = verify_plan.one_row_class, []
+
+    def spy(verify_lens: Sequence[int], bounds: Sequence[int], sampled: Sequence[bool],
+            cap: int) -> tuple[int, ...]:
+        lens = real(verify_lens, bounds, sampled, cap)
+        steps.append(any(sampled) and not all(sampled) and lens != tuple(verify_lens))
+        return lens
+
+    monkeypatch.setattr(verify_plan, "one_row_class", spy)
+    for seed in range(300):
+        assert _dependence(seed, sampled=True) is None
+    assert steps, "no seed planned with row classes"
+    raised = sum(steps)
+    assert raised >= 10, f"{raised} of {len(steps)} steps raised a greedy request beside a sampled one"
 
 
 # --- the committed token's distribution, exactly ---------------------------------------------------------
@@ -122,7 +172,7 @@ def test_the_first_committed_token_follows_the_target_exactly(sampled: bool) -> 
     earlier = torch.stack((logit[0], logit[1]))[None]  # the previous step drafted token 0 at slot 1
     verified = {}
     for x, second in ((0, logit[1]), (1, logit[2])):
-        lens = _plan(plan, torch.stack((logit[0], second))[None], earlier, sampled)
+        lens = _plan(plan, torch.stack((logit[0], second))[None], earlier, (True,) if sampled else ())
         verified[x] = lens[0] > 1
     distribution = _first_token(verified)
     if sampled:  # the budget read the previous step (two drafts worth it): draft 1 verified either way
