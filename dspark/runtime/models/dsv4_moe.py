@@ -9,7 +9,7 @@ chooses but does not weigh), a hash layer (the first `n_hash_layers`) takes the 
 clamped by `swiglu_limit` (transformers and vLLM clamp the shared expert too).
 
 Row-invariant: the selection is a stable sort of the row's own scores (ties to the lower expert id), and a
-row's routed output adds its experts' contributions slot by slot in ascending expert id from zero, whatever
+row's routed output adds its experts' contributions slot by slot in ascending expert id, whatever
 other rows share the step. Under expert parallelism a rank holds the experts `expert_offset ..` and computes
 only their slots; the other slots' outputs come from their experts' ranks (`parallel`), each computed on its
 row alone, and are added in the same order, so the result is one process's bit for bit.
