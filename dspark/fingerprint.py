@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 from dspark.backends import default_attention
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.formats.hf_config import ROPE_SCALING_FIELDS
-from dspark.modes import VerifyMode
+from dspark.modes import BLOCK_DRAFT, VerifyMode
 
 if TYPE_CHECKING:
     from dspark.runtime.config import DeploymentConfig
@@ -259,6 +259,8 @@ def draft_settings_digest(draft: Any) -> str:
     settings["target_layer_ids"] = [int(i) for i in settings["target_layer_ids"] or ()]
     if not settings["markov_rank"]:
         settings.pop("markov_head_type")
+    if draft.architecture not in (None, BLOCK_DRAFT):  # a block draft's digests predate the field
+        settings["architecture"] = draft.architecture
     return short_digest(settings)
 
 

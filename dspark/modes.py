@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from enum import Enum
 
+# A deployment's draft: a DSpark block draft in its own checkpoint (DeepSpec's released layout), or the
+# DSpark stages a DeepSeek-V4 checkpoint carries beside its target (`mtp.{i}`, in the target's checkpoint).
+BLOCK_DRAFT = "dspark_block"
+DSV4_STAGES = "dsv4_stages"
+DRAFT_ARCHITECTURES = (BLOCK_DRAFT, DSV4_STAGES)
+
 
 def num_draft_tokens(gamma: int) -> int:
     """N = gamma + 1: the rows one request puts into a full verify step (its root plus the drafts)."""

@@ -1,9 +1,10 @@
 """The DSpark stages a DeepSeek-V4 checkpoint carries (`dspark.runtime.models.dsv4_dspark`): the config read
 from the release's dspark_* keys (and refused where dspark does not implement a value), the mtp.* tensors in
-the release's names loaded and refused by name, and one block proposed against a naive reference of the
+the release's names loaded and refused by name, and a block proposed against a naive reference of the
 equations (main_x over the target layers' stream means, each stage's context K=V at the context positions,
 window attention with the sinks before the block, the block not causal, hc_head, the shared head, the vanilla
-Markov head drafting left to right, the confidence head over [h ; markov_w1[prev]]).
+Markov head drafting left to right, the confidence head over [h ; markov_w1[prev]]); a request's block is the
+same, bit for bit, alone and in a batch.
 
 The layers' own projections, MoE and hyper-connections are `DSV4Layer`'s, checked against transformers in
 tests/test_dsv4_transformers.py; the reference here composes them with the attention and the heads written
@@ -16,11 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from dspark.formats.dsv4_config import Dsv4Geometry
+from dspark.formats.dsv4_dspark_config import dsv4_dspark_config
 from dspark.formats.hf_config import ConfigFieldError
 from dspark.runtime.models.dsv4 import DSV4Model
-from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages, dsv4_dspark_config, load_dsv4_dspark
+from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages, load_dsv4_dspark
 from dspark.runtime.models.dsv4_ops import apply_rope
 from dspark.runtime.models.dsv4_weights import Dsv4WeightsError
+
+from .dsv4_dspark_common import release_state
 
 TARGET = Dsv4Geometry(vocab_size=96, dim=32, compress_ratios=(0, 4, 8, 4), hca_ratio=8, n_heads=4,
                       head_dim=16, rope_dim=4, q_lora_rank=16, window=6, index_n_heads=2, index_head_dim=8,
@@ -32,52 +36,14 @@ CONFIG = {"num_hidden_layers": 4, "num_nextn_predict_layers": 2, "compress_ratio
           "dspark_markov_rank": 8, "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 1}
 
 
-def release_state(stages: Dsv4DSparkStages, seed: int) -> dict[str, torch.Tensor]:
-    """Random stage weights in the release's names (mtp.{i}.*, experts one tensor each)."""
-    gen = torch.Generator().manual_seed(seed)
-    names = {"main_proj": "mtp.0.main_proj.weight", "main_norm": "mtp.0.main_norm.weight",
-             "norm": "mtp.1.norm.weight", "hc_head.fn": "mtp.1.hc_head_fn",
-             "hc_head.base": "mtp.1.hc_head_base", "hc_head.scale": "mtp.1.hc_head_scale",
-             "markov_w1": "mtp.1.markov_head.markov_w1.weight",
-             "markov_w2": "mtp.1.markov_head.markov_w2.weight",
-             "confidence": "mtp.1.confidence_head.proj.weight"}
-    layer_names = {"attn_norm": "attn_norm.weight", "ffn_norm": "ffn_norm.weight",
-                   "wq_a": "attn.wq_a.weight", "q_norm": "attn.q_norm.weight", "wq_b": "attn.wq_b.weight",
-                   "wkv": "attn.wkv.weight", "kv_norm": "attn.kv_norm.weight", "attn_sink": "attn.attn_sink",
-                   "wo_a": "attn.wo_a.weight", "wo_b": "attn.wo_b.weight",
-                   "ffn.gate.weight": "ffn.gate.weight",
-                   "ffn.gate.bias": "ffn.gate.bias",
-                   "ffn.shared_experts.w1": "ffn.shared_experts.w1.weight",
-                   "ffn.shared_experts.w2": "ffn.shared_experts.w2.weight",
-                   "ffn.shared_experts.w3": "ffn.shared_experts.w3.weight",
-                   "hc_attn.fn": "hc_attn_fn", "hc_attn.base": "hc_attn_base",
-                   "hc_attn.scale": "hc_attn_scale",
-                   "hc_ffn.fn": "hc_ffn_fn", "hc_ffn.base": "hc_ffn_base", "hc_ffn.scale": "hc_ffn_scale"}
-    state = {}
-    for name, param in stages.state_dict().items():
-        value = torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5
-        if name.endswith("norm") or name.endswith("_norm"):
-            value = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
-        if name in names:
-            state[names[name]] = value
-            continue
-        _, i, rest = name.split(".", 2)
-        if rest.startswith("ffn.experts."):
-            which = rest.rsplit(".", 1)[-1]
-            for e in range(value.shape[0]):
-                state[f"mtp.{i}.ffn.experts.{e}.{which}.weight"] = value[e]
-        else:
-            state[f"mtp.{i}.{layer_names[rest]}"] = value
-    return state
-
-
 @pytest.fixture(scope="module")
 def pair() -> tuple[DSV4Model, Dsv4DSparkStages, dict[str, torch.Tensor]]:
-    stages = Dsv4DSparkStages(dsv4_dspark_config(CONFIG, TARGET))
+    target = DSV4Model(TARGET, seed=1)
+    stages = Dsv4DSparkStages(dsv4_dspark_config(CONFIG, TARGET), target.embed.detach(), target.head.detach())
     state = release_state(stages, seed=3)
     # the target's tensors beside the stages' are left alone
     load_dsv4_dspark(stages, {**state, "layers.0.attn.wq_a.weight": torch.zeros(1)})
-    return DSV4Model(TARGET, seed=1), stages, state
+    return target, stages, state
 
 
 def test_the_config_reads_the_stages_and_refuses_what_it_does_not_implement() -> None:
@@ -99,7 +65,7 @@ def test_the_release_names_load_and_a_wrong_tensor_is_refused_by_name(pair) -> N
     _, stages, state = pair
     assert torch.equal(stages.layers[1].ffn.experts.w3[2], state["mtp.1.ffn.experts.2.w3.weight"])
     assert torch.equal(stages.markov_w1, state["mtp.1.markov_head.markov_w1.weight"])
-    fresh = Dsv4DSparkStages(stages.cfg)
+    fresh = Dsv4DSparkStages(stages.cfg, stages.embed, stages.head)
     for edit, message in ((lambda s: s.pop("mtp.0.attn.wkv.weight"), "missing.*layers.0.wkv"),
                           (lambda s: s.__setitem__("mtp.0.hc_head_fn", torch.zeros(2, 64)),
                            "no place.*mtp.0.hc_head"),
@@ -147,24 +113,62 @@ def naive_block(target: DSV4Model, stages: Dsv4DSparkStages, features: torch.Ten
     return drafts, torch.stack(logits), conf
 
 
+def features_of(target: DSV4Model, stages: Dsv4DSparkStages, tokens: torch.Tensor) -> torch.Tensor:
+    """The target's residual after each of the stages' target layers (stream means), concatenated."""
+    with torch.no_grad():
+        h = target.embed_tokens(tokens)
+        kept = []
+        state = target.init_state()
+        for i, layer in enumerate(target.layers):
+            h, _, _ = layer.step(h, state.layers[i], 0, tokens)
+            if i in stages.cfg.target_layer_ids:
+                kept.append(target.draft_features(h))
+    return torch.cat(kept, dim=-1)
+
+
+def window(context: list[tuple[torch.Tensor, torch.Tensor]], anchor_pos: int, width: int
+           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each stage's cached context [T, 1, D] as the engine gathers it for one request: the `width` positions
+    before the anchor, those below 0 reading position 0 (masked)."""
+    rows = (torch.arange(width) + anchor_pos - width).clamp(min=0)
+    return [(k[rows][None], v[rows][None]) for k, v in context]
+
+
 @pytest.mark.parametrize("length", [3, 11])  # a context shorter than the window, and one past it
 def test_a_block_is_the_naive_equations(pair, length: int) -> None:
     target, stages, _ = pair
     gen = torch.Generator().manual_seed(length)
     tokens = torch.randint(0, TARGET.vocab_size, (length + 1,), generator=gen)
     # the target's residual after layers 1 and 3 (0-based ids: 2 and 4 layers run), stream means
-    with torch.no_grad():
-        h = target.embed_tokens(tokens[:length])
-        kept = []
-        state = target.init_state()
-        for i, layer in enumerate(target.layers):
-            h, _, after = layer.step(h, state.layers[i], 0, tokens[:length])
-            if i in stages.cfg.target_layer_ids:
-                kept.append(target.draft_features(h))
-        features = torch.cat(kept, dim=-1)
-        context = stages.context_kv(stages.main_x(features), torch.arange(length))
-        drafts, logits, conf = stages.propose(target, context, int(tokens[length]), length)
-        want = naive_block(target, stages, features, int(tokens[length]))
-    assert drafts.tolist() == want[0]
-    torch.testing.assert_close(logits, want[1], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(conf, want[2], rtol=1e-5, atol=1e-5)
+    features = features_of(target, stages, tokens[:length])
+    context = stages.context_kv(features, torch.arange(length))
+    assert all(k is v and k.shape == (length, 1, TARGET.head_dim) for k, v in context)  # K=V, one head
+    anchor = tokens[length:]
+    got = stages.propose(anchor, torch.tensor([length]), window(context, length, stages.cfg.context_window),
+                         torch.tensor([length]))
+    drafts, logits, conf = naive_block(target, stages, features, int(anchor))
+    assert got.drafts is not None and got.conf_logits is not None
+    assert got.drafts[0].tolist() == drafts
+    torch.testing.assert_close(got.logits[0], logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.conf_logits[0], conf, rtol=1e-5, atol=1e-5)
+
+
+def test_a_requests_block_is_the_same_alone_and_in_a_batch(pair) -> None:
+    target, stages, _ = pair
+    width = stages.cfg.context_window
+    lengths = (2, 9, 14)
+    alone, windows, anchors = [], [], []
+    for n in lengths:
+        tokens = torch.randint(0, TARGET.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(n))
+        context = stages.context_kv(features_of(target, stages, tokens[:n]), torch.arange(n))
+        windows.append(window(context, n, width))
+        anchors.append(tokens[n:])
+        alone.append(stages.propose(tokens[n:], torch.tensor([n]), windows[-1], torch.tensor([n]), gamma=3))
+    batched = [(torch.cat([w[i][0] for w in windows]), torch.cat([w[i][1] for w in windows]))
+               for i in range(stages.cfg.stages)]
+    pos = torch.tensor(lengths)
+    together = stages.propose(torch.cat(anchors), pos, batched, pos, gamma=3)
+    for b, one in enumerate(alone):
+        assert torch.equal(together.drafts[b], one.drafts[0])
+        assert torch.equal(together.logits[b], one.logits[0])
+        assert torch.equal(together.conf_logits[b], one.conf_logits[0])

@@ -95,6 +95,11 @@ class BlockDraftConfig:
         return len(self.target_layer_ids) * self.hidden_size
 
     @property
+    def context_window(self) -> None:
+        """A block reads every committed position's context (no window)."""
+        return None
+
+    @property
     def layers_before_capture(self) -> tuple[int, ...]:
         """For each `target_layer_ids` entry, how many target decoder layers have run when its hidden
         state is read: id -1 is the embedding output (0 layers), id i the residual stream leaving

@@ -50,6 +50,8 @@ NO_SGLANG_EQUIVALENT: dict[str, str] = {
     "model.family": _CHECKPOINT_CONFIG + " (its architectures entry)",
     "model.geometry": _CHECKPOINT_CONFIG,
     "model.geometry.*": _CHECKPOINT_CONFIG,
+    "draft.architecture": "SGLang tells a DSpark block draft from a V4 checkpoint's stages by the draft "
+                          "checkpoint's config.json",
     "draft.confidence_head": "SGLang reads the draft's heads from its checkpoint",
     "draft.load_format": "SGLang's --load-format applies to the target; its draft is always loaded "
                          "from the checkpoint",

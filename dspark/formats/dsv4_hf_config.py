@@ -117,8 +117,8 @@ DSV4_IGNORED_KEYS = frozenset({
 })
 # The DSpark stages a checkpoint may carry beside its target (mtp.* tensors, num_nextn_predict_layers of
 # them): their keys describe the draft, not the target's computation, so the target reader accepts them and
-# its weights reader leaves the mtp.* tensors out (`dsv4_dspark` reads them; the engine does not draft
-# with them yet).
+# its weights reader leaves the mtp.* tensors out (`dsv4_dspark_config` reads the keys, a deployment whose
+# draft is this checkpoint drafts with them).
 DSV4_DRAFT_STAGE_KEYS = frozenset({
     "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
     "dspark_n_routed_experts", "dspark_num_experts_per_tok",

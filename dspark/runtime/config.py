@@ -19,7 +19,7 @@ from dspark.formats.hf_config import (
     config_json,
     geometry_values,
 )
-from dspark.modes import VerifyMode, num_draft_tokens
+from dspark.modes import BLOCK_DRAFT, DRAFT_ARCHITECTURES, VerifyMode, num_draft_tokens
 
 LOAD_FORMATS = ("auto", "dummy")
 MODEL_FAMILIES = (*FAMILIES, DSV4_FAMILY)  # the dense families config.json readers know, and DeepSeek-V4
@@ -115,9 +115,13 @@ class DraftRef:
     markov_rank: int = 0
     markov_head_type: str | None = None  # vanilla, gated or rnn when markov_rank > 0
     confidence_with_markov: bool = False
+    # a DSpark block draft, or the DSpark stages of a DeepSeek-V4 checkpoint (`dspark.modes`)
+    architecture: str = BLOCK_DRAFT
 
     def __post_init__(self) -> None:
         _require(self.load_format in LOAD_FORMATS, f"draft load_format must be one of {LOAD_FORMATS}")
+        _require(self.architecture in DRAFT_ARCHITECTURES,
+                 f"draft architecture must be one of {DRAFT_ARCHITECTURES}")
         _require(self.num_layers >= 1, "a draft has at least one layer")
         _require(1 <= self.gamma <= self.block_size,
                  f"draft gamma {self.gamma} must be within 1..block_size {self.block_size}")

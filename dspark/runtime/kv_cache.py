@@ -16,17 +16,21 @@ class KVPoolExhausted(RuntimeError):
 
 
 class PagedKVCache:
-    """K/V for every layer in flat token slots: slot = page * page_size + offset."""
+    """K/V for every layer in flat token slots: slot = page * page_size + offset. `keys_are_values`: a
+    latent head that is both (DeepSeek-V4's K=V), stored once (`v` is `k`)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 keys_are_values: bool = False) -> None:
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys_are_values = keys_are_values
+        self.v = self.k if keys_are_values else torch.zeros(shape, dtype=dtype, device=device)
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, loc, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, loc, v.to(self.v.dtype))
+        if not self.keys_are_values:
+            self.v[layer].index_copy_(0, loc, v.to(self.v.dtype))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from dspark.checkpoints.dspark_block_config import BlockDraftConfig, BlockDraftConfigError, default_layer_ids
+from dspark.formats.dsv4_config import Dsv4Geometry
+from dspark.formats.dsv4_dspark_config import Dsv4DSparkConfig, dsv4_dspark_config, has_dspark_stages
+from dspark.formats.dsv4_hf_config import dsv4_geometry
+from dspark.formats.hf_config import ConfigFieldError
+from dspark.modes import BLOCK_DRAFT, DSV4_STAGES
 from dspark.spec.errors import SpecIssue
 from dspark.spec.models import DeploymentSpec, DraftSpec, TargetGeometry
 
@@ -28,18 +33,66 @@ ARCHITECTURE_FIELDS = {
 }
 
 
-def _from_checkpoint(draft: DraftSpec, cfg: BlockDraftConfig, where: str
+def _from_checkpoint(draft: DraftSpec, cfg: BlockDraftConfig | dict[str, Any], where: str
                      ) -> tuple[dict[str, Any], list[SpecIssue]]:
     issues = []
     values: dict[str, Any] = {}
     for field, attr in ARCHITECTURE_FIELDS.items():
-        theirs, mine = getattr(cfg, attr), getattr(draft, field)
+        theirs = cfg[attr] if isinstance(cfg, dict) else getattr(cfg, attr)
+        mine = getattr(draft, field)
         if mine is not None and mine != theirs:
             issues.append(SpecIssue(("draft", field), f"{field} is {_show(mine)} here but {_show(theirs)} in "
                                     f"{where}", f"remove draft.{field} (it is read from the checkpoint) or "
                                     "point draft.checkpoint at a draft that has it"))
         values[field] = theirs
     return values, issues
+
+
+def _stage_values(cfg: Dsv4DSparkConfig) -> dict[str, Any]:
+    """A V4 checkpoint's DSpark stages in the draft section's fields (their Markov head is vanilla, their
+    confidence head reads it)."""
+    return {"num_layers": cfg.stages, "block_size": cfg.block_size, "mask_token_id": cfg.noise_token_id,
+            "target_layer_ids": cfg.target_layer_ids, "markov_rank": cfg.markov_rank,
+            "markov_head_type": "vanilla", "confidence_head": True, "confidence_with_markov": True}
+
+
+def _from_stages(draft: DraftSpec, config: dict[str, Any], where: str, geometry: TargetGeometry | None
+                 ) -> tuple[dict[str, Any], list[SpecIssue]]:
+    """The DSpark stages a DeepSeek-V4 checkpoint carries, drafting for the target they were trained with."""
+    def refuse(problem: str, hint: str) -> tuple[dict[str, Any], list[SpecIssue]]:
+        return _from_spec(draft, geometry)[0], [SpecIssue(("draft", "checkpoint"), problem, hint)]
+
+    if not isinstance(geometry, Dsv4Geometry):
+        return refuse(f"{where} is a DeepSeek-V4 checkpoint's DSpark stages, which draft only for their own "
+                      "target", "set model.family: dsv4 with that checkpoint, or use a DSpark block draft")
+    try:
+        theirs = dsv4_geometry(config)
+        cfg = dsv4_dspark_config(config, theirs)
+    except ConfigFieldError as exc:
+        return refuse(f"{where}: {exc}", exc.hint)
+    if theirs.for_backend("cpu") != geometry.for_backend("cpu"):
+        return refuse(f"the DSpark stages in {where} belong to another DeepSeek-V4 model (its geometry "
+                      "differs from the target's)", "point draft.checkpoint at the target's own checkpoint "
+                      "(model.checkpoint)")
+    return _from_checkpoint(draft, _stage_values(cfg), where)
+
+
+def _dummy_stage_issues(values: dict[str, Any], geometry: TargetGeometry | None) -> list[SpecIssue]:
+    """A dummy draft of V4 stages: the settings the stages have (a vanilla Markov head read by the confidence
+    head), for a DeepSeek-V4 target."""
+    issues = []
+    if geometry is not None and not isinstance(geometry, Dsv4Geometry):
+        issues.append(SpecIssue(("draft", "architecture"),
+                                "dsv4_stages are a DeepSeek-V4 checkpoint's draft",
+                                "use architecture: dspark_block, or model.family: dsv4"))
+    heads = (values["markov_rank"] > 0, values["markov_head_type"] == "vanilla", values["confidence_head"],
+             values["confidence_with_markov"])
+    if not all(heads):
+        issues.append(SpecIssue(("draft", "architecture"), "dsv4_stages have a vanilla Markov head "
+                                "(markov_rank > 0) and a confidence head that reads it",
+                                "remove markov_head_type / confidence_head / confidence_with_markov, and "
+                                "give markov_rank > 0"))
+    return issues
 
 
 def _from_spec(draft: DraftSpec, geometry: TargetGeometry | None) -> tuple[dict[str, Any], list[SpecIssue]]:
@@ -114,24 +167,57 @@ def _target_issues(values: dict[str, Any], geometry: TargetGeometry, cfg: BlockD
     return issues
 
 
+def _stage_target_issues(values: dict[str, Any], geometry: Dsv4Geometry) -> list[SpecIssue]:
+    """V4 stages read the residual after any target layer (the last included) and embed the noise token with
+    the target's table."""
+    issues = []
+    ids = list(values["target_layer_ids"])
+    if not ids or ids != sorted(set(ids)) or not 0 <= ids[0] <= ids[-1] < geometry.n_layers:
+        issues.append(SpecIssue(("draft", "target_layer_ids"), f"{ids} must be increasing target layer "
+                                f"ids in 0..{geometry.n_layers - 1}",
+                                "list the target layers the stages read"))
+    if not 0 <= values["mask_token_id"] < geometry.vocab_size:
+        issues.append(SpecIssue(("draft", "mask_token_id"), f"{values['mask_token_id']} is outside the "
+                                f"target's vocabulary ({geometry.vocab_size})",
+                                "use a token id below vocab_size"))
+    return issues
+
+
 def resolve_draft(spec: DeploymentSpec, config: dict[str, Any] | None, config_path: Path | None,
                   geometry: TargetGeometry | None) -> tuple[DeploymentSpec, list[SpecIssue]]:
     """The spec with its draft section complete, and what is wrong with it."""
     draft = spec.draft
     cfg = None
-    values, issues = _from_spec(draft, geometry)
-    if config is not None and draft.load_format != "dummy":
-        where = str(config_path) if config_path else "the draft's config.json"
+    architecture = draft.architecture or BLOCK_DRAFT
+    where = str(config_path) if config_path else "the draft's config.json"
+    if config is None or draft.load_format == "dummy":
+        values, issues = _from_spec(draft, geometry)
+        if architecture == DSV4_STAGES:
+            issues += _dummy_stage_issues(values, geometry)
+    elif has_dspark_stages(config):  # the checkpoint's settings supersede the spec's
+        values, issues = _from_stages(draft, config, where, geometry)
+        architecture = DSV4_STAGES
+    else:
+        architecture = BLOCK_DRAFT
         try:
             cfg = BlockDraftConfig.from_hf(config, where)
             values, issues = _from_checkpoint(draft, cfg, where)
         except BlockDraftConfigError as exc:
             # the spec's own values stand in, so the other rules can still run and report
+            values = _from_spec(draft, geometry)[0]
             issues = [SpecIssue(("draft", "checkpoint"), str(exc),
                                 "use a DSpark draft checkpoint in the released layout (config.json as "
                                 "DeepSpec writes it; `dspark train-draft` writes one)")]
-    if geometry is not None and values["target_layer_ids"] is not None:
+    if draft.architecture not in (None, architecture):
+        held = ("a DeepSeek-V4 checkpoint's DSpark stages" if architecture == DSV4_STAGES
+                else "a DSpark block draft")
+        issues.append(SpecIssue(("draft", "architecture"),
+                                f"is {draft.architecture}, but {where} holds {held}",
+                                "remove draft.architecture (it is read from the checkpoint)"))
+    if geometry is not None and values["target_layer_ids"] is not None and architecture == BLOCK_DRAFT:
         issues += _target_issues(values, geometry, cfg)
+    elif isinstance(geometry, Dsv4Geometry) and values["target_layer_ids"] is not None:
+        issues += _stage_target_issues(values, geometry)
     gamma = draft.gamma or values["block_size"]
     if gamma > values["block_size"]:
         issues.append(SpecIssue(("draft", "gamma"),
@@ -140,7 +226,7 @@ def resolve_draft(spec: DeploymentSpec, config: dict[str, Any] | None, config_pa
                                 f"set draft.gamma to at most {values['block_size']}, or leave it out"))
     if values["target_layer_ids"] is not None:
         values["target_layer_ids"] = tuple(values["target_layer_ids"])
-    filled = draft.model_copy(update={"gamma": gamma, **values})
+    filled = draft.model_copy(update={"gamma": gamma, "architecture": architecture, **values})
     return spec.model_copy(update={"draft": filled}), issues
 
 

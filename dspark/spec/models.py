@@ -333,7 +333,13 @@ class DraftSpec(Section):
         min_length=1,
         description="`embedded:<name>` or a draft checkpoint directory (relative to the spec) in the "
                     "released DSpark layout (config.json + safetensors, as DeepSpec and `dspark "
-                    "train-draft` write them).")
+                    "train-draft` write them), or a DeepSeek-V4 checkpoint that carries DSpark stages "
+                    "(its `dspark_*` keys and `mtp.*` tensors; usually model.checkpoint itself).")
+    architecture: Literal["dspark_block", "dsv4_stages"] | None = Field(
+        default=None,
+        description="dspark_block: a DSpark block draft (DeepSpec's layout); dsv4_stages: the DSpark stages "
+                    "of a DeepSeek-V4 checkpoint (model.family dsv4). Read from the checkpoint; give it for "
+                    "a dummy draft (default dspark_block).")
     gamma: int | None = Field(
         default=None, ge=1,
         description="Draft tokens proposed per request per step: at most block_size (default: block_size).")
@@ -346,7 +352,8 @@ class DraftSpec(Section):
         description="auto: load the draft checkpoint; dummy: seeded random weights of a draft with "
                     "the target's sizes and the settings below.")
     num_layers: int | None = Field(
-        default=None, ge=1, description="Draft decoder layers (config.json `num_hidden_layers`; default 1).")
+        default=None, ge=1, description="Draft decoder layers (config.json `num_hidden_layers`, a V4 "
+                                        "checkpoint's `num_nextn_predict_layers`; default 1).")
     block_size: int | None = Field(
         default=None, ge=1,
         description="Slots per draft block: the anchor plus block_size - 1 mask tokens (default 7).")

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.distributed.dp_attention import (
     DPAttentionGroups,
     DPGatheredMLP,
@@ -44,6 +45,7 @@ from dspark.runtime.distributed.tensor_parallel import (
     shard_dense_target,
 )
 from dspark.runtime.models.checkpoint import DTYPES, CheckpointError, resolve_checkpoint, target_config
+from dspark.runtime.models.dsv4_weights import DSV4_VOCAB_NAMES
 from dspark.runtime.models.families import build_target
 from dspark.runtime.models.llama import LlamaForCausalLM
 from dspark.runtime.models.skeleton import skeleton
@@ -199,10 +201,14 @@ def read_embeddings(ref: str, dtype: str, base_dir: Path | None,
     target, read on the one rank that runs the draft."""
     path = resolve_checkpoint(ref, "target", base_dir)
     _, cfg = target_config(path, family)
-    names = ["model.embed_tokens.weight", "model.embed_tokens.weight" if cfg.tie_word_embeddings
-             else "lm_head.weight"]
     with ExitStack() as stack:
         handles = _open_tensors(path, stack)
+        if isinstance(cfg, Dsv4Geometry):  # whichever of its layouts' names the checkpoint uses
+            names = [next((n for n in DSV4_VOCAB_NAMES[which] if n in handles), DSV4_VOCAB_NAMES[which][0])
+                     for which in ("embed", "head")]
+        else:
+            names = ["model.embed_tokens.weight", "model.embed_tokens.weight" if cfg.tie_word_embeddings
+                     else "lm_head.weight"]
         missing = [n for n in names if n not in handles]
         if missing:
             raise CheckpointError(f"{path}: missing tensors {missing[:5]}")

@@ -12,6 +12,7 @@ import torch
 
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.formats.hf_config import FAMILIES as DENSE_FAMILIES
+from dspark.modes import DSV4_STAGES
 from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.config import MODEL_FAMILIES, DeploymentConfig, ModelGeometry
 from dspark.runtime.distributed.dp_attention import (
@@ -126,7 +127,8 @@ class Dsv4Family:
         return geometry.for_backend(deployment.backend)  # Ascend: an int8 indexer
 
     def shares_draft_embeddings(self, deployment: DeploymentConfig) -> bool:
-        return False  # not handed to a draft yet: a draft of a V4 target carries its own
+        # the checkpoint's own DSpark stages draft over the target's tables; a block draft carries its own
+        return deployment.draft.architecture == DSV4_STAGES
 
 
 FAMILY_RUNTIMES: dict[str, FamilyRuntime] = {**{family: DenseFamily() for family in DENSE_FAMILIES},

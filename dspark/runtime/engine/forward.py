@@ -21,6 +21,7 @@ from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.layout import cache_slots, prefix_slots
 from dspark.runtime.models.dspark_block_draft import BlockProposal, DSparkBlockDraft, TokenPicker
+from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.sampling import BatchSampling, Generator, RowGenerators
 
@@ -34,6 +35,24 @@ def backend_device(backend: str) -> torch.device:
         raise RequestError("this deployment was compiled for CUDA but no GPU is visible; compile "
                            "a spec with backend.kind: cpu to dry-run it here")
     return torch.device(name)
+
+
+# A deployment's draft: a DSpark block draft (its own checkpoint), or the DSpark stages a DeepSeek-V4
+# checkpoint carries beside its target. Both cache a context per committed position from the target's
+# features, and draft a batch of blocks over it.
+ServingDraft = DSparkBlockDraft | Dsv4DSparkStages
+
+
+def draft_cache(draft: ServingDraft, num_pages: int, page_size: int, dtype: torch.dtype,
+                device: torch.device) -> PagedKVCache:
+    """The draft's paged context cache over the pool's pages (one slot per committed position, where the
+    target's own K/V would sit): a block draft's K/V heads, or each V4 stage's one K=V latent."""
+    if isinstance(draft, Dsv4DSparkStages):
+        g = draft.cfg.stage
+        return PagedKVCache(draft.cfg.num_layers, num_pages, page_size, 1, g.head_dim, dtype, device,
+                            keys_are_values=True)
+    cfg = draft.cfg
+    return PagedKVCache(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
 
 
 class DraftGraphs(Protocol):
@@ -55,7 +74,7 @@ class EngineModels:
     """
 
     target: ServingTarget
-    draft: DSparkBlockDraft
+    draft: ServingDraft
     draft_kv: PagedKVCache
     attn: AttentionBackend | Dsv4LayerBackend
     slots: RequestSlots
@@ -102,15 +121,24 @@ class EngineModels:
         if self.draft_attn is None:
             return self.draft.propose(roots, prefix, self.draft_context(page_table, prefix), prefix, pick,
                                       gamma=gamma, keep_conf_inputs=keep_conf_inputs)
+        assert not isinstance(self.draft, Dsv4DSparkStages), "the V4 stages gather their window"
         block = PagedDraftBlock.plan(self.draft_attn, prefix_host, prefix, gamma, page_table, self.page_size)
         return self.draft.propose_paged(roots, prefix, block, pick, gamma=gamma,
                                         keep_conf_inputs=keep_conf_inputs)
 
     def draft_context(self, page_table: torch.Tensor,
                       prefix: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each draft layer's cached context K/V over the requests' first `max(prefix)` slots."""
-        cap = -(-int(prefix.max()) // self.page_size) * self.page_size
-        slots = prefix_slots(page_table, self.page_size, cap)
+        """Each draft layer's cached context K/V `[B, C, Hkv, D]`: the requests' first `max(prefix)` slots,
+        or for a draft that reads a window, the `context_window` positions before each request's block
+        (positions below 0 read slot 0 of its page table, which the draft masks)."""
+        window = self.draft.cfg.context_window
+        if window is None:
+            cap = -(-int(prefix.max()) // self.page_size) * self.page_size
+            slots = prefix_slots(page_table, self.page_size, cap)
+        else:
+            positions = (prefix[:, None] - window + torch.arange(window, device=prefix.device)).clamp(min=0)
+            rows = torch.arange(prefix.shape[0], device=prefix.device)[:, None].expand_as(positions)
+            slots = cache_slots(page_table, rows, positions, self.page_size)
         return [(self.draft_kv.k[i][slots], self.draft_kv.v[i][slots])
                 for i in range(self.draft.cfg.num_layers)]
 
@@ -124,10 +152,13 @@ class EngineModels:
 DraftPagedAttention = TorchPagedAttention | TritonPagedAttention
 
 
-def draft_attention(draft_kv: PagedKVCache, page_size: int, draft: DSparkBlockDraft,
+def draft_attention(draft_kv: PagedKVCache, page_size: int, draft: ServingDraft,
                     device: torch.device) -> DraftPagedAttention | None:
-    """The paged attention the draft's block reads its context through: the batch-invariant torch one on
-    the CPU, the Triton kernel on CUDA; None elsewhere (the context is gathered densely)."""
+    """The paged attention a block draft's block reads its context through: the batch-invariant torch one
+    on the CPU, the Triton kernel on CUDA; None elsewhere and for the V4 stages, whose window (at most
+    `context_window` entries a request) is gathered densely."""
+    if isinstance(draft, Dsv4DSparkStages):
+        return None
     cfg = draft.cfg
     if device.type == "cpu":
         return TorchPagedAttention(draft_kv, page_size, cfg.num_heads, cfg.head_dim ** -0.5)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.modes import SpeculationOff
 from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
@@ -31,16 +32,21 @@ from dspark.runtime.distributed.sharded_load import read_embeddings
 from dspark.runtime.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
 from dspark.runtime.engine.families import FamilyRuntime, family_runtime
-from dspark.runtime.engine.forward import EngineModels, backend_device, draft_attention
+from dspark.runtime.engine.forward import (
+    EngineModels,
+    ServingDraft,
+    backend_device,
+    draft_attention,
+    draft_cache,
+)
 from dspark.runtime.engine.requests import Request, RequestError, validate_request
 from dspark.runtime.engine.scheduler import Scheduler
 from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.engine.step_forward import StepForward, StepForwards
 from dspark.runtime.engine.step_sync import LocalSync, StepSync
-from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
+from dspark.runtime.kv_cache import RequestSlots
 from dspark.runtime.models.checkpoint import load_draft_model, target_embeddings
-from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
@@ -93,9 +99,7 @@ class Runtime:
             # this backend pays an attention call per class of rows per request: plans keep one class
             self.plan = self.plan.with_overrides(row_classes=attn.row_classes(self.plan.schedule.cap))
         self.slots = RequestSlots(s.max_running_requests, s.pages_per_request, num_pages, s.page_size)
-        dc = draft.cfg
-        draft_kv = PagedKVCache(dc.num_layers, num_pages, s.page_size, dc.num_kv_heads, dc.head_dim,
-                                target.lm_head.weight.dtype, self.device)
+        draft_kv = draft_cache(draft, num_pages, s.page_size, target.lm_head.weight.dtype, self.device)
         parts = package.parts
         self.sampling = sampling or SamplingParams(s.temperature, s.top_p, s.top_k)
         # each DP rank samples its own requests from its own stream
@@ -139,7 +143,7 @@ class Runtime:
             return target_embeddings(target)
         return read_embeddings(model.checkpoint, model.dtype, self.package.directory, model.family)
 
-    def _check_models(self, family: FamilyRuntime, target: ServingTarget, draft: DSparkBlockDraft) -> None:
+    def _check_models(self, family: FamilyRuntime, target: ServingTarget, draft: ServingDraft) -> None:
         geo = family.computed_config(self.deployment)
         tc, dc = target.cfg, draft.cfg
         # every field that changes the computation, not only the shapes: a config.json edited after
@@ -150,13 +154,15 @@ class Runtime:
             raise RequestError(f"the target checkpoint's config differs from the compiled one: "
                                f"{', '.join(differ)}; recompile the spec against this checkpoint")
         # the draft's architecture as loaded against what was compiled from its config.json (a
-        # draft retrained or swapped after compiling is refused, not served with stale settings)
-        compiled = draft_config(geo, self.deployment.draft)
-        differ = [f"{f.name} {getattr(dc, f.name)!r} (compiled {getattr(compiled, f.name)!r})"
-                  for f in dataclasses.fields(dc) if getattr(dc, f.name) != getattr(compiled, f.name)]
-        if differ:
-            raise RequestError(f"the draft checkpoint does not fit this deployment: {', '.join(differ)}; "
-                               "recompile the spec against this draft")
+        # draft retrained or swapped after compiling is refused, not served with stale settings; the V4
+        # stages' loader compares theirs)
+        if isinstance(dc, BlockDraftConfig):
+            compiled = draft_config(geo, self.deployment.draft)
+            differ = [f"{f.name} {getattr(dc, f.name)!r} (compiled {getattr(compiled, f.name)!r})"
+                      for f in dataclasses.fields(dc) if getattr(dc, f.name) != getattr(compiled, f.name)]
+            if differ:
+                raise RequestError(f"the draft checkpoint does not fit this deployment: {', '.join(differ)}; "
+                                   "recompile the spec against this draft")
         if not 1 <= self.plan.gamma <= dc.block_size:
             raise RequestError(f"gamma {self.plan.gamma} is outside 1..block_size {dc.block_size} of the "
                                "draft; recompile")
@@ -179,7 +185,7 @@ class Runtime:
         return self.models.target
 
     @property
-    def draft(self) -> DSparkBlockDraft:
+    def draft(self) -> ServingDraft:
         return self.models.draft
 
     @property
@@ -381,7 +387,7 @@ def follows(package: GeneratedPackage, **options: Any) -> bool:
         target = family.rank_target(package, ranks, device)
         attn = family.attention(package, target, device)
         # the verify runner the engine's rank builds (its graphs, where it captures any, are this rank's)
-        capture = draft_config(dep.model.geometry, dep.draft).layers_before_capture
+        capture = dep.draft.layers_before_capture
         runner = package.parts.verify_runner(target, attn, capture)
         follow(StepForward(target, attn, package.parts.build_extend_metadata, runner, device), ranks.lockstep)
         together = True  # released by its engine: every rank is leaving

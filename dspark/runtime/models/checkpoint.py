@@ -15,13 +15,16 @@ from safetensors.torch import load_file, save_file
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.dspark_block_config import BlockDraftConfigError
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.formats.dsv4_dspark_config import dsv4_dspark_config
 from dspark.formats.dsv4_hf_config import DSV4_MODEL_TYPE, dsv4_geometry, fp8_block
 from dspark.formats.hf_config import ConfigFieldError, family_of_config
+from dspark.modes import DSV4_STAGES
 from dspark.runtime.config import DeploymentConfig, ModelGeometry
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dspark_block_loader import BlockDraftCheckpointError, load_block_draft
+from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages, load_dsv4_dspark, stage_draft_config
 from dspark.runtime.models.dsv4_weights import Dsv4WeightsError, load_dsv4_weights
-from dspark.runtime.models.dummy import dummy_draft, dummy_target
+from dspark.runtime.models.dummy import DRAFT_SEED, dummy_draft, dummy_target
 from dspark.runtime.models.families import ServingTarget, TargetModel, build_target
 from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
 
@@ -116,7 +119,9 @@ def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
 
 
 def target_embeddings(target: ServingTarget) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole (unsharded) dense target's input embeddings and LM head weight."""
+    """A whole (unsharded) target's input embeddings and LM head weight."""
+    if isinstance(target.cfg, Dsv4Geometry):
+        return target.model.embed.detach(), target.model.head.detach()  # type: ignore[attr-defined]
     return target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()  # type: ignore[attr-defined]
 
 
@@ -144,11 +149,50 @@ def load_target_model(deployment: DeploymentConfig, base_dir: Path, device: torc
     return load_target(model.checkpoint, model.dtype, base_dir, model.family, deployment.backend).to(device)
 
 
-def load_draft_model(deployment: DeploymentConfig, base_dir: Path, device: torch.device,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None) -> DSparkBlockDraft:
-    """The deployment's draft on `device` (a checkpoint without its own embeddings and LM head takes
-    `shared`, the target's whole ones)."""
+def load_stage_draft(deployment: DeploymentConfig, base_dir: Path,
+                     shared: tuple[torch.Tensor, torch.Tensor]) -> Dsv4DSparkStages:
+    """The DSpark stages of the DeepSeek-V4 checkpoint the deployment's draft names (usually the target's
+    own), over the target's whole embeddings and LM head `shared`; a checkpoint whose stages' settings differ
+    from the compiled ones is refused. A dummy draft: seeded random stages of the compiled settings, the
+    target's expert counts."""
     model, draft = deployment.model, deployment.draft
+    geometry = model.geometry
+    assert isinstance(geometry, Dsv4Geometry)
+    compiled = stage_draft_config(geometry, draft)
+    if draft.load_format == "dummy":
+        stages = Dsv4DSparkStages(compiled, *shared)
+        stages.init_random_(DRAFT_SEED)
+        return stages.to(DTYPES[model.dtype]).eval()
+    path = resolve_checkpoint(draft.checkpoint, "draft", base_dir)
+    config = read_config(path)
+    try:
+        cfg = dsv4_dspark_config(config, geometry)
+    except ConfigFieldError as exc:
+        raise CheckpointError(f"{path / 'config.json'}: {exc}; {exc.hint}") from None
+    settings = ("block_size", "noise_token_id", "target_layer_ids", "markov_rank", "stages")
+    differ = [f"{name} {getattr(cfg, name)!r} (compiled {getattr(compiled, name)!r})" for name in settings
+              if getattr(cfg, name) != getattr(compiled, name)]
+    if differ:
+        raise CheckpointError(f"{path}: the DSpark stages do not fit this deployment: {', '.join(differ)}; "
+                              "recompile the spec against this checkpoint")
+    stages = Dsv4DSparkStages(cfg, *shared)
+    try:
+        load_dsv4_dspark(stages, _load_state(path), fp8_block(config))
+    except Dsv4WeightsError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    return stages.to(DTYPES[model.dtype]).eval()
+
+
+def load_draft_model(deployment: DeploymentConfig, base_dir: Path, device: torch.device,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None) -> DSparkBlockDraft | Dsv4DSparkStages:
+    """The deployment's draft on `device` (a checkpoint without its own embeddings and LM head takes
+    `shared`, the target's whole ones; the V4 stages always do)."""
+    model, draft = deployment.model, deployment.draft
+    if draft.architecture == DSV4_STAGES:
+        if shared is None:
+            raise CheckpointError("a DeepSeek-V4 checkpoint's DSpark stages draft over the target's "
+                                  "embeddings and LM head, which were not handed over")
+        return load_stage_draft(deployment, base_dir, shared).to(device)
     if draft.load_format == "dummy":
         return dummy_draft(model.geometry, draft, DTYPES[model.dtype], device)
     return load_draft(draft.checkpoint, model.dtype, base_dir, shared).to(device)

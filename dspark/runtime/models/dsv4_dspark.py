@@ -1,4 +1,5 @@
-"""The DSpark draft a DeepSeek-V4 checkpoint carries beside its target: the `mtp.{i}` stages.
+"""The DSpark draft a DeepSeek-V4 checkpoint carries beside its target: the `mtp.{i}` stages, served by the
+engine as a deployment's draft (`draft.checkpoint` naming the target's own checkpoint).
 
 What the stages compute (facts from vLLM's `DSparkDeepseekV4ForCausalLM` and the release's tensor names;
 DeepSpec's DSpark for the block and head conventions):
@@ -6,40 +7,39 @@ DeepSpec's DSpark for the block and head conventions):
 * **context**: for each committed position, the target's residual after each `dspark_target_layer_ids`
   layer as the mean of its hyper-connection streams (`DSV4Model.draft_features`), concatenated ->
   main_x = RMSNorm(main_proj(.), main_norm) [dim]; each stage layer's context K=V there is its own
-  RMSNorm(wkv(main_x), kv_norm) rotated by the position (window-only layers: the context is attended within
-  the layer's window);
+  RMSNorm(wkv(main_x), kv_norm) rotated by the position, cached once per committed position like a target's
+  KV (one latent head whose keys are its values: the engine's draft cache stores it once);
 * **block**: the anchor (the last committed token, at position P) and `block_size - 1` noise tokens at
   P .. P + block_size - 1, embedded by the target's table and copied into the hyper-connection streams, run
   through the `num_nextn_predict_layers` stages, each a DeepSeek-V4 decoder layer (window attention with its
   sinks and grouped output projection, a learned top-k MoE, hyper-connections around both sub-layers) whose
-  rows attend to the context within the window before P and to every row of the block (not causal);
+  rows attend to the context within the window before their own position (`window - 1` context entries at
+  most, so a step reads only those) and to every row of the block (not causal);
 * **heads** (on the last stage): `hc_head` collapses the streams into the slot's hidden state h_k; the base
   logits are the target's head over RMSNorm(h_k, norm); a vanilla Markov head adds markov_w2(markov_w1[prev])
   for the token before the slot (the anchor for slot 0, then the drafted token), drafted left to right; the
   confidence logit is proj([h_k ; markov_w1[prev]]) (its sigmoid the acceptance estimate).
 
 Slot k predicts position P + k + 1. The stages are built from `Dsv4Geometry`: the target's sizes with
-window-only layers and the draft's own expert counts (`dspark_n_routed_experts`, `dspark_num_experts_per_tok`
-where the config has them), no hash routing. Everything is row-invariant as the target is. Read, refused by
-key where dspark does not implement a value: `dsv4_dspark_config`. The engine does not draft with these
-stages yet: a V4 deployment drafts with a DSpark block draft (docs/dsv4.md "What is missing").
+window-only layers and the draft's own expert counts, no hash routing (`dsv4_dspark_config`, torch-free, which
+the compiler reads too). Every product is row-invariant as the target's are, and a block's attention runs over
+a fixed width (the window and the block, masked), so a request's drafts do not depend on the batch it is in.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
-from dspark.formats.hf_config import ConfigFieldError
-from dspark.runtime.models.dsv4 import DSV4Layer, DSV4Model
+from dspark.formats.dsv4_dspark_config import Dsv4DSparkConfig, dsv4_dspark_config
+from dspark.runtime.config import DraftRef
+from dspark.runtime.models.dspark_block_draft import BlockProposal, TokenPicker
+from dspark.runtime.models.dsv4 import DSV4Layer
 from dspark.runtime.models.dsv4_hyper import HyperHead
-from dspark.runtime.models.dsv4_ops import rms_norm, row_linear
+from dspark.runtime.models.dsv4_ops import rms_norm, row_linear, row_softmax
 from dspark.runtime.models.dsv4_quant import Dsv4QuantError, dequantize_state
 from dspark.runtime.models.dsv4_weights import (
     EXPERT_KEY,
@@ -48,60 +48,36 @@ from dspark.runtime.models.dsv4_weights import (
     is_draft_stage,
 )
 
-
-@dataclass(frozen=True)
-class Dsv4DSparkConfig:
-    block_size: int  # slots per block: the anchor and block_size - 1 noise tokens
-    noise_token_id: int
-    target_layer_ids: tuple[int, ...]  # target layers whose residual (stream mean) the context reads
-    markov_rank: int
-    stages: int  # num_nextn_predict_layers
-    stage: Dsv4Geometry  # the stages' layers: the target's sizes, window-only, the draft's experts
+# Elements one chunk of the block attention's score product may hold (a chunk is a few requests): the
+# product is elementwise then summed, for row invariance, so it is bounded rather than materialised whole.
+_ATTENTION_CHUNK_ELEMENTS = 1 << 25
 
 
-def dsv4_dspark_config(cfg: dict[str, Any], target: Dsv4Geometry) -> Dsv4DSparkConfig:
-    """The stages a DeepSeek-V4 config.json describes (`dspark_*` keys, num_nextn_predict_layers), refusing
-    what dspark does not implement by key."""
-    def int_key(key: str, minimum: int) -> int:
-        value = cfg.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ConfigFieldError(key, f"is {value!r}, not an integer >= {minimum}",
-                                   "use a DSpark-bearing DeepSeek-V4 config.json")
-        return value
-
-    stages = int_key("num_nextn_predict_layers", 1)
-    ids = cfg.get("dspark_target_layer_ids")
-    if not isinstance(ids, list) or not ids or any(
-            not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < target.n_layers for i in ids):
-        raise ConfigFieldError("dspark_target_layer_ids", f"is {ids!r}, not target layer ids "
-                               f"in 0..{target.n_layers - 1}", "use a DSpark-bearing DeepSeek-V4 config.json")
-    ratios = cfg.get("compress_ratios", [])
-    stage_ratios = ratios[target.n_layers:] if isinstance(ratios, list) else []
-    if len(stage_ratios) not in (0, stages) or any(r != 0 for r in stage_ratios):
-        raise ConfigFieldError("compress_ratios", f"gives the draft stages {stage_ratios}; dspark's stages "
-                               "are window-only layers (ratio 0)",
-                               "use a checkpoint whose stages have ratio 0")
-    if cfg.get("enable_confidence_head", True) is not True:
-        raise ConfigFieldError("enable_confidence_head", "is not true; the stages' confidence head is read "
-                               "with them", "use a checkpoint with the confidence head")
-    experts = cfg.get("dspark_n_routed_experts", target.n_routed_experts)
-    topk = cfg.get("dspark_num_experts_per_tok", target.n_activated_experts)
-    stage = dataclasses.replace(target, compress_ratios=(0,) * stages, n_hash_layers=0,
-                                n_routed_experts=experts, n_activated_experts=topk, index_quant=False)
-    return Dsv4DSparkConfig(block_size=int_key("dspark_block_size", 1),
-                            noise_token_id=int_key("dspark_noise_token_id", 0), target_layer_ids=tuple(ids),
-                            markov_rank=int_key("dspark_markov_rank", 1), stages=stages, stage=stage)
+def stage_draft_config(target: Dsv4Geometry, draft: DraftRef) -> Dsv4DSparkConfig:
+    """The stages a compiled draft section describes over its target (the target's expert counts): what a
+    checkpoint's stages must match, and what a dummy draft builds."""
+    return dsv4_dspark_config({"num_nextn_predict_layers": draft.num_layers,
+                               "dspark_block_size": draft.block_size,
+                               "dspark_noise_token_id": draft.mask_token_id,
+                               "dspark_target_layer_ids": list(draft.target_layer_ids),
+                               "dspark_markov_rank": draft.markov_rank}, target)
 
 
 class Dsv4DSparkStages(nn.Module):
-    """The stages and their heads; the embeddings and the LM head are the target's (`target` below)."""
+    """The stages and their heads over the target's embeddings and LM head (`embed` [V, dim], `head` [V, dim]:
+    the target's whole tables, shared, not copies). The engine's draft: `context_kv` fills its cache,
+    `propose` drafts a batch of blocks."""
 
-    def __init__(self, cfg: Dsv4DSparkConfig) -> None:
+    def __init__(self, cfg: Dsv4DSparkConfig, embed: Tensor, head: Tensor) -> None:
         super().__init__()
         self.cfg = cfg
         g = cfg.stage
         if not g.hc_mult:
             raise ValueError("DeepSeek-V4's DSpark stages need hyper-connections (hc_mult > 0)")
+        if tuple(embed.shape) != (g.vocab_size, g.dim) or tuple(head.shape) != (g.vocab_size, g.dim):
+            raise ValueError(f"the target's embeddings {list(embed.shape)} and head {list(head.shape)} are "
+                             f"not [{g.vocab_size}, {g.dim}] (the whole tables, not a tensor-parallel share)")
+        self.embed, self.head = embed, head  # the target's, not this module's parameters
         self.main_proj = nn.Parameter(torch.empty(g.dim, len(cfg.target_layer_ids) * g.dim))
         self.main_norm = nn.Parameter(torch.empty(g.dim))
         self.layers = nn.ModuleList(DSV4Layer(g, 0, i) for i in range(cfg.stages))
@@ -111,48 +87,100 @@ class Dsv4DSparkStages(nn.Module):
         self.markov_w2 = nn.Parameter(torch.empty(g.vocab_size, cfg.markov_rank))
         self.confidence = nn.Parameter(torch.empty(1, g.dim + cfg.markov_rank))
 
-    def main_x(self, features: Tensor) -> Tensor:
-        """[T, len(target_layer_ids) * dim] target features -> main_x [T, dim]."""
-        return rms_norm(row_linear(features, self.main_proj), self.main_norm, self.cfg.stage.norm_eps)
+    @torch.no_grad()
+    def init_random_(self, seed: int) -> None:
+        """Dummy weights (`load_format: dummy`), scaled as the target's are."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in leaf:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif leaf == "attn_sink":
+                param.copy_(torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
 
-    def context_kv(self, main_x: Tensor, positions: Tensor) -> list[Tensor]:
-        """Each stage's context K=V [T, head_dim] of committed positions [T]."""
-        return [layer.project_kv(main_x, positions) for layer in self.layers]
+    def resolve_gamma(self, gamma: int | None) -> int:
+        g = self.cfg.block_size if gamma is None else gamma
+        if not 1 <= g <= self.cfg.block_size:
+            raise ValueError(f"gamma {g} outside 1..block_size {self.cfg.block_size} of this draft")
+        return g
 
     @torch.no_grad()
-    def propose(self, target: DSV4Model, context: list[Tensor], anchor: int, anchor_pos: int,
-                gamma: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """One request's block: context K=V per stage [anchor_pos, head_dim] (positions 0 .. anchor_pos - 1),
-        the anchor token at anchor_pos -> greedy drafts [gamma], their Markov-corrected logits [gamma, V] and
-        confidence logits [gamma]."""
+    def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """The target's features of committed positions [T, len(target_layer_ids) * dim] at positions [T] ->
+        each stage's context (K, V) [T, 1, head_dim]: one latent head whose keys are its values."""
+        g = self.cfg.stage
+        main_x = rms_norm(row_linear(features.to(self.main_proj.dtype), self.main_proj), self.main_norm,
+                          g.norm_eps)
+        out = []
+        for layer in self.layers:
+            kv = layer.project_kv(main_x, positions).unsqueeze(1)
+            out.append((kv, kv))
+        return out
+
+    @torch.no_grad()
+    def propose(self, anchor_ids: Tensor, anchor_pos: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
+                ctx_lens: Tensor, pick: TokenPicker | None = None, gamma: int | None = None,
+                keep_conf_inputs: bool = False) -> BlockProposal:
+        """One draft step for B requests: anchors [B] at positions anchor_pos [B]; `ctx_kv` per stage (K, V)
+        [B, context_window, 1, head_dim], request b's entries at positions anchor_pos[b] - context_window ..
+        anchor_pos[b] - 1 (`dspark.runtime.engine.forward.EngineModels.draft_context`; those below position 0,
+        or at ctx_lens[b] and past, are not read). `pick` draws each slot's token from its [B, V] logits
+        (greedy argmax without it)."""
         cfg, g = self.cfg, self.cfg.stage
-        gamma = cfg.block_size if gamma is None else gamma
-        if not 1 <= gamma <= cfg.block_size:
-            raise ValueError(f"gamma {gamma} outside 1..block_size {cfg.block_size}")
-        tokens = torch.full((gamma,), cfg.noise_token_id, dtype=torch.long)
-        tokens[0] = anchor
-        pos = anchor_pos + torch.arange(gamma)
-        h = target.embed_tokens(tokens)  # [gamma, hc_mult, dim]: the stages' streams are the target's
-        for layer, ctx in zip(self.layers, context, strict=True):
-            _, q, _, kv, mixes = layer.attn_inputs(h, pos)
-            outs = []
-            for i in range(gamma):
-                seen = ctx[max(0, anchor_pos + i - g.window + 1):anchor_pos]  # the window before the block
-                outs.append(layer.attend_row(q[i], torch.cat([seen, kv])))
-            h = layer.finish_rows(h, torch.stack(outs), pos, tokens, mixes)
-        hidden = self.hc_head(h)  # [gamma, dim], pre-norm
-        base = row_linear(rms_norm(hidden, self.norm, g.norm_eps), target.head)  # [gamma, V]
-        drafts, logits = [], []
-        prev = anchor
+        gamma = self.resolve_gamma(gamma)
+        num_reqs, dev = anchor_ids.shape[0], anchor_ids.device
+        tokens = torch.full((num_reqs, gamma), cfg.noise_token_id, dtype=torch.long, device=dev)
+        tokens[:, 0] = anchor_ids
+        pos = anchor_pos[:, None] + torch.arange(gamma, device=dev)  # [B, gamma]
+        width = cfg.context_window
+        ctx_pos = anchor_pos[:, None] - width + torch.arange(width, device=dev)  # [B, W]
+        # a block row at p sees the context entries at p - window + 1 .. P - 1, and the whole block
+        sees_ctx = ((ctx_pos[:, None, :] > pos[:, :, None] - g.window) & (ctx_pos[:, None, :] >= 0)
+                    & (ctx_pos[:, None, :] < ctx_lens[:, None, None]))  # [B, gamma, W]
+        visible = torch.cat([sees_ctx, sees_ctx.new_ones(num_reqs, gamma, gamma)], dim=-1)
+        flat_tokens, flat_pos = tokens.reshape(-1), pos.reshape(-1)
+        # the target's embeddings, copied into the streams
+        h = self.embed[flat_tokens].unsqueeze(1).expand(-1, g.hc_mult, -1).contiguous()
+        for layer, (ctx, _) in zip(self.layers, ctx_kv, strict=True):
+            _, q, _, kv, mixes = layer.attn_inputs(h, flat_pos)
+            keys = torch.cat([ctx[:, :, 0].to(kv.dtype), kv.view(num_reqs, gamma, -1)], dim=1)  # [B, W+g, D]
+            o = self._attend(layer, q.view(num_reqs, gamma, g.n_heads, g.head_dim), keys, visible)
+            h = layer.finish_rows(h, o.flatten(0, 1), flat_pos, flat_tokens, mixes)
+        hidden = self.hc_head(h)  # [B * gamma, dim], before the final norm
+        base = row_linear(rms_norm(hidden, self.norm, g.norm_eps), self.head).view(num_reqs, gamma, -1)
+        hidden = hidden.view(num_reqs, gamma, -1)
+        prev, prevs, logits, drafts = anchor_ids, [], [], []
         for k in range(gamma):
-            step = base[k] + row_linear(self.markov_w1[prev], self.markov_w2)
+            prevs.append(prev)
+            step = base[:, k] + row_linear(self.markov_w1[prev], self.markov_w2)  # [B, V]
             logits.append(step)
-            prev = int(step.argmax())
+            prev = step.argmax(-1) if pick is None else pick(step)
             drafts.append(prev)
-        prevs = torch.tensor([anchor, *drafts[:-1]])  # the token before each draft
-        conf_in = torch.cat([hidden, self.markov_w1[prevs]], dim=-1)
-        confidence = row_linear(conf_in, self.confidence).squeeze(-1)
-        return torch.tensor(drafts), torch.stack(logits), confidence
+        conf_in = torch.cat([hidden, self.markov_w1[torch.stack(prevs, dim=1)]], dim=-1)
+        confidence = row_linear(conf_in, self.confidence).squeeze(-1).float()  # [B, gamma]
+        return BlockProposal(drafts=torch.stack(drafts, dim=1), conf_logits=confidence,
+                             logits=torch.stack(logits, dim=1), hidden=hidden,
+                             conf_inputs=conf_in if keep_conf_inputs else None)
+
+    @staticmethod
+    def _attend(layer: DSV4Layer, q: Tensor, keys: Tensor, visible: Tensor) -> Tensor:
+        """q [B, gamma, H, D] over each request's keys [B, n, D] (also the values) where `visible`
+        [B, gamma, n], with the layer's sinks -> [B, gamma, H, D]; a few requests at a time."""
+        num_reqs, gamma, heads, dim = q.shape
+        per_request = gamma * heads * keys.shape[1] * dim
+        step = max(1, _ATTENTION_CHUNK_ELEMENTS // per_request)
+        scale, sink = dim ** -0.5, layer.attn_sink
+        out = []
+        for b in range(0, num_reqs, step):
+            qs, ks, seen = q[b:b + step], keys[b:b + step], visible[b:b + step]
+            scores = (qs.unsqueeze(3) * ks[:, None, None]).sum(-1) * scale  # [b, gamma, H, n]
+            scores = scores.masked_fill(~seen[:, :, None, :], float("-inf"))
+            sinks = sink.view(1, 1, heads, 1).expand(*scores.shape[:3], 1)
+            probs = row_softmax(torch.cat([scores, sinks], dim=-1))[..., :-1]
+            out.append((probs.unsqueeze(-1) * ks[:, None, None]).sum(-2))
+        return torch.cat(out)
 
 
 _STAGE = re.compile(r"mtp\.(\d+)\.(.+)")

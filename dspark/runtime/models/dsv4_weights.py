@@ -125,6 +125,10 @@ _RELEASE_TOP = {
     "hc_head_scale": "hc_head.scale",
 }
 _TOP = {**_HF_TOP, **_RELEASE_TOP}
+# the names the whole embedding and LM head have in each layout (the release's first)
+DSV4_VOCAB_NAMES = {ours: tuple(prefix + name for name, to in (*_RELEASE_TOP.items(), *_HF_TOP.items())
+                                for prefix in ("", "model.") if to == ours)
+                    for ours in ("embed", "head")}
 _LAYER = {**_HF_LAYER, **RELEASE_LAYER_NAMES}
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 EXPERT_KEY = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")  # one expert's matrix, by the release
