@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from dspark.formats.dsv4_dspark_config import dsv4_dspark_config
 from dspark.formats.dsv4_hf_config import dsv4_geometry
-from dspark.runtime.models.dsv4 import DSV4Model
-from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages
-from dspark.runtime.models.dsv4_weights import RELEASE_LAYER_NAMES
+from dspark.runtime.families.dsv4.dspark_stages import Dsv4DSparkStages
+from dspark.runtime.families.dsv4.model import DSV4Model
+from dspark.runtime.families.dsv4.weights import RELEASE_LAYER_NAMES
 from dspark.runtime.tokenizer import BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE
 
 # DSV4Model's names -> the release's (the first release name of each; experts are split per expert)

@@ -1,12 +1,12 @@
 """A stand-in for torch_npu and torch.npu, for the DSV4 Ascend backends' tests on the CPU.
 
 torch_npu is never installed in the CPU test environment, so a fake module takes its place: its operators
-are the CPU models of `dspark.runtime.dsv4.ascend_ops`, and it checks each call against the operators'
-schemas (every length is an int32 tensor, `Tensor?` in the schema; the tiling operators' integers are Python
-ints). `device_only` wraps a step's device arrays so that reading their values on the host fails. A fake NPU
-graph records what a stream capture would (the operators' launches and the caller's own tensor ops) and
-replays it on the same memory, so a captured tier can be checked after `update_captured` against an eager
-run of the new step. Streams and events only log what is asked of them, in order (`FakeNpu.log`).
+are the CPU models of `dspark.runtime.families.dsv4.ascend_op_models`, and it checks each call against the
+operators' schemas (every length is an int32 tensor, `Tensor?` in the schema; the tiling operators' integers
+are Python ints). `device_only` wraps a step's device arrays so that reading their values on the host fails.
+A fake NPU graph records what a stream capture would (the operators' launches and the caller's own tensor
+ops) and replays it on the same memory, so a captured tier can be checked after `update_captured` against an
+eager run of the new step. Streams and events only log what is asked of them, in order (`FakeNpu.log`).
 `index_quant_everywhere` makes a CPU package a reference for an Ascend one (its indexer scored int8).
 """
 
@@ -24,8 +24,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dspark.formats.dsv4_config import Dsv4Geometry
-from dspark.runtime.dsv4 import Dsv4VerifyMetadata
-from dspark.runtime.dsv4.ascend_ops import reference_quant_lightning_indexer, reference_sparse_attn_sharedkv
+from dspark.runtime.families.dsv4 import Dsv4VerifyMetadata
+from dspark.runtime.families.dsv4.ascend_op_models import (
+    reference_quant_lightning_indexer,
+    reference_sparse_attn_sharedkv,
+)
 
 SAS, SAS_PLAN = "npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata"
 LI, LI_PLAN = "npu_quant_lightning_indexer", "npu_quant_lightning_indexer_metadata"

@@ -29,18 +29,18 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dspark.runtime.dsv4.ascend_ops import reference_sparse_attn_sharedkv  # noqa: E402
-from dspark.runtime.dsv4.verify_metadata import (  # noqa: E402
-    Dsv4PageTables,
-    Dsv4StepConfig,
-    Dsv4VerifyMetadata,
-    plan_dsv4_verify,
-)
-from dspark.runtime.kernels.dsv4_attention import (  # noqa: E402
+from dspark.runtime.families.dsv4.ascend_op_models import reference_sparse_attn_sharedkv  # noqa: E402
+from dspark.runtime.families.dsv4.triton_attention import (  # noqa: E402
     dsv4_attention,
     dsv4_attention_args,
     dsv4_attention_torch,
     launch_dsv4_attention,
+)
+from dspark.runtime.families.dsv4.verify_metadata import (  # noqa: E402
+    Dsv4PageTables,
+    Dsv4StepConfig,
+    Dsv4VerifyMetadata,
+    plan_dsv4_verify,
 )
 from tests.interp_runner import run_checks  # noqa: E402  (imports neither torch nor triton)
 

@@ -33,9 +33,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_cache_layout  # noqa: E402
-from dspark.runtime.dsv4.attention import Dsv4PagedAttention, extend_config, step_config  # noqa: E402
-from dspark.runtime.dsv4.cuda_layers import Dsv4CudaLayers  # noqa: E402
-from dspark.runtime.dsv4.paged import (  # noqa: E402
+from dspark.runtime.families.dsv4.cpu_attention import Dsv4PagedAttention, extend_config, step_config  # noqa: E402
+from dspark.runtime.families.dsv4.cpu_paged import (  # noqa: E402
     Dsv4LayerCache,
     Dsv4PagedCaches,
     layer_forward,
@@ -43,14 +42,15 @@ from dspark.runtime.dsv4.paged import (  # noqa: E402
     prefill,
     slot_page_tables,
 )
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend  # noqa: E402
-from dspark.runtime.dsv4.verify_metadata import (  # noqa: E402
+from dspark.runtime.families.dsv4.cuda_layers import Dsv4CudaLayers  # noqa: E402
+from dspark.runtime.families.dsv4.model import DSV4Model  # noqa: E402
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend  # noqa: E402
+from dspark.runtime.families.dsv4.verify_metadata import (  # noqa: E402
     Dsv4StepConfig,
     Dsv4VerifyMetadata,
     plan_dsv4_verify,
 )
 from dspark.runtime.kernels.dispatch import Impl  # noqa: E402
-from dspark.runtime.models.dsv4 import DSV4Model  # noqa: E402
 from tests.dsv4_fake_npu import device_only, plain  # noqa: E402
 from tests.interp_runner import run_checks  # noqa: E402
 

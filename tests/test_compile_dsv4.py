@@ -83,8 +83,9 @@ def test_the_family_picks_the_templates(dsv4_spec, overrides, metadata, runner):
 
 
 def test_the_eager_runner_imports_the_dsv4_attention(dsv4_spec):
-    for overrides, module, cls in (({}, "dspark.runtime.dsv4.attention", "Dsv4PagedAttention"),
-                                   (ASCEND, "dspark.runtime.dsv4.ascend_layers", "Dsv4AscendLayers")):
+    for overrides, module, cls in (({}, "dspark.runtime.families.dsv4.cpu_attention", "Dsv4PagedAttention"),
+                                   (ASCEND, "dspark.runtime.families.dsv4.ascend_layers",
+                                    "Dsv4AscendLayers")):
         runner = compile_spec(dsv4_spec(overrides)).files["graph_runner.py"].decode()
         assert f"\nfrom {module} import {cls}\n" in runner
 

@@ -1,6 +1,6 @@
-"""The DSV4 Ascend layers (dspark.runtime.dsv4.ascend_layers) against the paged CPU forward (dsv4.paged), on
-the torch_npu stand-in of tests/dsv4_fake_npu.py: its operators are the CPU models of dsv4.ascend_ops, the
-step's device arrays refuse host reads, and its graph records and replays.
+"""The DSV4 Ascend layers (dspark.runtime.families.dsv4.ascend_layers) against the paged CPU forward
+(dsv4.paged), on the torch_npu stand-in of tests/dsv4_fake_npu.py: its operators are the CPU models of
+dsv4.ascend_op_models, the step's device arrays refuse host reads, and its graph records and replays.
 
 What is equal and how:
 * raw K=V and the compressors' per-position rows in the ring: bitwise (the same ops on the same inputs);
@@ -26,20 +26,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dspark.formats.dsv4_config import dsv4_cache_layout
-from dspark.runtime.dsv4 import ascend_ops
-from dspark.runtime.dsv4.ascend_backend import Dsv4AscendAttention, Dsv4AscendBackendError
-from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers
-from dspark.runtime.dsv4.attention import Dsv4PagedAttention, step_config
-from dspark.runtime.dsv4.device_layers import Dsv4RopeTables, pool_blocks
-from dspark.runtime.dsv4.paged import (
+from dspark.runtime.families.dsv4 import ascend_op_models
+from dspark.runtime.families.dsv4.ascend_attention import Dsv4AscendAttention, Dsv4AscendBackendError
+from dspark.runtime.families.dsv4.ascend_layers import Dsv4AscendLayers
+from dspark.runtime.families.dsv4.cpu_attention import Dsv4PagedAttention, step_config
+from dspark.runtime.families.dsv4.cpu_paged import (
     Dsv4PagedCaches,
     layer_forward,
     max_rows_per_request,
     prefill_config,
     slot_page_tables,
 )
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.dsv4.verify_metadata import plan_dsv4_verify
+from dspark.runtime.families.dsv4.device_layers import Dsv4RopeTables, pool_blocks
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.families.dsv4.verify_metadata import plan_dsv4_verify
 from tests.dsv4_fake_npu import FakeGraph, FakeNpu, device_only, install_fake_npu, plain
 from tests.dsv4_layers_common import (
     CFG,
@@ -72,7 +72,7 @@ QUANT = CFG.for_backend("ascend").index_quant  # True: the int8 indexer, as Asce
 
 @pytest.fixture
 def npu(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:
-    monkeypatch.setattr(ascend_ops, "CMP_RATIOS", (*ascend_ops.CMP_RATIOS, CFG.hca_ratio))
+    monkeypatch.setattr(ascend_op_models, "CMP_RATIOS", (*ascend_op_models.CMP_RATIOS, CFG.hca_ratio))
     return install_fake_npu(monkeypatch)
 
 

@@ -1,7 +1,7 @@
-"""DSV4 attention kernel (`dspark.runtime.kernels.dsv4_attention`): the torch reference against the Ascend
-operator model (`ascend_ops.reference_sparse_attn_sharedkv`) on planned verify steps, the Triton kernel
-against the reference under the interpreter (in a subprocess: tests/dsv4_kernel_interp_checks.py), input
-refusals, and on a GPU the compiled kernel without host sync and inside a replayed CUDA graph.
+"""DSV4 attention kernel (`dspark.runtime.families.dsv4.triton_attention`): the torch reference against the
+Ascend operator model (`ascend_op_models.reference_sparse_attn_sharedkv`) on planned verify steps, the Triton
+kernel against the reference under the interpreter (in a subprocess: tests/dsv4_kernel_interp_checks.py),
+input refusals, and on a GPU the compiled kernel without host sync and inside a replayed CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime.dsv4.verify_metadata import Dsv4PageTables, Dsv4StepConfig, plan_dsv4_verify
-from dspark.runtime.kernels import dispatch
-from dspark.runtime.kernels import dsv4_attention as kernel_module
-from dspark.runtime.kernels.dsv4_attention import (
+from dspark.runtime.families.dsv4 import triton_attention as kernel_module
+from dspark.runtime.families.dsv4.triton_attention import (
     MAX_HEAD_DIM,
     block_sizes,
     dsv4_attention,
@@ -25,6 +23,8 @@ from dspark.runtime.kernels.dsv4_attention import (
     dsv4_attention_torch,
     launch_dsv4_attention,
 )
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4PageTables, Dsv4StepConfig, plan_dsv4_verify
+from dspark.runtime.kernels import dispatch
 from tests.dsv4_kernel_interp_checks import CASE_KINDS, SEEDS, Case, ascend_reference, make_case, rule_topk
 from tests.interp_runner import interpreter_results
 

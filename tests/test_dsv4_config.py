@@ -82,7 +82,7 @@ def _read(tmp_path: Path, cfg: dict[str, Any]) -> Dsv4Geometry:
 
 def test_the_released_layout_reads_into_the_geometry_and_builds_the_reference(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
-    from dspark.runtime.models.dsv4 import DSV4Model
+    from dspark.runtime.families.dsv4.model import DSV4Model
 
     geometry = _read(tmp_path, TINY)
     assert geometry == EXPECTED and geometry.n_layers == 4

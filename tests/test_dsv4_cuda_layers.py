@@ -1,6 +1,6 @@
-"""The DSV4 CUDA layers (dspark.runtime.dsv4.cuda_layers) on the CPU: the torch oracle of the attention
-(`impl="torch"`) and, under the Triton interpreter in a subprocess, the kernel, against the paged CPU forward
-(dsv4.paged) with device arrays that refuse host reads (tests/dsv4_fake_npu.py's `device_only`).
+"""The DSV4 CUDA layers (dspark.runtime.families.dsv4.cuda_layers) on the CPU: the torch oracle of the
+attention (`impl="torch"`) and, under the Triton interpreter in a subprocess, the kernel, against the paged
+CPU forward (dsv4.paged) with device arrays that refuse host reads (tests/dsv4_fake_npu.py's `device_only`).
 
 What is equal and how:
 * a layer's output, padding rows included (they see no key, so the sink gives zeros in both): within 1e-5;
@@ -24,13 +24,13 @@ import pytest
 import torch
 
 from dspark.formats.dsv4_config import dsv4_cache_layout
-from dspark.runtime.dsv4.attention import Dsv4PagedAttention, step_config
-from dspark.runtime.dsv4.cuda_layers import Dsv4CudaLayers, indexer_topk
-from dspark.runtime.dsv4.device_layers import Dsv4DeviceLayersError
-from dspark.runtime.dsv4.paged import Dsv4LayerTrace, layer_forward
+from dspark.runtime.families.dsv4.cpu_attention import Dsv4PagedAttention, step_config
+from dspark.runtime.families.dsv4.cpu_paged import Dsv4LayerTrace, layer_forward
+from dspark.runtime.families.dsv4.cuda_layers import Dsv4CudaLayers, indexer_topk
+from dspark.runtime.families.dsv4.device_layers import Dsv4DeviceLayersError
+from dspark.runtime.families.dsv4.model import Indexer
+from dspark.runtime.families.dsv4.triton_attention import dsv4_attention_args
 from dspark.runtime.kernels import dispatch
-from dspark.runtime.kernels.dsv4_attention import dsv4_attention_args
-from dspark.runtime.models.dsv4 import Indexer
 from tests.dsv4_fake_npu import device_only, plain
 from tests.dsv4_layers_common import (
     CFG,

@@ -1,8 +1,8 @@
-"""The DSV4 CUDA layers (dspark.runtime.dsv4.cuda_layers) on a GPU, with the compiled Triton kernel (skipped
-without CUDA; in benchmarks/device_check.sh phase 1): fp32 steps against the CPU path (dsv4.paged) with no
-host sync inside the layers, a bf16 model finite and close to it, and a CUDA graph captured on one step and
-replayed on two others of its tier equal to the eager steps. The CPU checks of the same code (the torch
-oracle, and the kernel under the interpreter) are in tests/test_dsv4_cuda_layers.py.
+"""The DSV4 CUDA layers (dspark.runtime.families.dsv4.cuda_layers) on a GPU, with the compiled Triton kernel
+(skipped without CUDA; in benchmarks/device_check.sh phase 1): fp32 steps against the CPU path (dsv4.paged)
+with no host sync inside the layers, a bf16 model finite and close to it, and a CUDA graph captured on one
+step and replayed on two others of its tier equal to the eager steps. The CPU checks of the same code (the
+torch oracle, and the kernel under the interpreter) are in tests/test_dsv4_cuda_layers.py.
 
 Tolerances: the GPU sums in other orders than the CPU (the indexer's scores, the kernel's online softmax), so
 fp32 logits agree within 1e-3 and caches within 1e-4; a replayed graph runs the eager step's kernels on the

@@ -1,6 +1,6 @@
 """DP attention of the dsv4 family: query heads tensor-parallel over a DP rank's `tp / dp` attention ranks,
 the MLP and the vocabulary over the world on the rows gathered across the DP ranks
-(`dp_attention.shard_dsv4_dp_attention`), and padding that never touches a real request's caches.
+(`sharding.shard_dsv4_dp_attention`), and padding that never touches a real request's caches.
 
 Every DP rank runs the same rows each step, so a DP rank with fewer pads them: an extend step (prefill chunk,
 target-only decode) with a padding request that has no slot (`ExtendLayout.host_slots` lists the real
@@ -26,16 +26,12 @@ import pytest
 import torch
 
 from dspark.runtime.config import ParallelPlan
-from dspark.runtime.distributed.dp_attention import (
-    DPAttentionDsv4Layer,
-    DPAttentionGroups,
-    DPGatheredVocab,
-    shard_dp_attention_target,
-)
+from dspark.runtime.distributed.dp_attention import DPAttentionGroups, DPGatheredVocab
 from dspark.runtime.distributed.launch import Launch, LaunchError, check_launch
 from dspark.runtime.distributed.tensor_parallel import PartialSum, TPGroup, VocabParallelEmbedding
-from dspark.runtime.dsv4.attention import plan_step_metadata
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
+from dspark.runtime.families.dsv4.cpu_attention import plan_step_metadata
+from dspark.runtime.families.dsv4.sharding import DPAttentionDsv4Layer, shard_dsv4_dp_attention
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.layout import plan_extend, plan_verify
 
 from .gloo_ranks import free_port
@@ -215,7 +211,7 @@ def test_heads_split_over_the_attention_ranks_and_the_mlp_and_vocabulary_over_th
         dp_rank, a = divmod(rank, size)
         groups = DPAttentionGroups(place(rank, tp), place(a, size), place(dp_rank, dp), dp_rank)
         target = copy.deepcopy(whole)
-        shard_dp_attention_target(target, groups)
+        shard_dsv4_dp_attention(target, groups)
         assert target.local_num_heads == h
         q = slice(a * h * d, (a + 1) * h * d)
         i0, i1 = rank * GEOMETRY.inter_dim // tp, (rank + 1) * GEOMETRY.inter_dim // tp
@@ -232,7 +228,7 @@ def test_heads_split_over_the_attention_ranks_and_the_mlp_and_vocabulary_over_th
         assert model.vocab_embed.inner.tp.size == tp and model.vocab_embed.dp is groups.dp
         assert model.vocab_head.weight.shape == (-(-GEOMETRY.vocab_size // tp), GEOMETRY.dim)
         with pytest.raises(ValueError, match="already sharded"):
-            shard_dp_attention_target(target, groups)
+            shard_dsv4_dp_attention(target, groups)
 
 
 def test_a_dsv4_dp_attention_build_launches_as_its_tp_processes() -> None:

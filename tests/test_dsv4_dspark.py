@@ -1,7 +1,7 @@
-"""The DSpark stages a DeepSeek-V4 checkpoint carries (`dspark.runtime.models.dsv4_dspark`): the config read
-from the release's dspark_* keys (and refused where dspark does not implement a value), the mtp.* tensors in
-the release's names loaded and refused by name, and a block proposed against a naive reference of the
-equations (main_x over the target layers' stream means, each stage's context K=V at the context positions,
+"""The DSpark stages a DeepSeek-V4 checkpoint carries (`dspark.runtime.families.dsv4.dspark_stages`): the
+config read from the release's dspark_* keys (and refused where dspark does not implement a value), the mtp.*
+tensors in the release's names loaded and refused by name, and a block proposed against a naive reference of
+the equations (main_x over the target layers' stream means, each stage's context K=V at the context positions,
 window attention with the sinks before the block, the block not causal, hc_head, the shared head, the vanilla
 Markov head drafting left to right, the confidence head over [h ; markov_w1[prev]]); a request's block is the
 same, bit for bit, alone and in a batch.
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.formats.dsv4_dspark_config import dsv4_dspark_config
 from dspark.formats.hf_config import ConfigFieldError
-from dspark.runtime.models.dsv4 import DSV4Model
-from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages, load_dsv4_dspark
-from dspark.runtime.models.dsv4_ops import apply_rope
-from dspark.runtime.models.dsv4_weights import Dsv4WeightsError
+from dspark.runtime.families.dsv4.dspark_stages import Dsv4DSparkStages, load_dsv4_dspark
+from dspark.runtime.families.dsv4.model import DSV4Model
+from dspark.runtime.families.dsv4.ops import apply_rope
+from dspark.runtime.families.dsv4.weights import Dsv4WeightsError
 
 from .dsv4_dspark_common import release_state
 

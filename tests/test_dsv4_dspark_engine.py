@@ -17,8 +17,8 @@ import yaml
 from dspark.cli.compile import main as compile_main
 from dspark.modes import DSV4_STAGES
 from dspark.runtime.engine.runtime import Runtime
+from dspark.runtime.families.dsv4.dspark_stages import Dsv4DSparkStages
 from dspark.runtime.models.checkpoint import CheckpointError
-from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages
 from dspark.runtime.package import load_package
 
 from .dsv4_dspark_common import STAGE_CONFIG, write_stage_checkpoint

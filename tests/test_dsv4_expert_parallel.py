@@ -1,4 +1,4 @@
-"""Expert parallelism for DeepSeek-V4's MoE (`dspark.runtime.distributed.expert_parallel`), the seed's
+"""Expert parallelism for DeepSeek-V4's MoE (`dspark.runtime.families.dsv4.expert_parallel`), the seed's
 bring-up step 5 on gloo: the routed experts sharded over 2 and 4 ranks, tokens dispatched to their experts'
 ranks with ragged per-rank token counts (each rank a different number of rows, one rank none) and combined
 back, equal to one process bit for bit; pairs of ranks holding the same rows (a DP rank's attention ranks)
@@ -17,14 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dspark.runtime.distributed.expert_parallel import (
+from dspark.runtime.distributed.tensor_parallel import TPGroup
+from dspark.runtime.families.dsv4.expert_parallel import (
     DispatchedExperts,
     ReplicatedRowsExperts,
     shard_dsv4_experts,
 )
-from dspark.runtime.distributed.tensor_parallel import TPGroup
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.models.dsv4_moe import MoE
+from dspark.runtime.families.dsv4.moe import MoE
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 
 from .gloo_ranks import free_port, spawn_ranks
 from .parallel_builds import compile_parallel, reference, torchrun

@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from dspark.formats.dsv4_config import Dsv4Geometry
-from dspark.runtime.dsv4.ascend_ops import AscendOpArgumentError, reference_quant_lightning_indexer
-from dspark.runtime.models.dsv4 import Indexer
-from dspark.runtime.models.dsv4_ops import int8_index_scores, quantize_int8
+from dspark.runtime.families.dsv4.ascend_op_models import (
+    AscendOpArgumentError,
+    reference_quant_lightning_indexer,
+)
+from dspark.runtime.families.dsv4.model import Indexer
+from dspark.runtime.families.dsv4.ops import int8_index_scores, quantize_int8
 
 GEN = torch.Generator().manual_seed(0)
 

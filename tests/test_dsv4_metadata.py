@@ -1,4 +1,5 @@
-"""DSV4 verify-step metadata (dspark.runtime.dsv4) against a per-row reference written from the definitions.
+"""DSV4 verify-step metadata (dspark.runtime.families.dsv4) against a per-row reference written from the
+definitions.
 
 The reference below walks every slot and row with plain loops; it shares no code with the library.
 """
@@ -13,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.runtime.dsv4 import (
+from dspark.runtime.families.dsv4 import (
     Dsv4MetadataError,
     Dsv4PageTables,
     Dsv4StepConfig,

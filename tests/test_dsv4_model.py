@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark.formats.dsv4_config import Dsv4Geometry
-from dspark.runtime.models.dsv4 import DSV4Model, DSV4State, StepResult
+from dspark.runtime.families.dsv4.model import DSV4Model, DSV4State, StepResult
 
 # csa_ratio 4 and a C128-kind ratio of 8: blocks close every few positions, the window (6) wraps often,
 # and index_topk 3 leaves the indexer a real choice after 12 positions.

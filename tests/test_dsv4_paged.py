@@ -1,7 +1,7 @@
-"""The paged multi-request DSV4 verify forward (dspark.runtime.dsv4.paged) against the reference model: the
-bring-up checklist -- row counts and compressed writes, static and compact steps against DSV4Model.step,
-compact scattered back to the static stride, scripted drafts in both modes (rollback by overwriting), and the
-Ascend operator models run on the same metadata and caches."""
+"""The paged multi-request DSV4 verify forward (dspark.runtime.families.dsv4.cpu_paged) against the reference
+model: the bring-up checklist -- row counts and compressed writes, static and compact steps against
+DSV4Model.step, compact scattered back to the static stride, scripted drafts in both modes (rollback by
+overwriting), and the Ascend operator models run on the same metadata and caches."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dspark.formats.dsv4_config import Dsv4Geometry
-from dspark.runtime.dsv4.ascend_ops import run_dsv4_layer_reference
-from dspark.runtime.dsv4.paged import (
+from dspark.runtime.families.dsv4.ascend_op_models import run_dsv4_layer_reference
+from dspark.runtime.families.dsv4.cpu_paged import (
     NULL_PAGE,
     Dsv4LayerCache,
     Dsv4LayerTrace,
@@ -26,8 +26,8 @@ from dspark.runtime.dsv4.paged import (
     required_ring_size,
     run_step,
 )
-from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
-from dspark.runtime.models.dsv4 import DSV4Model, DSV4State
+from dspark.runtime.families.dsv4.model import DSV4Model, DSV4State
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
 
 N = 4  # rows a request verifies at most
 # csa_ratio 4 and a C128-kind ratio of 8 so blocks of both kinds close every few positions; window 6 wraps.

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's quantised weight formats (`dspark.runtime.models.dsv4_quant`) against naive references on
+"""DeepSeek-V4's quantised weight formats (`dspark.runtime.families.dsv4.quant`) against naive references on
 blocks quantised here: FP8 e4m3 with block scales (float and ue8m0, edge blocks included), FP4 e2m1 pairs with
 ue8m0 scales per 32 values, Ascend W8A8 per-channel int8 with offsets; and what is refused, by name."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.runtime.models.dsv4_quant import (
+from dspark.runtime.families.dsv4.quant import (
     Dsv4QuantError,
     dequant_fp4,
     dequant_fp8_blocks,

@@ -10,11 +10,16 @@ import pytest
 import torch
 
 from dspark.formats.dsv4_config import Dsv4Geometry, dsv4_cache_layout
-from dspark.runtime.dsv4.attention import Dsv4PagedAttention, extend_config, plan_step_metadata, step_config
-from dspark.runtime.dsv4.paged import slot_page_tables
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.engine.requests import Request
 from dspark.runtime.engine.scheduler import Scheduler
+from dspark.runtime.families.dsv4.cpu_attention import (
+    Dsv4PagedAttention,
+    extend_config,
+    plan_step_metadata,
+    step_config,
+)
+from dspark.runtime.families.dsv4.cpu_paged import slot_page_tables
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.kv_cache import RequestSlots
 from dspark.runtime.layout import LayoutError, StepShape, plan_extend, plan_verify
 from dspark.runtime.sampling import SamplingParams

@@ -50,15 +50,20 @@ from dspark.runtime.distributed.tensor_parallel import (
     TPGroup,
     VocabParallelEmbedding,
     VocabParallelLMHead,
-    shard_dsv4_target,
 )
-from dspark.runtime.dsv4 import ascend_ops
-from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers
-from dspark.runtime.dsv4.attention import Dsv4PagedAttention, extend_config, plan_step_metadata, step_config
-from dspark.runtime.dsv4.cuda_layers import Dsv4CudaLayers
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.engine import forward
 from dspark.runtime.engine.runtime import Runtime
+from dspark.runtime.families.dsv4 import ascend_op_models
+from dspark.runtime.families.dsv4.ascend_layers import Dsv4AscendLayers
+from dspark.runtime.families.dsv4.cpu_attention import (
+    Dsv4PagedAttention,
+    extend_config,
+    plan_step_metadata,
+    step_config,
+)
+from dspark.runtime.families.dsv4.cuda_layers import Dsv4CudaLayers
+from dspark.runtime.families.dsv4.sharding import shard_dsv4_target
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.layout import StepShape, plan_extend, plan_verify
 from dspark.runtime.package import load_package
 
@@ -122,7 +127,7 @@ def backend(target: Dsv4ForCausalLM, mode: str) -> Dsv4LayerBackend:
 def fake_npu() -> Iterator[None]:
     """The fake torch_npu, its operator models taking the C128-kind ratio 8 too, while the block runs."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ascend_ops, "CMP_RATIOS", (*ascend_ops.CMP_RATIOS, GEOMETRY.hca_ratio))
+        patch.setattr(ascend_op_models, "CMP_RATIOS", (*ascend_op_models.CMP_RATIOS, GEOMETRY.hca_ratio))
         install_fake_npu(patch)
         yield
 

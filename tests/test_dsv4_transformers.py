@@ -27,12 +27,12 @@ if not all(hasattr(transformers, name) for name in ("DeepseekV4Config", "Deepsee
 from dspark.cli.compile import main as compile_main  # noqa: E402
 from dspark.formats.dsv4_config import Dsv4Geometry  # noqa: E402
 from dspark.formats.dsv4_hf_config import dsv4_geometry  # noqa: E402
-from dspark.runtime.dsv4.paged import Dsv4PagedCaches, prefill, run_step  # noqa: E402
-from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig  # noqa: E402
 from dspark.runtime.engine.runtime import Runtime  # noqa: E402
+from dspark.runtime.families.dsv4.cpu_paged import Dsv4PagedCaches, prefill, run_step  # noqa: E402
+from dspark.runtime.families.dsv4.model import DSV4Model  # noqa: E402
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4StepConfig  # noqa: E402
+from dspark.runtime.families.dsv4.weights import Dsv4WeightsError, load_dsv4_weights  # noqa: E402
 from dspark.runtime.models.checkpoint import CheckpointError, load_target  # noqa: E402
-from dspark.runtime.models.dsv4 import DSV4Model  # noqa: E402
-from dspark.runtime.models.dsv4_weights import Dsv4WeightsError, load_dsv4_weights  # noqa: E402
 from dspark.runtime.package import load_package  # noqa: E402
 from dspark.runtime.tokenizer import BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE  # noqa: E402
 

@@ -47,9 +47,9 @@ ATTENTION_BACKENDS = {
 # DeepSeek-V4's: its own caches and operators, so its own modules and templates, under the names the
 # spec's backend.attention gives them.
 DSV4_ATTENTION_BACKENDS = {
-    "torch": AttentionCode("dspark.runtime.dsv4.attention", "Dsv4PagedAttention", "dsv4/cpu"),
-    "triton": AttentionCode("dspark.runtime.dsv4.cuda_layers", "Dsv4CudaLayers", "dsv4/cuda"),
-    "sparse_attn_sharedkv": AttentionCode("dspark.runtime.dsv4.ascend_layers", "Dsv4AscendLayers",
+    "torch": AttentionCode("dspark.runtime.families.dsv4.cpu_attention", "Dsv4PagedAttention", "dsv4/cpu"),
+    "triton": AttentionCode("dspark.runtime.families.dsv4.cuda_layers", "Dsv4CudaLayers", "dsv4/cuda"),
+    "sparse_attn_sharedkv": AttentionCode("dspark.runtime.families.dsv4.ascend_layers", "Dsv4AscendLayers",
                                           "dsv4/ascend"),
 }
 
@@ -263,11 +263,14 @@ _DSV4_FACTORY_DOCS = {
 # The names a DeepSeek-V4 attn_metadata.py imports besides its attention class, by module.
 _DSV4_METADATA_IMPORTS = {
     "dspark.formats.dsv4_config": ("Dsv4CacheLayout",),
-    "dspark.runtime.dsv4.attention": ("extend_config", "plan_step_metadata", "step_config"),
-    "dspark.runtime.dsv4.target": ("Dsv4ForCausalLM",),
-    "dspark.runtime.dsv4.verify_metadata": ("Dsv4VerifyMetadata",),
+    "dspark.runtime.families.dsv4.cpu_attention": ("extend_config", "plan_step_metadata", "step_config"),
+    "dspark.runtime.families.dsv4.target": ("Dsv4ForCausalLM",),
+    "dspark.runtime.families.dsv4.verify_metadata": ("Dsv4VerifyMetadata",),
     "dspark.runtime.layout": ("ExtendLayout", "VerifyLayout"),
 }
+
+
+LINE_LENGTH = 110  # the project's (ruff's line-length)
 
 
 def _dsv4_imports(code: AttentionCode) -> str:
@@ -275,8 +278,14 @@ def _dsv4_imports(code: AttentionCode) -> str:
     before functions), with the attention class in its module's place."""
     modules = {module: set(names) for module, names in _DSV4_METADATA_IMPORTS.items()}
     modules.setdefault(code.module, set()).add(code.cls)
-    return "\n".join(f"from {module} import {', '.join(sorted(names, key=lambda n: (n[0].islower(), n)))}"
-                     for module, names in sorted(modules.items()))
+    lines = []
+    for module, names in sorted(modules.items()):
+        ordered = sorted(names, key=lambda n: (n[0].islower(), n))
+        line = f"from {module} import {', '.join(ordered)}"
+        if len(line) > LINE_LENGTH:  # one name a line, as the import sorter wraps it
+            line = f"from {module} import (\n" + "".join(f"    {name},\n" for name in ordered) + ")"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _graph_slots(mode: VerifyMode, attention: str, with_draft: bool) -> dict[str, Any]:

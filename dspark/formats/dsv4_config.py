@@ -1,5 +1,5 @@
 """DeepSeek-V4's (DSV4) geometry: `Dsv4Geometry`, the compiler's geometry and the model's config in one
-(`dspark.runtime.models.dsv4.DSV4Model` takes it), its RoPE (`Rope`) and the paged cache layout the
+(`dspark.runtime.families.dsv4.model.DSV4Model` takes it), its RoPE (`Rope`) and the paged cache layout the
 compiler sizes (`Dsv4CacheLayout`). A field's value the reference does not implement is refused with a
 `GeometryFieldError` naming the field and the config.json key it is read from (`DSV4_GEOMETRY_KEYS`).
 Reading a config.json into a geometry is `dsv4_hf_config`'s. Torch-free: the compiler imports it.
@@ -55,7 +55,7 @@ DSV4_GEOMETRY_KEYS = {
 }
 # Fields the runtime sets for a backend; the spec and config.json do not carry them.
 DSV4_RUNTIME_FIELDS = ("index_quant",)
-SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # the MoE's (dspark.runtime.models.dsv4_moe)
+SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")  # the MoE's (dspark.runtime.families.dsv4.moe)
 FP8_BLOCK = (128, 128)  # the release's FP8 scale block, rows x columns
 
 
@@ -99,8 +99,8 @@ class GeometryFieldError(ConfigFieldError):
 @dataclass(frozen=True)
 class Dsv4Geometry:
     """A DeepSeek-V4 model as dspark computes it: the compiler's geometry and the model's config
-    (`dspark.runtime.models.dsv4.DSV4Model` takes it), validated here, errors naming the config.json key
-    each field is read from (`DSV4_GEOMETRY_KEYS`). Torch-free."""
+    (`dspark.runtime.families.dsv4.model.DSV4Model` takes it), validated here, errors naming the config.json
+    key each field is read from (`DSV4_GEOMETRY_KEYS`). Torch-free."""
 
     # The defaults are a tiny test geometry; the comments give DeepSeek-V4-Flash's values.
     vocab_size: int = 256
@@ -140,7 +140,7 @@ class Dsv4Geometry:
     o_lora_rank: int = 0
     # Not a config.json key and not a spec field: how the deployment's backend scores the lightning
     # indexer. True on Ascend, whose quantised indexer takes int8 queries and keys with float16 scales
-    # (`dsv4_ops.quantize_int8`); the runtime sets it (`for_backend`), and a CPU reference with it computes
+    # (`ops.quantize_int8`); the runtime sets it (`for_backend`), and a CPU reference with it computes
     # what the Ascend layers compute.
     index_quant: bool = False
 
@@ -291,7 +291,7 @@ def ring_reach(window: int, layer_ratios: tuple[int, ...], csa_ratio: int) -> in
 @dataclass(frozen=True)
 class Dsv4CacheLayout:
     """How a deployment pages a DSV4 model's caches, fixed at compile time (torch-free, for the
-    compiler; `dspark.runtime.dsv4.verify_metadata.Dsv4StepConfig` is built from it).
+    compiler; `dspark.runtime.families.dsv4.verify_metadata.Dsv4StepConfig` is built from it).
 
     Every request owns a raw-KV ring of `swa_ring_size` slots in pages of `swa_page_size`, and, per
     compressed ratio, pages of `cmp_page_size` entries covering `max_context_len // ratio` entries.

@@ -3,7 +3,7 @@ config.json describes it: `num_nextn_predict_layers` stages, `dspark_block_size`
 `dspark_target_layer_ids`, `dspark_markov_rank` and the stages' own expert counts
 (`dspark_n_routed_experts`, `dspark_num_experts_per_tok`). Torch-free: the compiler reads it to resolve a
 spec whose draft is the target's own checkpoint; the runtime builds the stages from it
-(`dspark.runtime.models.dsv4_dspark`)."""
+(`dspark.runtime.families.dsv4.dspark_stages`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a DeepSeek-V4 (DSV4) Hugging Face config.json says, read for dspark's DSV4 reference model.
 
 `dsv4_geometry(cfg)` reads a config.json (a dict) into a `Dsv4Geometry` (`dsv4_config`), the compiler's
-geometry and the model's config in one (`dspark.runtime.models.dsv4.DSV4Model` takes it). A key whose
+geometry and the model's config in one (`dspark.runtime.families.dsv4.model.DSV4Model` takes it). A key whose
 value changes the computation in a way the reference does not implement is refused with a
 `ConfigFieldError` (hf_config's) naming the key and what to do, so a checkpoint is never served with a
 computation other than the one it was trained with. Torch-free: the compiler imports it.

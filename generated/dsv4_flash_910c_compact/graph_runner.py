@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import functools
 
-from dspark.runtime.dsv4.ascend_layers import Dsv4AscendLayers
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.families.dsv4.ascend_layers import Dsv4AscendLayers
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.layout import StepShape
 from dspark.runtime.runners.graphs import GraphVerifyRunner, LayerHooks, NpuGraphs, packed_slots_for_tier
 

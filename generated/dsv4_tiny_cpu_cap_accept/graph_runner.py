@@ -5,7 +5,7 @@ Deployment dsv4_tiny_cpu_cap_accept: cpu/generic backend, cap-accept verify mode
 
 from __future__ import annotations
 
-from dspark.runtime.dsv4.attention import Dsv4PagedAttention
+from dspark.runtime.families.dsv4.cpu_attention import Dsv4PagedAttention
 from dspark.runtime.layout import StepShape
 from dspark.runtime.models.families import TargetModel
 from dspark.runtime.runners.eager import EagerVerifyRunner

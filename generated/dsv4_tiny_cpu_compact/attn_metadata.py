@@ -6,9 +6,14 @@ Deployment dsv4_tiny_cpu_compact: cpu/generic backend, compact verify mode."""
 from __future__ import annotations
 
 from dspark.formats.dsv4_config import Dsv4CacheLayout
-from dspark.runtime.dsv4.attention import Dsv4PagedAttention, extend_config, plan_step_metadata, step_config
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.dsv4.verify_metadata import Dsv4VerifyMetadata
+from dspark.runtime.families.dsv4.cpu_attention import (
+    Dsv4PagedAttention,
+    extend_config,
+    plan_step_metadata,
+    step_config,
+)
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4VerifyMetadata
 from dspark.runtime.layout import ExtendLayout, VerifyLayout
 
 from .deployment import MAX_CONTEXT_LEN, MAX_VERIFY_LEN, NUM_DRAFT_TOKENS

@@ -16,14 +16,6 @@ ranks with this rank's attention-TP rank, one per DP rank, in DP rank order), so
 the world holds the same rows, runs on all of them, and keeps this DP rank's slice
 (`DPGatheredMLP`, `DPGatheredVocab`); the decoder's forward code is the dense families' own.
 
-DeepSeek-V4 splits the same way (`shard_dp_attention_target`'s dsv4 branch): a layer's query heads (wq_b
-rows, sinks, wo columns, wo row-parallel) over `groups.attention`, with the K=V head, the compressors and the
-indexer replicated on each of them as under plain tensor parallelism (`shard_dsv4_target`); its MLP
-(w1 / w3 rows, w2 columns) and its vocabulary over `groups.world`, the embedding and the LM head wrapped as
-the dense ones are (`DPGatheredVocab`). Its layers keep their weights as tensors, so a layer becomes a
-`DPAttentionDsv4Layer`, whose `dense_rows` runs the MLP on the rows gathered across `dp` (wo's partial
-products are summed over the attention ranks by the layer's own `partial_sum`).
-
 Row invariance on the CPU (`tensor_parallel`) holds here too: the gather only concatenates rows, the
 local products go through `ops.linear` (and the MLP's SiLU through `ops.lanewise`), and every sum over
 ranks is added in rank order, so a row's result does not depend on the rows beside it, its own DP
@@ -39,26 +31,18 @@ import torch.distributed as dist
 from torch import nn
 
 from dspark.runtime.distributed.tensor_parallel import (
-    PartialSum,
     TPGroup,
     VocabParallelEmbedding,
     VocabParallelLMHead,
-    check_dsv4_heads_split,
     check_heads_split,
     dense_target,
     gather_rows,
     own_rows,
     shard_attention,
     shard_dense_target,
-    shard_dsv4_heads,
-    shard_dsv4_mlp,
-    shard_dsv4_target,
-    shard_dsv4_vocab,
     shard_mlp,
     shard_vocab,
 )
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.models.dsv4 import DSV4Layer
 from dspark.runtime.models.llama import LlamaMLP
 
 
@@ -146,55 +130,10 @@ class DPGatheredMLP(nn.Module):
         return own_rows(self.inner.forward_dense(gather_rows(x, self.dp)), x.shape[0], self.dp)
 
 
-class DPAttentionDsv4Layer(DSV4Layer):
-    """A dsv4 layer under DP attention: its query heads split over this DP rank's attention ranks
-    (`partial_sum` adds wo's partial products over them, None with one), its MLP columns over the world
-    (`mlp_sum` adds w2's partial products over it) on the rows of every DP rank, gathered across `dp`.
-
-    A `DSV4Layer` becomes one in place (`shard_dp_attention_target` sets its class and the two attributes):
-    everything else, the paged and the device backends' calls included, is the layer's own, and both reach
-    the dense MLP through `output_rows` -> `mlp_rows` -> `dense_rows`."""
-
-    mlp_sum: PartialSum
-    dp: TPGroup
-
-    def dense_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The dense MLP on the gathered rows: x [n, dim] of this DP rank -> its [n, dim]. The products are
-        the base class's (`mlp_partial`), on every DP rank's rows, summed over the world in rank order. (An
-        MoE runs on this DP rank's own rows: whole, or with its experts over the world, expert parallelism
-        dispatching the rows.)"""
-        gathered = gather_rows(x, self.dp)  # [dp · n, dim]
-        return own_rows(self.mlp_sum(self.mlp_partial(gathered)), x.shape[0], self.dp)
-
-
-def shard_dsv4_dp_attention(model: Dsv4ForCausalLM, groups: DPAttentionGroups) -> None:
-    """Keep this rank's share of a dsv4 target under DP attention, in place (see the module docstring): query
-    heads over `groups.attention` (the K=V head, compressors and indexer replicated, as `shard_dsv4_target`
-    says why), the MLP and the vocabulary over `groups.world`, rows gathered across `groups.dp`. With one
-    DP rank this is `shard_dsv4_target` over the world."""
-    cfg = model.model.cfg
-    if model.local_num_heads != cfg.n_heads or model.model.vocab_embed is not None:
-        raise ValueError("the model is already sharded")  # its heads, or (one attention rank) its vocabulary
-    if groups.dp.size == 1:
-        shard_dsv4_target(model, groups.world)
-        return
-    check_dsv4_heads_split(cfg.n_heads, groups.attention, cfg.o_groups)
-    ref = model.model
-    embed, head = shard_dsv4_vocab(model, groups.world)
-    ref.vocab_embed = DPGatheredVocab(embed, groups.dp)
-    ref.vocab_head = DPGatheredVocab(head, groups.dp)
-    model.lm_head = ref.vocab_head  # the engine reads the model's dtype and device off it
-    for layer in ref.layers:
-        shard_dsv4_heads(layer, groups.attention)
-        mlp_sum = shard_dsv4_mlp(layer, groups.world)
-        layer.__class__ = DPAttentionDsv4Layer
-        layer.mlp_sum, layer.dp = mlp_sum, groups.dp
-
-
 @torch.no_grad()
 def shard_dp_attention_target(model: nn.Module, groups: DPAttentionGroups) -> None:
     """Keep this rank's share of a loaded dense target (Llama, Qwen3) under DP attention, in place (a dsv4
-    target: `shard_dsv4_dp_attention`).
+    target: `dspark.runtime.families.dsv4.sharding.shard_dsv4_dp_attention`).
 
     As with `shard_dense_target`, every rank loads the whole model and drops what it does not own, and
     whatever reads the unsharded weights must do so first. The attention's q/k/v/o are split by heads
@@ -204,9 +143,6 @@ def shard_dp_attention_target(model: nn.Module, groups: DPAttentionGroups) -> No
     then give the heads of this rank's KV cache and attention backend. With one DP rank this is
     `shard_dense_target` over the world.
     """
-    if isinstance(model, Dsv4ForCausalLM):
-        shard_dsv4_dp_attention(model, groups)
-        return
     model = dense_target(model)
     if groups.dp.size == 1:
         shard_dense_target(model, groups.world)

@@ -44,8 +44,8 @@ from dspark.runtime.distributed.tensor_parallel import (
     dense_target,
     shard_dense_target,
 )
+from dspark.runtime.families.dsv4.weights import DSV4_VOCAB_NAMES
 from dspark.runtime.models.checkpoint import DTYPES, CheckpointError, resolve_checkpoint, target_config
-from dspark.runtime.models.dsv4_weights import DSV4_VOCAB_NAMES
 from dspark.runtime.models.families import build_target
 from dspark.runtime.models.llama import LlamaForCausalLM
 from dspark.runtime.models.skeleton import skeleton

@@ -26,17 +26,6 @@ bits over 4 ranks in `tests/test_tensor_parallel.py`. On the CPU the partial pro
 therefore all-gathered and added in rank order (`_sum_over_ranks`); on an accelerator, where the
 local products are not row-invariant either, the all-reduce runs.
 
-DeepSeek-V4 (`dsv4`) splits the same way where it can, SGLang-style (`shard_dsv4_target`): a rank owns whole
-query heads (their rows of the query up-projection wq_b, their attention sinks, their part of the output
-projection, which is row-parallel: wo's columns, or whole groups of wo_a and those groups' columns of wo_b),
-a share of a dense MLP (w1 / w3 rows, w2 columns, w2 row-parallel; the MoE stays whole, or its routed experts
-go over the ranks by expert parallelism, `expert_parallel`) and its vocabulary rows. Its attention has one
-latent K=V head that every query head reads, which cannot be split, so the KV projection, the KV
-compressors and the lightning indexer are replicated: each rank computes the same cache entries and the same
-top-k. The indexer must stay whole in any case, as a row's top-k ranks entries by a sum over every index
-head's scores. Its layers keep their weights as tensors, so
-`DSV4Layer.partial_sum` (a `PartialSum`) adds wo's and w2's partial products as `RowParallelLinear` does.
-
 The collectives are not differentiable: the sharded model is for inference (its parameters do not
 require grad).
 """
@@ -54,9 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.runtime.config import ModelGeometry
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.models import ops
-from dspark.runtime.models.dsv4 import DSV4Layer
 from dspark.runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -270,7 +257,7 @@ class VocabParallelLMHead(nn.Module):
         return logits if logits.shape[-1] == vocab else logits[..., :vocab].contiguous()
 
 
-def _share(n: int, tp: TPGroup) -> tuple[int, int]:
+def rank_share(n: int, tp: TPGroup) -> tuple[int, int]:
     """This rank's `[start, end)` of `n` items split as evenly as possible in rank order."""
     return tp.rank * n // tp.size, (tp.rank + 1) * n // tp.size
 
@@ -308,7 +295,7 @@ def shard_attention(attn: LlamaAttention, tp: TPGroup) -> None:
 
 def shard_mlp(mlp: LlamaMLP, intermediate_size: int, tp: TPGroup) -> None:
     """Keep rank r's MLP columns `[r·I/size, …)`: gate/up column-parallel, down_proj row-parallel."""
-    i0, i1 = _share(intermediate_size, tp)
+    i0, i1 = rank_share(intermediate_size, tp)
     mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, i0, i1, tp)
     mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, i0, i1, tp)
     mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, i0, i1, tp)
@@ -367,101 +354,3 @@ class PartialSum:
 
     def __call__(self, partial: torch.Tensor) -> torch.Tensor:
         return _sum_over_ranks(partial, self.tp)
-
-
-def check_dsv4_heads_split(n_heads: int, tp: TPGroup, o_groups: int = 0) -> None:
-    """Refuse a group whose size does not divide the query heads (a rank owns whole heads; the one K=V head
-    is replicated, so it sets no condition), or with the grouped output projection the groups (a rank owns
-    whole groups of wo_a)."""
-    if n_heads % tp.size:
-        raise ValueError(f"tensor parallelism over {tp.size} ranks needs n_heads ({n_heads}) to be a "
-                         f"multiple of {tp.size}")
-    if o_groups and o_groups % tp.size:
-        raise ValueError(f"tensor parallelism over {tp.size} ranks needs o_groups ({o_groups}) to be a "
-                         f"multiple of {tp.size}: a rank projects whole groups of heads")
-
-
-def shard_dsv4_heads(layer: DSV4Layer, tp: TPGroup) -> None:
-    """Keep rank r's query heads `[r·H/size, (r+1)·H/size)` of one layer: their rows of wq_b (the query
-    up-projection from the replicated latent qr), their sinks and their part of the output projection
-    (row-parallel: wo's columns, or with groups their wo_a rows and wo_b's columns of those groups);
-    `partial_sum` then adds the projection's partial products over `tp` (None for a group of one). The
-    caller has checked the split (`check_dsv4_heads_split`)."""
-    cfg = layer.cfg
-    heads, hd = cfg.n_heads // tp.size, cfg.head_dim
-    h0, h1 = tp.rank * heads, (tp.rank + 1) * heads  # this rank's query heads
-    q0, q1 = h0 * hd, h1 * hd  # their wq_b rows, wo columns
-    layer.wq_b = frozen_param(layer.wq_b[q0:q1])  # [heads·D, q_lora]
-    layer.attn_sink = frozen_param(layer.attn_sink[h0:h1])  # [heads]
-    if cfg.o_groups:
-        groups = cfg.o_groups // tp.size
-        r0, r1 = tp.rank * groups * cfg.o_lora_rank, (tp.rank + 1) * groups * cfg.o_lora_rank
-        layer.wo_a = frozen_param(layer.wo_a[r0:r1])  # [groups·R, heads per group·D]
-        layer.wo_b = frozen_param(layer.wo_b[:, r0:r1])  # [dim, groups·R]
-    else:
-        layer.wo = frozen_param(layer.wo[:, q0:q1])  # [dim, heads·D]
-    layer.local_heads = heads
-    layer.partial_sum = PartialSum(tp) if tp.size > 1 else None
-
-
-def shard_dsv4_mlp(layer: DSV4Layer, tp: TPGroup) -> PartialSum:
-    """Keep rank r's MLP columns `[r·I/size, …)` of one layer (w1 / w3 rows, w2 columns, row-parallel), and
-    return what adds w2's partial products over `tp`. The MoE is not split: every rank keeps every expert
-    (replicated) until expert parallelism shards them."""
-    if layer.ffn is not None:
-        return PartialSum(tp)
-    i0, i1 = _share(layer.cfg.inter_dim, tp)
-    layer.w1 = frozen_param(layer.w1[i0:i1])  # [I / size, dim]
-    layer.w3 = frozen_param(layer.w3[i0:i1])
-    layer.w2 = frozen_param(layer.w2[:, i0:i1])  # [dim, I / size]
-    return PartialSum(tp)
-
-
-def shard_dsv4_layer(layer: DSV4Layer, tp: TPGroup) -> None:
-    """Keep this rank's query heads and MLP columns of one layer, both over `tp`, so that `partial_sum` adds
-    wo's and w2's partial products over the group. The rest stays whole (`shard_dsv4_target` says why)."""
-    shard_dsv4_heads(layer, tp)
-    shard_dsv4_mlp(layer, tp)  # the same group: the layer's partial_sum adds w2's products too
-
-
-def shard_dsv4_vocab(model: Dsv4ForCausalLM, tp: TPGroup
-                     ) -> tuple[VocabParallelEmbedding, VocabParallelLMHead]:
-    """The embedding and the (untied) LM head of this rank's `ceil(V/size)` vocabulary rows, for the caller
-    to install; the whole tables are dropped."""
-    ref = model.model
-    shard = VocabShard.of(ref.cfg.vocab_size, tp)
-    embed = VocabParallelEmbedding(frozen_param(shard.slice(ref.embed)), shard, tp)
-    head = VocabParallelLMHead(frozen_param(shard.slice(ref.head)), shard, tp)
-    del ref.embed, ref.head  # the whole tables: only this rank's rows stay
-    return embed, head
-
-
-@torch.no_grad()
-def shard_dsv4_target(model: nn.Module, tp: TPGroup) -> None:
-    """Keep only this rank's share of a dsv4 target, in place (every rank builds or loads the model whole,
-    then drops what it does not own).
-
-    Rank r keeps query heads `[r·H/size, (r+1)·H/size)` of every layer (`shard_dsv4_layer`), its MLP columns
-    and `ceil(V/size)` vocabulary rows of the embedding and of the (untied) LM head. Replicated on every rank,
-    and so computed identically by each: the query down-projection wq_a and its norm (the latent qr every
-    head's query comes from), the single latent K=V head (wkv, kv_norm: one head that every query head reads
-    cannot be split by heads), the KV compressors (they pool that head's entries) and the lightning indexer
-    with its own compressor (a row's top-k ranks entries by a sum over all the index heads' scores, so
-    no rank could choose from a share of them). Each rank's caches therefore hold the same entries, and its
-    attention backend runs its local heads over them (`Dsv4ForCausalLM.local_num_heads`). A group of one
-    leaves the model as it is.
-    """
-    if not isinstance(model, Dsv4ForCausalLM):
-        raise ValueError(f"shard_dsv4_target shards a dsv4 target, not {type(model).__name__}")
-    cfg = model.model.cfg
-    if model.local_num_heads != cfg.n_heads:
-        raise ValueError("the model is already sharded")
-    if tp.size == 1:
-        return
-    check_dsv4_heads_split(cfg.n_heads, tp, cfg.o_groups)
-    ref = model.model
-    embed, head = shard_dsv4_vocab(model, tp)
-    ref.vocab_embed, ref.vocab_head = embed, head
-    model.lm_head = head  # the engine reads the model's dtype and device off it
-    for layer in ref.layers:
-        shard_dsv4_layer(layer, tp)

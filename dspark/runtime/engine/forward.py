@@ -16,12 +16,12 @@ from dspark.runtime.attention.metadata import (
 )
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.attention.triton_paged import TritonPagedAttention
-from dspark.runtime.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.engine.requests import Request, RequestError
+from dspark.runtime.families.dsv4.dspark_stages import Dsv4DSparkStages
+from dspark.runtime.families.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.kv_cache import PagedKVCache, RequestSlots
 from dspark.runtime.layout import cache_slots, prefix_slots
 from dspark.runtime.models.dspark_block_draft import BlockProposal, DSparkBlockDraft, TokenPicker
-from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.sampling import BatchSampling, Generator, RowGenerators
 

@@ -29,7 +29,6 @@ from dspark.runtime.distributed.dp_sync import DPStepSync
 from dspark.runtime.distributed.launch import Launch, Ranks, join, leave
 from dspark.runtime.distributed.lockstep import LeaderForward, follow
 from dspark.runtime.distributed.sharded_load import read_embeddings
-from dspark.runtime.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.engine.extend import ExtendSteps
 from dspark.runtime.engine.families import FamilyRuntime, family_runtime
 from dspark.runtime.engine.forward import (
@@ -45,6 +44,7 @@ from dspark.runtime.engine.speculative import SpeculativeStep, StepRecorder
 from dspark.runtime.engine.stats import RunStats, StepInfo
 from dspark.runtime.engine.step_forward import StepForward, StepForwards
 from dspark.runtime.engine.step_sync import LocalSync, StepSync
+from dspark.runtime.families.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.kv_cache import RequestSlots
 from dspark.runtime.models.checkpoint import load_draft_model, target_embeddings
 from dspark.runtime.models.dummy import draft_config

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
-from dspark.runtime.dsv4.target import Dsv4LayerBackend
+from dspark.runtime.families.dsv4.target import Dsv4LayerBackend
 from dspark.runtime.layout import ExtendLayout, VerifyLayout, plan_extend
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.package import VerifyRunner

@@ -20,10 +20,10 @@ from dspark.formats.dsv4_hf_config import DSV4_MODEL_TYPE, dsv4_geometry, fp8_bl
 from dspark.formats.hf_config import ConfigFieldError, family_of_config
 from dspark.modes import DSV4_STAGES
 from dspark.runtime.config import DeploymentConfig, ModelGeometry
+from dspark.runtime.families.dsv4.dspark_stages import Dsv4DSparkStages, load_dsv4_dspark, stage_draft_config
+from dspark.runtime.families.dsv4.weights import Dsv4WeightsError, load_dsv4_weights
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dspark_block_loader import BlockDraftCheckpointError, load_block_draft
-from dspark.runtime.models.dsv4_dspark import Dsv4DSparkStages, load_dsv4_dspark, stage_draft_config
-from dspark.runtime.models.dsv4_weights import Dsv4WeightsError, load_dsv4_weights
 from dspark.runtime.models.dummy import DRAFT_SEED, dummy_draft, dummy_target
 from dspark.runtime.models.families import ServingTarget, TargetModel, build_target
 from dspark.runtime.tokenizer import BOS_ID, BYTE_TOKENIZER_FILE, EOS_ID, VOCAB_SIZE

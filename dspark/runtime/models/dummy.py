@@ -16,7 +16,7 @@ import torch
 from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.config import DraftRef, ModelGeometry
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.families import ServingTarget, build_target
 

@@ -18,7 +18,7 @@ import torch
 from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
 from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
 from dspark.runtime.config import MODEL_FAMILIES, ModelGeometry
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.models.llama import LlamaForCausalLM
 from dspark.runtime.models.qwen3 import Qwen3ForCausalLM
 

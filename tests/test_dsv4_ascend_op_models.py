@@ -1,4 +1,5 @@
-"""CPU references of the Ascend DSV4 operators (dspark.runtime.dsv4.ascend_ops) against naive computations.
+"""CPU references of the Ascend DSV4 operators (dspark.runtime.families.dsv4.ascend_op_models) against naive
+computations.
 
 The naive side works from positions only: row p of request b attends to raw positions [p-W+1, p] of that
 request's history and to its compressed entries 0 .. floor((p+1)/r) - 1 (C4: only the given top-k), with one
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime.dsv4 import Dsv4PageTables, Dsv4StepConfig, plan_dsv4_verify
-from dspark.runtime.dsv4.ascend_ops import (
+from dspark.runtime.families.dsv4 import Dsv4PageTables, Dsv4StepConfig, plan_dsv4_verify
+from dspark.runtime.families.dsv4.ascend_op_models import (
     AscendOpArgumentError,
     compressor_write_from_metadata,
     reference_compressor_write,

@@ -1,13 +1,14 @@
 """The DSV4 Ascend attention backend's calls into its operators, against a stand-in that records them.
 
 The stand-in (tests/dsv4_fake_npu.py) takes torch_npu's place: its operators are the CPU models of
-`dspark.runtime.dsv4.ascend_ops` and check each call against the operators' schemas, the step's device arrays
-are wrapped so that reading their values on the host fails, and a fake NPU graph records what a stream capture
-would (the operators' launches and the backend's own in-place tensor ops) and replays it on the same memory,
-so a captured tier can be checked after `update_captured` against an eager run of the new step.
+`dspark.runtime.families.dsv4.ascend_op_models` and check each call against the operators' schemas, the
+step's device arrays are wrapped so that reading their values on the host fails, and a fake NPU graph records
+what a stream capture would (the operators' launches and the backend's own in-place tensor ops) and replays
+it on the same memory, so a captured tier can be checked after `update_captured` against an eager run of the
+new step.
 
 Caches are filled at random (the backend only routes them; the CPU models are checked against naive attention
-in tests/test_dsv4_ascend_ops.py), and compared with `run_dsv4_layer_reference` on every real row.
+in tests/test_dsv4_ascend_op_models.py), and compared with `run_dsv4_layer_reference` on every real row.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime.dsv4 import Dsv4PageTables, Dsv4StepConfig, Dsv4VerifyMetadata, plan_dsv4_verify
-from dspark.runtime.dsv4.ascend_backend import (
+from dspark.runtime.families.dsv4 import Dsv4PageTables, Dsv4StepConfig, Dsv4VerifyMetadata, plan_dsv4_verify
+from dspark.runtime.families.dsv4.ascend_attention import (
     SGLANG_OPS,
     Dsv4AscendAttention,
     Dsv4AscendBackendError,
 )
-from dspark.runtime.dsv4.ascend_ops import run_dsv4_layer_reference
-from dspark.runtime.dsv4.paged import Dsv4LayerCache
+from dspark.runtime.families.dsv4.ascend_op_models import run_dsv4_layer_reference
+from dspark.runtime.families.dsv4.cpu_paged import Dsv4LayerCache
 from tests.dsv4_fake_npu import (
     LI,
     LI_PLAN,

@@ -1,10 +1,11 @@
 """DeepSeek-V4 (DSV4) layers on an Ascend NPU: the `Dsv4LayerBackend` around `Dsv4AscendAttention`.
 
-`Dsv4AscendLayers` is a `dspark.runtime.dsv4.device_layers.Dsv4DeviceLayers`: the projections, RoPE, ring and
-compressor writes and the pooling of every boundary entry are that module's device tensor ops (its docstring
-says what runs where, why nothing reads a device value back, and how padding entries land in the null page).
-What is Ascend's is the attention: `Dsv4AscendAttention.attend` (the lightning indexer and sparse shared-KV
-attention operators) on the compute stream, and how a captured NPU graph's static arrays are refreshed.
+`Dsv4AscendLayers` is a `dspark.runtime.families.dsv4.device_layers.Dsv4DeviceLayers`: the projections, RoPE,
+ring and compressor writes and the pooling of every boundary entry are that module's device tensor ops (its
+docstring says what runs where, why nothing reads a device value back, and how padding entries land in the
+null page). What is Ascend's is the attention: `Dsv4AscendAttention.attend` (the lightning indexer and sparse
+shared-KV attention operators) on the compute stream, and how a captured NPU graph's static arrays are
+refreshed.
 
 The indexer's quantisation mode
 -------------------------------
@@ -13,7 +14,7 @@ head: an int8 query [T, IH, ID] and keys with float16 dequant scales [T, IH] and
 score being sum_h w_h * relu(q_h . k * scale_q * scale_k)). The index query is quantised per row and head at
 each step, and every index key as it is written: `lc.index_kv` keeps the pooled key (the CPU path and the
 graphs' shapes read it), and an int8 copy with its scale per entry beside it is what the operator reads
-(`dsv4_ops.quantize_int8`, symmetric, the scale max|k| / 127 in float16). A model whose `index_quant` is set
+(`ops.quantize_int8`, symmetric, the scale max|k| / 127 in float16). A model whose `index_quant` is set
 (the runtime sets it on Ascend, `Dsv4Geometry.for_backend`) computes the same scores on the CPU.
 
 NPU graphs per token tier
@@ -27,9 +28,10 @@ first operation waits for that event (`await_update`, called before a captured p
 `capturing` before the graph capture starts.
 
 Checked in tests/test_dsv4_ascend_layers.py against `paged.layer_forward` on a torch_npu stand-in whose
-operators are the CPU models of `dspark.runtime.dsv4.ascend_ops`, with device arrays that refuse host reads
-and a fake graph that records and replays: static and compact steps with padding across C4 and small C128-kind
-boundaries, multi-step runs with rollback, and graph replays against eager steps. Never run on an NPU.
+operators are the CPU models of `dspark.runtime.families.dsv4.ascend_op_models`, with device arrays that
+refuse host reads and a fake graph that records and replays: static and compact steps with padding across C4
+and small C128-kind boundaries, multi-step runs with rollback, and graph replays against eager steps. Never
+run on an NPU.
 """
 
 from __future__ import annotations
@@ -41,21 +43,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from dspark.runtime.dsv4.ascend_backend import (
+from dspark.runtime.families.dsv4.ascend_attention import (
     TORCH_NPU_OPS,
     Dsv4AscendAttention,
     Dsv4AscendBackendError,
     Dsv4AscendOps,
 )
-from dspark.runtime.dsv4.device_layers import Dsv4DeviceLayers, Dsv4Step, flat
-from dspark.runtime.dsv4.paged import Dsv4LayerCache, Dsv4PagedCaches
-from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
-from dspark.runtime.models.dsv4 import DSV4Layer
-from dspark.runtime.models.dsv4_ops import quantize_int8
+from dspark.runtime.families.dsv4.cpu_paged import Dsv4LayerCache, Dsv4PagedCaches
+from dspark.runtime.families.dsv4.device_layers import Dsv4DeviceLayers, Dsv4Step, flat
+from dspark.runtime.families.dsv4.model import DSV4Layer
+from dspark.runtime.families.dsv4.ops import quantize_int8
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
 
 if TYPE_CHECKING:
     from dspark.formats.dsv4_config import Dsv4CacheLayout
-    from dspark.runtime.dsv4.target import Dsv4ForCausalLM
+    from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 
 
 class Dsv4AscendLayers(Dsv4DeviceLayers):

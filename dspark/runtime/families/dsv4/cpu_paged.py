@@ -1,11 +1,11 @@
 """The paged, multi-request DSV4 forward of a verify step on the CPU, driven by `Dsv4VerifyMetadata`.
 
 This is what the `dsv4` family's runtime runs, written as plain torch with a loop per row and per
-compressed write: its math is the reference's (`dspark.runtime.models.dsv4`, parameters shared with a
-`DSV4Model`), its indexing is the metadata's (`dspark.runtime.dsv4.verify_metadata`), and its caches are
-paged over many requests, so a real row of any step gives the logits `DSV4Model.step` gives for that request.
-Every linear layer is the reference's row-invariant one, so a row's result does not depend on the rows
-packed with it (static B x N, compact ragged, padding requests or not).
+compressed write: its math is the reference's (`dspark.runtime.families.dsv4.model`, parameters shared with a
+`DSV4Model`), its indexing is the metadata's (`dspark.runtime.families.dsv4.verify_metadata`), and its caches
+are paged over many requests, so a real row of any step gives the logits `DSV4Model.step` gives for that
+request. Every linear layer is the reference's row-invariant one, so a row's result does not depend on the
+rows packed with it (static B x N, compact ragged, padding requests or not).
 
 Caches (`Dsv4PagedCaches`, one `Dsv4LayerCache` per layer; Ps = swa_page_size, Cp = cmp_page_sizes[r],
 D = head_dim, ID = index_head_dim, coff = 2 for C4 (overlap), 1 for C128)
@@ -58,7 +58,8 @@ import torch
 from torch import Tensor
 
 from dspark.formats.dsv4_config import Dsv4Geometry, compressed_ratios, ring_reach
-from dspark.runtime.dsv4.verify_metadata import (
+from dspark.runtime.families.dsv4.model import Compressor, DSV4Layer, DSV4Model
+from dspark.runtime.families.dsv4.verify_metadata import (
     INDEXER_RATIO,
     NULL_PAGE,
     Dsv4PageTables,
@@ -66,7 +67,6 @@ from dspark.runtime.dsv4.verify_metadata import (
     Dsv4VerifyMetadata,
     plan_dsv4_verify,
 )
-from dspark.runtime.models.dsv4 import Compressor, DSV4Layer, DSV4Model
 
 
 class Dsv4PagedError(ValueError):

@@ -1,7 +1,7 @@
 """DeepSeek-V4 (DSV4) layers on a CUDA GPU: the `Dsv4LayerBackend` around the Triton DSV4 attention.
 
-`Dsv4CudaLayers` is a `dspark.runtime.dsv4.device_layers.Dsv4DeviceLayers`: the projections, RoPE, ring
-and compressor writes and the pooling of every boundary entry are that module's tensor ops (its docstring
+`Dsv4CudaLayers` is a `dspark.runtime.families.dsv4.device_layers.Dsv4DeviceLayers`: the projections, RoPE,
+ring and compressor writes and the pooling of every boundary entry are that module's tensor ops (its docstring
 says what runs where, why nothing reads a device value back, and how padding entries land in the null
 page). What is CUDA's is the attention of a layer, on the current stream:
 
@@ -11,8 +11,8 @@ page). What is CUDA's is the attention of a layer, on the current stream:
   them (a stable descending sort); the ids are written ascending, then -1, as the kernel reads them. Rows
   are vectorised with fixed shapes: every row scores the table's whole capacity (`cmp_block_table` columns
   x page size), so the shapes follow from the tier and the table width, never from a row's own count.
-* then `dspark.runtime.kernels.dsv4_attention.dsv4_attention` over the window ring and the compressed cache,
-  with the step's device arrays (`positions`, `row_slot`, `ori_block_table`, `window_lens =
+* then `dspark.runtime.families.dsv4.triton_attention.dsv4_attention` over the window ring and the compressed
+cache,   with the step's device arrays (`positions`, `row_slot`, `ori_block_table`, `window_lens =
   swa_window_lens`, per ratio `cmp_block_table`, `cmp_visible`): `swa_window_lens` and `cmp_visible` are 0
   on padding rows, so those see no key and the sink makes their output 0, as `paged.layer_forward` does.
   `impl` picks the Triton kernel (`auto` on CUDA tensors, `triton` under the interpreter in tests) or the
@@ -52,17 +52,17 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 from torch import Tensor
 
-from dspark.runtime.dsv4.device_layers import Dsv4DeviceLayers, Dsv4Step, flat
-from dspark.runtime.dsv4.paged import Dsv4LayerCache, Dsv4PagedCaches
-from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
+from dspark.runtime.families.dsv4.cpu_paged import Dsv4LayerCache, Dsv4PagedCaches
+from dspark.runtime.families.dsv4.device_layers import Dsv4DeviceLayers, Dsv4Step, flat
+from dspark.runtime.families.dsv4.model import DSV4Layer
+from dspark.runtime.families.dsv4.ops import quantize_int8
+from dspark.runtime.families.dsv4.triton_attention import dsv4_attention
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
 from dspark.runtime.kernels.dispatch import Impl
-from dspark.runtime.kernels.dsv4_attention import dsv4_attention
-from dspark.runtime.models.dsv4 import DSV4Layer
-from dspark.runtime.models.dsv4_ops import quantize_int8
 
 if TYPE_CHECKING:
     from dspark.formats.dsv4_config import Dsv4CacheLayout
-    from dspark.runtime.dsv4.target import Dsv4ForCausalLM
+    from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 
 
 def indexer_topk(index_query: Tensor, weights: Tensor, index_kv: Tensor, *, row_slot: Tensor,

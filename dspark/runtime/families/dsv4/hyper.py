@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dspark.runtime.models.dsv4_ops import ordered_sum, rms_norm, row_linear, row_softmax, tiled
+from dspark.runtime.families.dsv4.ops import ordered_sum, rms_norm, row_linear, row_softmax, tiled
 
 
 class HyperConnection(nn.Module):

@@ -1,8 +1,8 @@
-"""DeepSeek-V4 runtime support: the per-step metadata of a verify step (static or compact) in the
-forms the CUDA and Ascend backends read (`verify_metadata`), and the paged multi-request verify forward on the
-CPU that runs from it (`paged`). Importing this package imports torch."""
+"""DeepSeek-V4's runtime home: the model and its parts, the serving target, verify metadata, caches and the
+backends' layers, sharding and expert parallelism, the DSpark stages (docs/dsv4.md, "The pieces"). The package
+exports the verify metadata and the CPU paged forward; importing it imports torch."""
 
-from dspark.runtime.dsv4.paged import (
+from dspark.runtime.families.dsv4.cpu_paged import (
     Dsv4LayerCache,
     Dsv4LayerTrace,
     Dsv4PagedCaches,
@@ -11,7 +11,7 @@ from dspark.runtime.dsv4.paged import (
     prefill,
     run_step,
 )
-from dspark.runtime.dsv4.verify_metadata import (
+from dspark.runtime.families.dsv4.verify_metadata import (
     Dsv4CompressedArrays,
     Dsv4CompressedPlan,
     Dsv4MetadataError,

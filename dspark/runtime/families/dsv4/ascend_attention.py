@@ -3,8 +3,8 @@
 What a generated DSV4 Ascend runner calls per layer, in the peers' order: for C4 layers the (quantised)
 lightning indexer fills the tier's top-k buffer, then `npu_sparse_attn_sharedkv` reads the window cache, the
 compressed cache and, for C4, that top-k. `torch_npu` is imported only when the backend is constructed
-(installed elsewhere it breaks `import torch`); the CPU models in `dspark.runtime.dsv4.ascend_ops` stand in
-for the operators in tests.
+(installed elsewhere it breaks `import torch`); the CPU models in
+`dspark.runtime.families.dsv4.ascend_op_models` stand in for the operators in tests.
 
 Operators and arguments (checked against the peers' call sites and the operators' registered schemas)
 --------------------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ every captured layer of the tier shares; `update_captured(tier, meta)` copies th
 into them and recomputes the tiling plans into them, on an update stream that first waits for the compute
 stream (so a replay of the tier still running is never patched), then records the tier's event, which the
 graph waits on before its first operator (as `AscendFusedAttention` does). Layer code whose own captured ops
-read step arrays too (`dspark.runtime.dsv4.ascend_layers`) hands its static copies to
+read step arrays too (`dspark.runtime.families.dsv4.ascend_layers`) hands its static copies to
 `update_captured(..., extra=)` and calls `await_update()` before its first op, so the one event covers them.
 None of these operators has a workspace query or an `.out` variant in its schema, so there is no per-tier
 workspace: the per-tier resources are the buffers above. Enter `capturing` *before* the graph capture begins
@@ -72,10 +72,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dspark.runtime.attention.ascend import import_torch_npu
-from dspark.runtime.dsv4.verify_metadata import INDEXER_RATIO, Dsv4VerifyMetadata
+from dspark.runtime.families.dsv4.verify_metadata import INDEXER_RATIO, Dsv4VerifyMetadata
 
 if TYPE_CHECKING:
-    from dspark.runtime.dsv4.paged import Dsv4LayerCache
+    from dspark.runtime.families.dsv4.cpu_paged import Dsv4LayerCache
 
 BAND = 4  # ori_mask_mode: the sliding window
 RIGHT_DOWN_CAUSAL = 3  # cmp_mask_mode / sparse_mode

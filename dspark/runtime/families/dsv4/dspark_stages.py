@@ -36,17 +36,17 @@ from torch import Tensor, nn
 from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
 from dspark.formats.dsv4_dspark_config import Dsv4DSparkConfig, dsv4_dspark_config
 from dspark.runtime.config import DraftRef
-from dspark.runtime.models.dspark_block_draft import BlockProposal, TokenPicker
-from dspark.runtime.models.dsv4 import DSV4Layer
-from dspark.runtime.models.dsv4_hyper import HyperHead
-from dspark.runtime.models.dsv4_ops import rms_norm, row_linear, row_softmax
-from dspark.runtime.models.dsv4_quant import Dsv4QuantError, dequantize_state
-from dspark.runtime.models.dsv4_weights import (
+from dspark.runtime.families.dsv4.hyper import HyperHead
+from dspark.runtime.families.dsv4.model import DSV4Layer
+from dspark.runtime.families.dsv4.ops import rms_norm, row_linear, row_softmax
+from dspark.runtime.families.dsv4.quant import Dsv4QuantError, dequantize_state
+from dspark.runtime.families.dsv4.weights import (
     EXPERT_KEY,
     RELEASE_LAYER_NAMES,
     Dsv4WeightsError,
     is_draft_stage,
 )
+from dspark.runtime.models.dspark_block_draft import BlockProposal, TokenPicker
 
 # Elements one chunk of the block attention's score product may hold (a chunk is a few requests): the
 # product is elementwise then summed, for row invariance, so it is bounded rather than materialised whole.

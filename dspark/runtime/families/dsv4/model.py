@@ -44,11 +44,11 @@ a rollback a matter of forgetting rows). They agree on the points above.
 
 The rest of the architecture
 ----------------------------
-* MoE (`dsv4_moe`): routed experts with sqrtsoftplus / sigmoid / softmax scores, a selection bias, top-k
+* MoE (`moe`): routed experts with sqrtsoftplus / sigmoid / softmax scores, a selection bias, top-k
   renormalised and scaled, hash routing by ``tid2eid`` in the first ``n_hash_layers`` layers, one shared
   expert, every SwiGLU clamped by ``swiglu_limit``. ``ffn="dense"`` keeps one SwiGLU of ``inter_dim``
   instead: a simplification for small tests, which a spec must ask for.
-* Hyper-connections (`dsv4_hyper`): ``hc_mult`` residual streams, mixed around every sub-layer by a
+* Hyper-connections (`hyper`): ``hc_mult`` residual streams, mixed around every sub-layer by a
   Sinkhorn-normalised matrix, collapsed by the head; ``hc_mult=0`` is a plain residual (small tests).
 * The grouped low-rank output projection: ``o_groups`` groups of heads, each through its rows of ``wo_a``
   to ``o_lora_rank`` channels, then ``wo_b``; ``o_groups=0`` is one ``wo`` (small tests).
@@ -73,7 +73,7 @@ by rejected rows never exist. For the result to be *bitwise* the state of target
 computation a row's writes depend on must not depend on how many rows share the step: linear layers are an
 elementwise product and a sum over the input (a BLAS GEMM picks other kernels for 1 row than for 5), each
 row's attention and top-k run on that row's own key list, and transcendental element-wise ops (SiLU, exp)
-run in fixed tiles (`dsv4_ops.tiled`), so a vectorised main loop and a scalar tail never split elements by
+run in fixed tiles (`ops.tiled`), so a vectorised main loop and a scalar tail never split elements by
 how many rows there are.
 """
 
@@ -86,9 +86,9 @@ import torch
 from torch import Tensor, nn
 
 from dspark.formats.dsv4_config import Dsv4Geometry, Rope
-from dspark.runtime.models.dsv4_hyper import HyperConnection, HyperHead
-from dspark.runtime.models.dsv4_moe import MoE
-from dspark.runtime.models.dsv4_ops import (
+from dspark.runtime.families.dsv4.hyper import HyperConnection, HyperHead
+from dspark.runtime.families.dsv4.moe import MoE
+from dspark.runtime.families.dsv4.ops import (
     apply_rope,
     int8_index_scores,
     ordered_sum,
@@ -99,7 +99,7 @@ from dspark.runtime.models.dsv4_ops import (
 )
 
 # --------------------------------------------------------------------------------------------------------
-# Row-invariant primitives: `dsv4_ops` (shared with the MoE and the hyper-connections).
+# Row-invariant primitives: `ops` (shared with the MoE and the hyper-connections).
 
 
 def _attend(q: Tensor, keys: Tensor, sink: Tensor, scale: float) -> Tensor:
@@ -282,7 +282,7 @@ class Indexer(nn.Module):
     def scores(self, q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
         """One row's scores of its closed index keys [n, ID] for its query q [IH, ID] and head weights [IH]
         -> [n]: sum_h w_h * relu(q_h . k), or with `index_quant` the same over int8 queries and keys
-        (`dsv4_ops.int8_index_scores`, as Ascend's quantised lightning indexer scores them)."""
+        (`ops.int8_index_scores`, as Ascend's quantised lightning indexer scores them)."""
         if self.cfg.index_quant:
             (q_codes, q_scale), (k_codes, k_scale) = quantize_int8(q), quantize_int8(keys)
             return int8_index_scores(q_codes, q_scale, k_codes, k_scale, weights)
@@ -337,7 +337,7 @@ class DSV4Layer(nn.Module):
             self.hc_attn, self.hc_ffn = (
                 HyperConnection(cfg.hc_mult, cfg.dim, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps)
                 for _ in range(2))
-        # Tensor parallelism (`dspark.runtime.distributed.tensor_parallel.shard_dsv4_target`) keeps
+        # Tensor parallelism (`sharding.shard_dsv4_target`) keeps
         # `local_heads` of the query heads here (their wq_b rows, sinks and output-projection columns:
         # whole groups of wo_a) and a share of a dense MLP (w1 / w3 rows, w2 columns), and sets `partial_sum`
         # to what adds the output projection's and w2's partial products over the ranks. Whole: every head,
@@ -415,7 +415,7 @@ class DSV4Layer(nn.Module):
         return row_linear(swiglu(row_linear(x, self.w1), row_linear(x, self.w3), self.cfg.swiglu_limit),
                           self.w2)
 
-    # -- pieces for other paths (dspark.runtime.dsv4.paged), the same math as step -----------------------
+    # -- pieces for other paths (`cpu_paged`), the same math as step -------------------------------------
     def attn_inputs(self, h: Tensor, pos: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Mixes | None]:
         """h (residual) at positions pos [L] -> normed input x [L, dim], queries [L, H, D], query latent qr
         [L, q_lora], raw KV [L, D], and the hyper-connection mixes for `finish_rows`."""
@@ -533,7 +533,7 @@ class DSV4Model(nn.Module):
         self.final_norm = nn.Parameter(torch.empty(cfg.dim))
         self.head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
         self.hc_head = HyperHead(cfg.hc_mult, cfg.dim, cfg.hc_eps, cfg.norm_eps) if cfg.hc_mult else None
-        # Tensor parallelism (`dspark.runtime.distributed.tensor_parallel.shard_dsv4_target`) replaces `embed`
+        # Tensor parallelism (`sharding.shard_dsv4_target`) replaces `embed`
         # and `head` with this rank's vocabulary rows behind a vocab-parallel embedding and LM head, which
         # `embed_tokens` and `lm_head` then call. None: the whole tables.
         self.vocab_embed: nn.Module | None = None

@@ -1,10 +1,11 @@
 """DeepSeek-V4 (DSV4) layers on an accelerator as tensor ops: what every device's `Dsv4LayerBackend` shares.
 
-`Dsv4DeviceLayers.forward_layer` computes what `dspark.runtime.dsv4.paged.layer_forward` computes (same
-weights, same caches, same metadata), written so that a captured device graph can replay it for any step of
-its token tier. Subclasses supply the attention and the indexer (`_attend`: the Ascend operators in
-`dspark.runtime.dsv4.ascend_layers`, the Triton kernel in `dspark.runtime.dsv4.cuda_layers`) and how a
-captured tier's static arrays are refreshed (`_refresh_captured`).
+`Dsv4DeviceLayers.forward_layer` computes what `dspark.runtime.families.dsv4.cpu_paged.layer_forward`
+computes (same weights, same caches, same metadata), written so that a captured device graph can replay it
+for any step of its token tier. Subclasses supply the attention and the indexer (`_attend`: the Ascend
+operators in `dspark.runtime.families.dsv4.ascend_layers`, the Triton kernel in
+`dspark.runtime.families.dsv4.cuda_layers`) and how a captured tier's static arrays are refreshed
+(`_refresh_captured`).
 
 What runs where
 ---------------
@@ -73,15 +74,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
-from dspark.runtime.dsv4.paged import Dsv4LayerCache, Dsv4PagedCaches
-from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
+from dspark.runtime.families.dsv4.cpu_paged import Dsv4LayerCache, Dsv4PagedCaches
 
 # The reference's own row-invariant primitives and RoPE angles, so this path rounds as the reference does.
-from dspark.runtime.models.dsv4 import Compressor, DSV4Layer
-from dspark.runtime.models.dsv4_ops import Rope, rms_norm, rope_cos_sin, row_linear
+from dspark.runtime.families.dsv4.model import Compressor, DSV4Layer
+from dspark.runtime.families.dsv4.ops import Rope, rms_norm, rope_cos_sin, row_linear
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
 
 if TYPE_CHECKING:
-    from dspark.runtime.dsv4.target import Dsv4ForCausalLM
+    from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 
 
 class Dsv4DeviceLayersError(ValueError):

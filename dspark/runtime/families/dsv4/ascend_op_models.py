@@ -2,9 +2,9 @@
 
 These are oracles, not fast paths: plain torch, fp32 math, a loop per row. They take the argument names and
 layouts of the operators' documentation and of the peers' call sites, so that metadata built for the NPU
-(`dspark.runtime.dsv4.verify_metadata`, or a later generated Ascend builder) can be run through them on any
-CPU. Nothing here imports torch_npu. Only the TND query layout and paged (PA_ND / PA_BSND) caches the DSV4
-verify path uses are modelled; other layouts are refused with NotImplementedError.
+(`dspark.runtime.families.dsv4.verify_metadata`, or a later generated Ascend builder) can be run through them
+on any CPU. Nothing here imports torch_npu. Only the TND query layout and paged (PA_ND / PA_BSND) caches the
+DSV4 verify path uses are modelled; other layouts are refused with NotImplementedError.
 
 `reference_sparse_attn_sharedkv` -- `npu_sparse_attn_sharedkv` (SAS)
 --------------------------------------------------------------------
@@ -81,7 +81,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.runtime.dsv4.verify_metadata import INDEXER_RATIO, Dsv4VerifyMetadata
+from dspark.runtime.families.dsv4.verify_metadata import INDEXER_RATIO, Dsv4VerifyMetadata
 
 BAND = 4  # ori_mask_mode: band around the row's position
 RIGHT_DOWN_CAUSAL = 3  # cmp_mask_mode / sparse_mode

@@ -1,6 +1,6 @@
 """DeepSeek-V4 (DSV4) attention of a ragged verify step over the paged SWA ring and compressed caches.
 
-The math is `npu_sparse_attn_sharedkv`'s (modelled by `dspark.runtime.dsv4.ascend_ops.
+The math is `npu_sparse_attn_sharedkv`'s (modelled by `dspark.runtime.families.dsv4.ascend_op_models.
 reference_sparse_attn_sharedkv`): one shared KV head whose value is its key, and for row t at position
 p of slot b = row_slot[t] one softmax over
 * its sliding window of raw K=V: positions max(0, p - wl + 1) .. p with wl = min(p + 1, window,
@@ -35,7 +35,7 @@ import torch
 from dspark.runtime.kernels.dispatch import Impl, jit, next_pow2, tl, use_triton
 
 if TYPE_CHECKING:
-    from dspark.runtime.dsv4.verify_metadata import Dsv4VerifyMetadata
+    from dspark.runtime.families.dsv4.verify_metadata import Dsv4VerifyMetadata
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 512  # DSV4's head_dim; one program holds a [BLOCK_H, next_pow2(D)] accumulator

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dspark.formats.dsv4_config import SCORE_FUNCS
-from dspark.runtime.models.dsv4_ops import ordered_sum, row_linear, row_softmax, swiglu, tiled
+from dspark.runtime.families.dsv4.ops import ordered_sum, row_linear, row_softmax, swiglu, tiled
 
 
 class ExpertSlots(Protocol):
@@ -76,8 +76,8 @@ class MoE(nn.Module):
         self.gate = Gate(n_experts, dim, topk, vocab_size, hashed)
         self.experts = Experts(n_experts, dim, inter_dim)
         self.shared_experts = SharedExpert(dim, inter_dim)
-        # Expert parallelism (`dspark.runtime.distributed.expert_parallel.shard_dsv4_experts`): what computes
-        # the slots of experts held by other ranks. None: every expert is here.
+        # Expert parallelism (`dspark.runtime.families.dsv4.expert_parallel.shard_dsv4_experts`): what
+        # computes the slots of experts held by other ranks. None: every expert is here.
         self.parallel: ExpertSlots | None = None
 
     def scores(self, x: Tensor) -> Tensor:

@@ -4,8 +4,9 @@ The engine sees a target through `dspark.runtime.models.families.ServingTarget`:
 packed rows that also returns the residual streams the DSpark draft reads, and row-invariant logits. Here the
 per-layer work that touches caches (writing the window's raw K=V, the compressor rows and the entries closed
 by the step's boundary rows, then attending) belongs to the backend (`Dsv4LayerBackend`): the CPU one
-(`dspark.runtime.dsv4.attention.Dsv4PagedAttention`) runs the paged reference of `dspark.runtime.dsv4.paged`;
-everything else of a layer is the model's own (`DSV4Layer`), so every backend runs the same weights and math.
+(`dspark.runtime.families.dsv4.cpu_attention.Dsv4PagedAttention`) runs the paged reference of
+`dspark.runtime.families.dsv4.cpu_paged`; everything else of a layer is the model's own (`DSV4Layer`), so
+every backend runs the same weights and math.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from dspark.formats.dsv4_config import Dsv4Geometry
-from dspark.runtime.dsv4.verify_metadata import Dsv4VerifyMetadata
-from dspark.runtime.models.dsv4 import DSV4Layer, DSV4Model
+from dspark.runtime.families.dsv4.model import DSV4Layer, DSV4Model
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4VerifyMetadata
 
 
 class Dsv4LayerBackend(Protocol):
@@ -48,7 +49,7 @@ class Dsv4ForCausalLM(nn.Module):
     @property
     def local_num_heads(self) -> int:
         """The query heads this rank's layers hold: all of them, or under tensor parallelism n_heads / tp
-        (`dspark.runtime.distributed.tensor_parallel.shard_dsv4_target`). An attention backend sized from the
+        (`sharding.shard_dsv4_target`). An attention backend sized from the
         target runs on these."""
         return self.model.layers[0].local_heads
 

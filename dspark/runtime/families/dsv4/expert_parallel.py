@@ -38,8 +38,8 @@ from dspark.runtime.distributed.tensor_parallel import (
     gather_rows,
     own_rows,
 )
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.models.dsv4_moe import MoE
+from dspark.runtime.families.dsv4.moe import MoE
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 
 
 def check_experts_split(n_experts: int, ep: TPGroup) -> None:

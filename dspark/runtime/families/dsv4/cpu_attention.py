@@ -1,12 +1,12 @@
 """The DSV4 attention backend of a CPU deployment, and the step metadata its generated builders plan.
 
-`Dsv4PagedAttention` owns the runtime's DSV4 caches (`dspark.runtime.dsv4.paged.Dsv4PagedCaches`: per
-request slot a raw-KV ring and compressed-entry pages for `max_context_len` positions, allocated once, so a
-slot's pages never move and follow from the slot number) and runs each layer of a step through the paged
-reference. `plan_step_metadata` turns the
-engine's step layout (`dspark.runtime.layout`: rows per slot, prefixes, tier, slot count) into the DSV4
-metadata of `plan_dsv4_verify`, with the slots' own page tables; the generated `attn_metadata.py` of a dsv4
-deployment calls it for verify steps and for extend steps (prefill chunks, target-only decoding).
+`Dsv4PagedAttention` owns the runtime's DSV4 caches
+(`dspark.runtime.families.dsv4.cpu_paged.Dsv4PagedCaches`: per request slot a raw-KV ring and
+compressed-entry pages for `max_context_len` positions, allocated once, so a slot's pages never move and
+follow from the slot number) and runs each layer of a step through the paged reference. `plan_step_metadata`
+turns the engine's step layout (`dspark.runtime.layout`: rows per slot, prefixes, tier, slot count) into the
+DSV4 metadata of `plan_dsv4_verify`, with the slots' own page tables; the generated `attn_metadata.py` of a
+dsv4 deployment calls it for verify steps and for extend steps (prefill chunks, target-only decoding).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 from torch import Tensor
 
 from dspark.formats.dsv4_config import Dsv4CacheLayout
-from dspark.runtime.dsv4.paged import Dsv4PagedCaches, layer_forward, slot_page_tables
-from dspark.runtime.dsv4.target import Dsv4ForCausalLM
-from dspark.runtime.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata, plan_dsv4_verify
+from dspark.runtime.families.dsv4.cpu_paged import Dsv4PagedCaches, layer_forward, slot_page_tables
+from dspark.runtime.families.dsv4.model import DSV4Layer
+from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.families.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata, plan_dsv4_verify
 from dspark.runtime.layout import ExtendLayout, VerifyLayout
-from dspark.runtime.models.dsv4 import DSV4Layer
 
 
 def step_config(layout: Dsv4CacheLayout, num_draft_tokens: int, padding_request_rows: int) -> Dsv4StepConfig:

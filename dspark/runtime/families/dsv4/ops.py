@@ -1,4 +1,4 @@
-"""Row-invariant pieces of the DeepSeek-V4 reference (`dspark.runtime.models.dsv4` and its MoE and
+"""Row-invariant pieces of the DeepSeek-V4 reference (`dspark.runtime.families.dsv4.model` and its MoE and
 hyper-connection modules): a row's result must not depend on how many rows are computed with it.
 
 Linear layers are an elementwise product and a sum over the input (a BLAS GEMM picks other kernels for 1

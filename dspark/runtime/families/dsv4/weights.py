@@ -6,7 +6,7 @@
 Every tensor the model needs must be found and every tensor found must be used: a missing, extra or
 misshapen tensor is refused by name (`Dsv4WeightsError`). The release's draft stages (`mtp.*`) are not the
 target's and are left to the draft's reader. Quantised tensors (FP8, FP4 experts, Ascend W8A8) are read by
-their dequantisation rule (`dsv4_quant`).
+their dequantisation rule (`quant`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
-from dspark.runtime.models.dsv4 import DSV4Model
-from dspark.runtime.models.dsv4_quant import Dsv4QuantError, dequantize_state
+from dspark.runtime.families.dsv4.model import DSV4Model
+from dspark.runtime.families.dsv4.quant import Dsv4QuantError, dequantize_state
 
 
 class Dsv4WeightsError(ValueError):
@@ -135,7 +135,8 @@ EXPERT_KEY = re.compile(r"ffn\.experts\.(\d+)\.(w[123])\.weight")  # one expert'
 
 
 def is_draft_stage(name: str) -> bool:
-    """A tensor of the DSpark stages a checkpoint carries beside its target (`mtp.{i}.*`): `dsv4_dspark`'s."""
+    """A tensor of the DSpark stages a checkpoint carries beside its target (`mtp.{i}.*`):
+    `dspark_stages`'s."""
     return name.removeprefix("model.").startswith("mtp.")
 
 
