@@ -52,7 +52,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dspark.backends import default_attention
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.families import ModelFamily
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.formats.hf_config import ROPE_SCALING_FIELDS
 from dspark.modes import BLOCK_DRAFT, VerifyMode
 
@@ -197,7 +198,7 @@ def geometry_digest(geometry: Any, family: str = "llama") -> str:
     biases) enter only where they differ from a plain untied Llama, so the digests of tables
     measured before they existed stay valid.
     """
-    if family == DSV4_FAMILY:
+    if isinstance(geometry, Dsv4Geometry):
         return _dsv4_digest(geometry)
     values: dict[str, Any] = {}
     for name in GEOMETRY_FIELDS:
@@ -205,8 +206,8 @@ def geometry_digest(geometry: Any, family: str = "llama") -> str:
         if value is None:
             raise FingerprintError(f"geometry {name} is not resolved; fingerprint a resolved geometry")
         values[name] = float(value) if name in _FLOAT_GEOMETRY else int(value)
-    if family != "llama":
-        values["family"] = family
+    if family != ModelFamily.LLAMA:
+        values["family"] = str(family)
     scaling = getattr(geometry, "rope_scaling", None)
     if scaling is not None:
         values["rope_scaling"] = {name: getattr(scaling, name) for name in ROPE_SCALING_FIELDS
@@ -221,7 +222,7 @@ def _dsv4_digest(geometry: Dsv4Geometry) -> str:
     """Every field of a DeepSeek-V4 geometry, normalised as the dense ones are, and the family. The fields
     with a default (the MoE, hyper-connections, grouped output projection and YaRN, added later) enter only
     where they differ from it, so the digests of tables measured before they existed stay valid."""
-    values: dict[str, Any] = {"family": DSV4_FAMILY}
+    values: dict[str, Any] = {"family": ModelFamily.DSV4.value}
     for field in dataclasses.fields(geometry):
         value = getattr(geometry, field.name)
         if field.default is not dataclasses.MISSING and value == field.default:

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from dspark.backends import ATTENTION_BY_BACKEND, DENSE_ATTENTION, DSV4_ATTENTION, family_attention
+from dspark.backends import ATTENTION_BY_BACKEND, family_attention
 from dspark.cli.compile import main
 from dspark.compiler import build, compile_spec
 from dspark.compiler.context import ATTENTION_BACKENDS, DSV4_ATTENTION_BACKENDS, template_context
 from dspark.compiler.graph import build_graph
 from dspark.compiler.nodes import DERIVED
+from dspark.families import DENSE_ATTENTION, DSV4_ATTENTION
 from dspark.fingerprint import fingerprint_of_deployment, fingerprint_of_spec
 from dspark.formats.dsv4_config import dsv4_cache_layout
 from dspark.spec import load_spec

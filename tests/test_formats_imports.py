@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_FREE = ("cost_tables", "sts_calibration", "step_records", "run_info", "profile", "json_io", "fields",
-              "hf_config")
+              "hf_config", "dsv4_config", "dsv4_hf_config", "dsv4_dspark_config")
 
 
 def test_the_formats_import_neither_torch_nor_the_packages_that_use_them() -> None:

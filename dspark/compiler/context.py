@@ -10,8 +10,8 @@ from typing import Any
 
 from dspark import __version__
 from dspark.compiler.literals import py_literal
+from dspark.families import ModelFamily
 from dspark.formats.dsv4_config import (
-    DSV4_FAMILY,
     DSV4_RUNTIME_FIELDS,
     Dsv4CacheLayout,
     Dsv4Geometry,
@@ -54,12 +54,19 @@ DSV4_ATTENTION_BACKENDS = {
 }
 
 
+# Each family's attention code by implementation (DeepSeek-V4 runs its own attention).
+ATTENTION_CODE: dict[ModelFamily, dict[str, AttentionCode]] = {
+    ModelFamily.LLAMA: ATTENTION_BACKENDS, ModelFamily.QWEN3: ATTENTION_BACKENDS,
+    ModelFamily.DSV4: DSV4_ATTENTION_BACKENDS,
+}
+assert set(ATTENTION_CODE) == set(ModelFamily), "every family has its attention code"
+
+
 def attention_code(resolved: ResolvedSpec) -> AttentionCode:
     """The code of the spec's attention: the model family picks the table (DeepSeek-V4 runs its own
     attention), backend.attention the entry."""
     spec = resolved.spec
-    table = DSV4_ATTENTION_BACKENDS if spec.model.family == DSV4_FAMILY else ATTENTION_BACKENDS
-    return table[spec.attention_impl]
+    return ATTENTION_CODE[spec.model.family][spec.attention_impl]
 
 
 def attention_templates(resolved: ResolvedSpec) -> str:

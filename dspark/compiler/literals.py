@@ -10,6 +10,7 @@ import math
 import textwrap
 from typing import Any
 
+from dspark.families import ModelFamily
 from dspark.modes import VerifyMode
 
 _SCALARS = (str, int, bool, type(None))
@@ -68,6 +69,8 @@ def _flat(value: Any) -> str:
         return "{" + ", ".join(f"{_flat(k)}: {_flat(v)}" for k, v in value.items()) + "}"
     if kind is VerifyMode:
         return f"VerifyMode.{value.name}"
+    if kind is ModelFamily:  # the deployment names it by its value, read back into the family at import
+        return repr(value.value)
     raise LiteralError(f"cannot render a {kind.__name__} as a Python literal: {value!r}")
 
 

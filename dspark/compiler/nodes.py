@@ -13,7 +13,7 @@ from typing import Any
 
 from dspark.compiler.context import attention_templates
 from dspark.fingerprint import Fingerprint
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.spec import ResolvedSpec
 
 SPEC_SECTIONS = ("name", "model", "draft", "parallelism", "backend", "verify", "graph",
@@ -147,8 +147,9 @@ def _shared(name: str) -> TemplateChoice:
 def _attention_metadata(resolved: ResolvedSpec) -> Mapping[str, str]:
     """DeepSeek-V4's metadata builders are one template on every backend: they plan the same arrays,
     and only the attention that reads them differs."""
-    if resolved.spec.model.family == DSV4_FAMILY:
-        return {"attn_metadata.py": "dsv4/attn_metadata.py.j2"}
+    folder = resolved.spec.model.family.template_folder
+    if folder is not None:
+        return {"attn_metadata.py": f"{folder}/attn_metadata.py.j2"}
     return {"attn_metadata.py": f"{attention_templates(resolved)}/attn_metadata.py.j2"}
 
 
@@ -162,7 +163,7 @@ def _graph_runner(resolved: ResolvedSpec) -> Mapping[str, str]:
 def _dsv4_layout_inputs(resolved: ResolvedSpec) -> tuple[str, ...]:
     """A DeepSeek-V4 deployment's attention templates are its family's and read its cache layout, which
     follows from the model's geometry (N and the serving limits are read by every such node)."""
-    return ("spec.model", "model_geometry") if resolved.spec.model.family == DSV4_FAMILY else ()
+    return () if resolved.spec.model.family.dense else ("spec.model", "model_geometry")
 
 
 def _entry(resolved: ResolvedSpec) -> Mapping[str, str]:

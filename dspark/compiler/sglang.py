@@ -29,7 +29,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.formats.hf_config import FAMILIES
 from dspark.spec import ResolvedSpec, SpecError
 from dspark.spec.checkpoints import CheckpointRef
@@ -220,13 +219,13 @@ def sglang_launch(resolved: ResolvedSpec, cwd: Path | None = None) -> SglangLaun
 
 
 def _refuse_dsv4(resolved: ResolvedSpec) -> None:
-    if resolved.spec.model.family != DSV4_FAMILY:
+    if resolved.spec.model.family.exports_to_sglang:
         return
     raise SpecError([SpecIssue(
         ("model", "family"),
-        f"export-sglang does not cover the {DSV4_FAMILY} family: SGLang drafts DeepSeek-V4 with the "
-        "checkpoint's own DSpark stages, which dspark does not build yet, and its expert-parallel, MoE and "
-        "quantised-kernel flags are not mapped, so the launch would describe another deployment",
+        f"export-sglang does not cover the {resolved.spec.model.family} family: SGLang's DeepSeek-V4 launch "
+        "(its DSpark stages, expert-parallel, MoE and quantised-kernel flags) is not mapped, so the launch "
+        "would describe another deployment",
         f"export-sglang prints launches for the dense families ({', '.join(FAMILIES)})",
         resolved.location_of("model.family"))])
 

@@ -14,8 +14,6 @@ from dataclasses import dataclass, fields
 
 from dspark.formats.hf_config import ConfigFieldError, yarn_ramp
 
-DSV4_FAMILY = "dsv4"  # a spec's model.family
-
 # The config.json key each geometry field is read from: the key an error about the field names.
 DSV4_GEOMETRY_KEYS = {
     "vocab_size": "vocab_size",

@@ -11,9 +11,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from dspark.backends import ATTENTION_BY_BACKEND
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.families import MODEL_FAMILIES, ModelFamily
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.formats.hf_config import (
-    FAMILIES,
     HF_DEFAULTS,
     RopeScaling,
     config_json,
@@ -22,7 +22,6 @@ from dspark.formats.hf_config import (
 from dspark.modes import BLOCK_DRAFT, DRAFT_ARCHITECTURES, VerifyMode, num_draft_tokens
 
 LOAD_FORMATS = ("auto", "dummy")
-MODEL_FAMILIES = (*FAMILIES, DSV4_FAMILY)  # the dense families config.json readers know, and DeepSeek-V4
 
 
 def _require(cond: bool, what: str) -> None:
@@ -80,7 +79,7 @@ class ModelGeometry:
 
 @dataclass(frozen=True)
 class ModelRef:
-    family: str
+    family: ModelFamily  # written by its value, read into the family here
     checkpoint: str
     dtype: str
     geometry: ModelGeometry | Dsv4Geometry  # Dsv4Geometry exactly for the dsv4 family
@@ -91,7 +90,8 @@ class ModelRef:
         _require(self.load_format in LOAD_FORMATS, f"model load_format must be one of {LOAD_FORMATS}")
         _require(self.family in MODEL_FAMILIES,
                  f"model family {self.family!r} is not one of {MODEL_FAMILIES}")
-        expected = Dsv4Geometry if self.family == DSV4_FAMILY else ModelGeometry
+        object.__setattr__(self, "family", ModelFamily(self.family))
+        expected = ModelGeometry if self.family.dense else Dsv4Geometry
         _require(isinstance(self.geometry, expected),
                  f"the {self.family} family's geometry is a {expected.__name__}, got "
                  f"{type(self.geometry).__name__}")

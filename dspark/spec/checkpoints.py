@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.digest import DigestError, checkpoint_digest
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.families import ModelFamily
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.formats.dsv4_hf_config import DSV4_MODEL_TYPE, dsv4_geometry
 from dspark.formats.fields import FieldValueError
 from dspark.formats.hf_config import (
@@ -94,7 +95,7 @@ def geometry_from_hf_config(config: dict[str, Any], path: Path, family: str = "l
     if config.get("model_type") == DSV4_MODEL_TYPE:
         raise FieldValueError(f"model config {str(path)!r} is a DeepSeek-V4 config (model_type "
                               f"{DSV4_MODEL_TYPE!r}), not a {family} one",
-                              f"set model.family: {DSV4_FAMILY}")
+                              f"set model.family: {ModelFamily.DSV4}")
     missing = [key for key in HF_GEOMETRY_KEYS.values()
                if key not in config and key not in HF_OPTIONAL_KEYS]
     if missing:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark.families import ModelFamily
 from dspark.formats.cost_tables import COST_TABLE_MODELS, CostTable
-from dspark.formats.dsv4_config import DSV4_FAMILY
 from dspark.formats.fields import FieldValueError
 from dspark.formats.hf_config import FAMILIES
 from dspark.formats.sts_calibration import CalibrationFileContents
@@ -29,6 +29,12 @@ from dspark.spec.models import (
     required_fields,
 )
 from dspark.spec.tables import CalibrationFile, CalibrationInline, CostModelFile
+
+# The spec section an inline geometry of each family is written in.
+GEOMETRY_SECTIONS: dict[ModelFamily, type[GeometrySpec] | type[Dsv4GeometrySpec]] = {
+    ModelFamily.LLAMA: GeometrySpec, ModelFamily.QWEN3: GeometrySpec, ModelFamily.DSV4: Dsv4GeometrySpec,
+}
+assert set(GEOMETRY_SECTIONS) == set(ModelFamily), "every family has its geometry section"
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ def _geometry(spec: DeploymentSpec, ref: CheckpointRef | None, issues: list[Spec
         if ref.present:
             return None  # the config could not be read; that issue is already recorded
         if inline is None:
-            section = Dsv4GeometrySpec if spec.model.family == DSV4_FAMILY else GeometrySpec
+            section = GEOMETRY_SECTIONS[spec.model.family]
             issues.append(SpecIssue(
                 ("model", "geometry"),
                 f"required field is missing: checkpoint {spec.model.checkpoint!r} is not on "
@@ -134,11 +140,11 @@ def _inline_geometry(spec: DeploymentSpec, issues: list[SpecIssue]) -> TargetGeo
     return _with_head_dim(inline)
 
 
-def _checkpoint_geometry(family: str, config: dict[str, Any], path: Path) -> TargetGeometry:
+def _checkpoint_geometry(family: ModelFamily, config: dict[str, Any], path: Path) -> TargetGeometry:
     """The geometry a checkpoint's config.json describes, read by the family's own reader."""
-    if family == DSV4_FAMILY:
-        return geometry_from_dsv4_config(config, path)
-    return _with_head_dim(geometry_from_hf_config(config, path, family))
+    if family.dense:
+        return _with_head_dim(geometry_from_hf_config(config, path, family))
+    return geometry_from_dsv4_config(config, path)
 
 
 def _family_geometry_issues(family: str, inline: GeometrySpec) -> list[SpecIssue]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from dspark.backends import DSV4_ATTENTION, family_attention
+from dspark.backends import family_attention
+from dspark.families import DSV4_ATTENTION
 from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.spec.errors import SpecIssue
 from dspark.spec.facts import SpecFacts

@@ -23,9 +23,10 @@ from pydantic import (
 from pydantic_core import InitErrorDetails
 
 from dspark.backends import ATTENTION_BY_BACKEND, default_attention
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry, GeometryFieldError
+from dspark.families import DENSE_FAMILIES, MODEL_FAMILIES, ModelFamily
+from dspark.formats.dsv4_config import Dsv4Geometry, GeometryFieldError
 from dspark.formats.fields import FieldValueError, IntTuple, Section, strictly_increasing
-from dspark.formats.hf_config import FAMILIES, RopeScaling
+from dspark.formats.hf_config import RopeScaling
 from dspark.modes import SpeculationOff, VerifyMode
 from dspark.spec.tables import CalibrationSpec, CostModelSpec
 
@@ -96,7 +97,7 @@ class GeometrySpec(Section):
         if foreign:
             raise FieldValueError(
                 f"a DeepSeek-V4 geometry ({', '.join(foreign)}) for a dense model family",
-                f"set model.family: {DSV4_FAMILY}, or give the dense fields ({required_fields(cls)})")
+                f"set model.family: {ModelFamily.DSV4}, or give the dense fields ({required_fields(cls)})")
         return data
 
     @field_validator("num_kv_heads")
@@ -203,9 +204,9 @@ class Dsv4GeometrySpec(Section):
         foreign = _foreign_keys(data, cls, GeometrySpec)
         if foreign:
             raise FieldValueError(
-                f"a dense model's geometry ({', '.join(foreign)}) for model.family {DSV4_FAMILY}",
+                f"a dense model's geometry ({', '.join(foreign)}) for model.family {ModelFamily.DSV4}",
                 f"give DeepSeek-V4's fields ({required_fields(cls)}), or set model.family to a dense "
-                f"family ({', '.join(FAMILIES)})")
+                f"family ({', '.join(DENSE_FAMILIES)})")
         return data
 
     @model_validator(mode="after")
@@ -271,7 +272,6 @@ class _TargetModelSection(Section):
                     "when present.")
 
 
-MODEL_FAMILIES = (*FAMILIES, DSV4_FAMILY)
 _GEOMETRY_SOURCE = ("Read from the checkpoint's config.json when it exists (an inline geometry must then "
                     "equal it); required when the checkpoint directory is not available at compile time.")
 
@@ -279,17 +279,19 @@ _GEOMETRY_SOURCE = ("Read from the checkpoint's config.json when it exists (an i
 class ModelSpec(_TargetModelSection):
     """A dense target model (llama, qwen3)."""
 
-    family: str = Field(
+    family: ModelFamily = Field(
+        strict=False,  # the enum from its value, the only way YAML can say it
         json_schema_extra={"enum": list(MODEL_FAMILIES)},  # the registry's names, for editor completion
-        description=f"Model family: {', '.join(FAMILIES)} (dense) or {DSV4_FAMILY} (DeepSeek-V4). Selects "
+        description=f"Model family: {', '.join(DENSE_FAMILIES)} (dense) or {ModelFamily.DSV4} (DeepSeek-V4). "
+                    "Selects "
                     "the model code, the geometry's fields and how the checkpoint's config.json is read; "
                     "it must match the config's model_type.")
     geometry: GeometrySpec | None = Field(default=None, description=f"Model shape. {_GEOMETRY_SOURCE}")
 
-    @field_validator("family")
+    @field_validator("family", mode="before")
     @classmethod
-    def _known_family(cls, value: str) -> str:
-        if value not in FAMILIES:
+    def _known_family(cls, value: Any) -> Any:
+        if value not in DENSE_FAMILIES:
             raise FieldValueError(f"model family {value!r} is not implemented",
                                  f"use one of: {', '.join(MODEL_FAMILIES)}")
         return value
@@ -299,7 +301,7 @@ class Dsv4ModelSpec(_TargetModelSection):
     """A DeepSeek-V4 target model: compressed sparse attention over a sliding window and compressed
     entries (docs/dsv4.md), routed experts, hyper-connections and the grouped output projection."""
 
-    family: Literal["dsv4"] = Field(description="Model family: dsv4 (DeepSeek-V4).")
+    family: Literal[ModelFamily.DSV4] = Field(description="Model family: dsv4 (DeepSeek-V4).")
     geometry: Dsv4GeometrySpec | None = Field(
         default=None, description=f"Model shape: `Dsv4Geometry`'s fields. {_GEOMETRY_SOURCE}")
 
@@ -313,11 +315,11 @@ def _family_tag(value: Any) -> str | None:
         family = value.family
     else:
         return None  # a list or a scalar: no model at all
-    return DSV4_FAMILY if family == DSV4_FAMILY else "dense"
+    return ModelFamily.DSV4.value if family == ModelFamily.DSV4 else "dense"
 
 
 TargetModelSpec = Annotated[
-    Annotated[ModelSpec, Tag("dense")] | Annotated[Dsv4ModelSpec, Tag(DSV4_FAMILY)],
+    Annotated[ModelSpec, Tag("dense")] | Annotated[Dsv4ModelSpec, Tag(ModelFamily.DSV4.value)],
     Discriminator(_family_tag, custom_error_type="model_mapping",
                   custom_error_message="the model must be a mapping"),
 ]

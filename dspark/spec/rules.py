@@ -119,9 +119,11 @@ def check_expert_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
     if ep == 1:
         return
     where = ("parallelism", "ep")
-    if not isinstance(geometry, Dsv4Geometry) or geometry.ffn != "moe":
-        model = f"{spec.model.family} is a dense model with" if not isinstance(geometry, Dsv4Geometry) else \
-            "this DeepSeek-V4 geometry has a dense FFN (ffn: dense):"
+    if geometry is None and spec.model.family.has_experts:
+        return  # its experts are unknown: the geometry's own issue says why
+    if not spec.model.family.has_experts or not isinstance(geometry, Dsv4Geometry) or geometry.ffn != "moe":
+        model = (f"{spec.model.family} is a dense model with" if not spec.model.family.has_experts
+                 else "this DeepSeek-V4 geometry has a dense FFN (ffn: dense):")
         yield SpecIssue(where, f"ep is {ep}, but {model} no experts to shard across ranks",
                         "set parallelism.ep: 1 and scale with tp or dp")
         return

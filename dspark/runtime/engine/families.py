@@ -10,10 +10,10 @@ from typing import Protocol
 
 import torch
 
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
-from dspark.formats.hf_config import FAMILIES as DENSE_FAMILIES
+from dspark.families import ModelFamily
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.attention.metadata import AttentionBackend
-from dspark.runtime.config import MODEL_FAMILIES, DeploymentConfig, ModelGeometry
+from dspark.runtime.config import DeploymentConfig, ModelGeometry
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups, shard_dp_attention_target
 from dspark.runtime.distributed.launch import Ranks
 from dspark.runtime.distributed.sharded_load import load_sharded_target
@@ -85,9 +85,10 @@ class DenseFamily:
         return deployment.draft.load_format != "dummy"
 
 
-FAMILY_RUNTIMES: dict[str, FamilyRuntime] = {**{family: DenseFamily() for family in DENSE_FAMILIES},
-                                              DSV4_FAMILY: Dsv4Family()}
-assert set(FAMILY_RUNTIMES) == set(MODEL_FAMILIES), "every family the compiler accepts has a runtime here"
+FAMILY_RUNTIMES: dict[ModelFamily, FamilyRuntime] = {
+    ModelFamily.LLAMA: DenseFamily(), ModelFamily.QWEN3: DenseFamily(), ModelFamily.DSV4: Dsv4Family(),
+}
+assert set(FAMILY_RUNTIMES) == set(ModelFamily), "every family the compiler accepts has a runtime here"
 
 
 def family_runtime(family: str) -> FamilyRuntime:

@@ -14,9 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from dspark.checkpoints import EMBEDDED_PREFIX, embedded_root
 from dspark.checkpoints.dspark_block_config import BlockDraftConfigError
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.families import ModelFamily
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.formats.dsv4_dspark_config import dsv4_dspark_config
-from dspark.formats.dsv4_hf_config import DSV4_MODEL_TYPE, dsv4_geometry, fp8_block
+from dspark.formats.dsv4_hf_config import dsv4_geometry, fp8_block
 from dspark.formats.hf_config import ConfigFieldError, family_of_config
 from dspark.modes import DSV4_STAGES
 from dspark.runtime.config import DeploymentConfig, ModelGeometry
@@ -82,15 +83,17 @@ def read_config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
-def target_config(path: Path, family: str | None = None) -> tuple[str, ModelGeometry | Dsv4Geometry]:
+def target_config(path: Path, family: str | None = None) -> tuple[ModelFamily, ModelGeometry | Dsv4Geometry]:
     """(family, model config) of the target checkpoint at `path`; `family` None: the one its
     config.json's model_type names. A config value dspark does not implement is a `CheckpointError`."""
     cfg = read_config(path)
     try:
-        if family == DSV4_FAMILY or (family is None and cfg.get("model_type") == DSV4_MODEL_TYPE):
-            return DSV4_FAMILY, dsv4_geometry(cfg)
-        family = family or family_of_config(cfg).name
-        return family, ModelGeometry.from_hf(cfg, family)
+        if family is None:  # an unknown model_type is refused by the dense reader, which lists them all
+            family = ModelFamily.of_model_type(cfg.get("model_type", "llama")) or family_of_config(cfg).name
+        family = ModelFamily(family)
+        if family.dense:
+            return family, ModelGeometry.from_hf(cfg, family)
+        return family, dsv4_geometry(cfg)
     except ConfigFieldError as exc:
         raise CheckpointError(f"{path / 'config.json'}: {exc}; {exc.hint}") from None
     except (TypeError, ValueError) as exc:
@@ -107,14 +110,14 @@ def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
     if isinstance(cfg, Dsv4Geometry):
         cfg = cfg.for_backend(backend)
     model = build_target(family, cfg)
-    if family == DSV4_FAMILY:
+    if family.dense:
+        _load_into(model, _load_state(path), path, model.tied_weights)
+    else:
         try:
             block = fp8_block(read_config(path))
             load_dsv4_weights(model.model, _load_state(path), block)  # type: ignore[arg-type]
         except Dsv4WeightsError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
-    else:
-        _load_into(model, _load_state(path), path, model.tied_weights)
     return model.to(DTYPES[dtype]).eval()
 
 

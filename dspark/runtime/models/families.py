@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 import torch
 
-from dspark.formats.dsv4_config import DSV4_FAMILY, Dsv4Geometry
+from dspark.families import ModelFamily
+from dspark.formats.dsv4_config import Dsv4Geometry
 from dspark.runtime.attention.metadata import AttentionBackend, AttentionMetadata
-from dspark.runtime.config import MODEL_FAMILIES, ModelGeometry
+from dspark.runtime.config import ModelGeometry
 from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
 from dspark.runtime.models.llama import LlamaForCausalLM
 from dspark.runtime.models.qwen3 import Qwen3ForCausalLM
@@ -80,12 +81,12 @@ class TargetModel(Protocol):
     def tied_weights(self) -> tuple[str, ...]: ...
 
 
-TARGET_MODELS: dict[str, Callable[[Any], ServingTarget]] = {
-    "llama": LlamaForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-    DSV4_FAMILY: Dsv4ForCausalLM,
+TARGET_MODELS: dict[ModelFamily, Callable[[Any], ServingTarget]] = {
+    ModelFamily.LLAMA: LlamaForCausalLM,
+    ModelFamily.QWEN3: Qwen3ForCausalLM,
+    ModelFamily.DSV4: Dsv4ForCausalLM,
 }
-assert set(TARGET_MODELS) == set(MODEL_FAMILIES), "every family the compiler accepts has a model here"
+assert set(TARGET_MODELS) == set(ModelFamily), "every family the compiler accepts has a model here"
 
 
 def target_model_class(family: str) -> Callable[[Any], ServingTarget]:
