@@ -29,8 +29,13 @@ from dspark.runtime.families.dsv4.ascend_op_models import (
     reference_quant_lightning_indexer,
     reference_sparse_attn_sharedkv,
 )
+from dspark.runtime.families.dsv4.ascend_quant_op_models import (
+    reference_dynamic_quant,
+    reference_quant_matmul,
+)
 
 SAS, SAS_PLAN = "npu_sparse_attn_sharedkv", "npu_sparse_attn_sharedkv_metadata"
+DYNAMIC_QUANT, QUANT_MATMUL = "npu_dynamic_quant", "npu_quant_matmul"  # a W8A8 linear's two operators
 LI, LI_PLAN = "npu_quant_lightning_indexer", "npu_quant_lightning_indexer_metadata"
 LENGTHS = ("cu_seqlens_q", "seqused_kv", "actual_seq_lengths_query", "actual_seq_lengths_key")
 HOST_INTS = ("batch_size", "max_seqlen_q", "max_seqlen_kv", "max_seqlen_k", "sparse_count", "cmp_ratio",
@@ -217,6 +222,13 @@ class FakeNpu:
     def npu_quant_lightning_indexer_metadata(self, **kw: Any) -> torch.Tensor:
         return self._call(LI_PLAN, self._plan, (), kw)
 
+    def npu_dynamic_quant(self, x: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._call(DYNAMIC_QUANT, reference_dynamic_quant, (x,), kw)
+
+    def npu_quant_matmul(self, x1: torch.Tensor, x2: torch.Tensor, scale: torch.Tensor, **kw: Any
+                         ) -> torch.Tensor:
+        return self._call(QUANT_MATMUL, reference_quant_matmul, (x1, x2, scale), kw)
+
     # torch.npu
     def current_stream(self) -> types.SimpleNamespace:
         return types.SimpleNamespace(name=self.stream_name)
@@ -287,7 +299,7 @@ class FakeCuda:
             yield
 
 
-OPS = (SAS, SAS_PLAN, LI, LI_PLAN)
+OPS = (SAS, SAS_PLAN, LI, LI_PLAN, DYNAMIC_QUANT, QUANT_MATMUL)
 
 
 def install_fake_npu(monkeypatch: pytest.MonkeyPatch) -> FakeNpu:

@@ -157,3 +157,29 @@ def test_a_rank_reads_the_whole_tables_the_stages_share_from_the_checkpoint(chec
     target = load_target(str(checkpoint), family="dsv4").model
     embed, head = read_embeddings(str(checkpoint), "float32", None, "dsv4")
     assert torch.equal(embed, target.embed) and torch.equal(head, target.head)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_two_ranks_draft_with_the_stages_as_one_process_decodes(checkpoint: Path, tmp_path: Path) -> None:
+    # under tensor parallelism the target's tables are split; the drafting rank reads them whole
+    import sys
+
+    from dspark.compiler import build
+
+    from .gloo_ranks import free_port
+    from .parallel_builds import NEW_TOKENS as TOKENS
+    from .parallel_builds import completions, prompt_args, run, torchrun
+
+    (tmp_path / "generated").mkdir()
+    (tmp_path / "generated" / "__init__.py").touch()
+    names = {}
+    for tp in (1, 2):
+        body = spec(f"dsv4_stages_tp{tp}", checkpoint, "compact")
+        body["parallelism"] = {"tp": tp}
+        path = tmp_path / f"{body['name']}.yaml"
+        path.write_text(yaml.safe_dump(body, sort_keys=False))
+        build(path, tmp_path / "generated" / body["name"])
+        names[tp] = body["name"]
+    want = completions(run([sys.executable, "-m", f"generated.{names[1]}", "run", *prompt_args(),
+                            "--max-new-tokens", str(TOKENS), "--target-only", "--json"], tmp_path))
+    assert torchrun(names[2], 2, tmp_path, free_port()) == want

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from dspark.runtime.attention.ascend import import_torch_npu
 from dspark.runtime.families.dsv4.ascend_attention import (
     TORCH_NPU_OPS,
     Dsv4AscendAttention,
@@ -54,6 +55,7 @@ from dspark.runtime.families.dsv4.device_layers import Dsv4DeviceLayers, Dsv4Ste
 from dspark.runtime.families.dsv4.model import DSV4Layer
 from dspark.runtime.families.dsv4.ops import quantize_int8
 from dspark.runtime.families.dsv4.verify_metadata import Dsv4StepConfig, Dsv4VerifyMetadata
+from dspark.runtime.families.dsv4.w8a8 import bind_kernel, npu_kernel
 
 if TYPE_CHECKING:
     from dspark.formats.dsv4_config import Dsv4CacheLayout
@@ -100,6 +102,8 @@ class Dsv4AscendLayers(Dsv4DeviceLayers):
                                         head_dim=cfg.head_dim, softmax_scale=cfg.head_dim**-0.5,
                                         index_num_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim,
                                         ops=ops)
+        # W8A8 weights kept quantised (a W8A8_DYNAMIC checkpoint) multiply through the NPU's operators
+        bind_kernel(target, npu_kernel(import_torch_npu()))
         return cls(caches, attention, layout.max_rows_per_request, max_context_len)
 
     def _index_keys_written(self, layer_id: int, lc: Dsv4LayerCache, loc: Tensor) -> None:

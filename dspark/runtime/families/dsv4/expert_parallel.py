@@ -34,12 +34,12 @@ from torch import Tensor
 from dspark.runtime.distributed.tensor_parallel import (
     COMM_CLOCK,
     TPGroup,
-    frozen_param,
     gather_rows,
     own_rows,
 )
 from dspark.runtime.families.dsv4.moe import MoE
 from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.families.dsv4.w8a8 import kept
 
 
 def check_experts_split(n_experts: int, ep: TPGroup) -> None:
@@ -149,9 +149,9 @@ def shard_dsv4_experts(model: Dsv4ForCausalLM, ep: TPGroup, rows_replicated: boo
         if moe.experts.w1.shape[0] != cfg.n_routed_experts:
             raise ValueError("the experts are already sharded")
         experts = moe.experts
-        experts.w1 = frozen_param(experts.w1[first:first + held])
-        experts.w3 = frozen_param(experts.w3[first:first + held])
-        experts.w2 = frozen_param(experts.w2[first:first + held])
+        experts.w1 = kept(experts.w1[first:first + held])
+        experts.w3 = kept(experts.w3[first:first + held])
+        experts.w2 = kept(experts.w2[first:first + held])
         experts.expert_offset = first
         moe.parallel = ReplicatedRowsExperts(ep) if rows_replicated else DispatchedExperts(ep, share)
 

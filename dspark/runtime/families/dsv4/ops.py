@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +20,16 @@ from torch import Tensor
 from dspark.formats.dsv4_config import Rope
 from dspark.runtime.models.ops import SMALL_ELEMENT_TILE, lanewise
 
+if TYPE_CHECKING:
+    from dspark.runtime.families.dsv4.w8a8 import W8A8Weight
 
-def row_linear(x: Tensor, weight: Tensor) -> Tensor:
+
+def row_linear(x: Tensor, weight: Tensor | W8A8Weight) -> Tensor:
     """x [..., in] @ weight[out, in].T -> [..., out], each output one fixed-length sum over `in` (a GEMM
-    would pick a different kernel, and different rounding, for one row than for several)."""
+    would pick a different kernel, and different rounding, for one row than for several). A weight kept
+    quantised (`w8a8.W8A8Weight`) computes its own product, also row by row."""
+    if not isinstance(weight, Tensor):
+        return weight.linear(x)
     return (x.unsqueeze(-2) * weight).sum(-1)
 
 

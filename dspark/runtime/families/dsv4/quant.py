@@ -10,10 +10,10 @@
   optional `X.weight_offset`, W[i, j] = (q[i, j] - offset[i]) * scale[i]. Static W8A8 (activation scales
   and `deq_scale` in the checkpoint) is refused.
 
-The activations' run-time quantisation of these formats (FP8 per 128-channel block, int8 per token) belongs
-to the device kernels that keep the weights quantised; the CPU reference computes with the dequantised
-weights in float32 (docs/dsv4.md says what runs where). Read from transformers' `Fp8Dequantize`, vLLM's and
-vllm-ascend's weight loaders for the layouts; the arithmetic is the formats' own.
+On the Ascend backend W8A8 weights stay quantised (`split_w8a8`, then `w8a8.W8A8Weight`: activations quantised
+per token at run time, the product in int8); everywhere else, and for FP8 and FP4 on every backend, the model
+computes with the dequantised weights (docs/dsv4.md says what runs where). Read from transformers'
+`Fp8Dequantize`, vLLM's and vllm-ascend's weight loaders for the layouts; the arithmetic is the formats' own.
 """
 
 from __future__ import annotations
@@ -84,6 +84,29 @@ def dequant_w8a8(weight: Tensor, scale: Tensor, offset: Tensor | None, name: str
             raise Dsv4QuantError(f"{name}: {what} has {t.numel()} values, one per output channel is {out}")
     zero = 0.0 if offset is None else offset.reshape(out, 1).to(torch.float32)
     return (weight.to(torch.float32) - zero) * scale.reshape(out, 1).to(torch.float32)
+
+
+def split_w8a8(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+    """The W8A8_DYNAMIC weights of a checkpoint, to keep quantised: their int8 codes by the weight's name
+    (`X.weight`), their float32 channel scales ([out]) by the same name, and the other tensors. A weight
+    offset other than 0 is refused (the NPU's int8 product is symmetric in the weight)."""
+    codes, scales, rest = {}, {}, dict(state)
+    for name, tensor in sorted(state.items()):  # the first refused, by name, whatever the file order
+        stem = name.removesuffix(".weight")
+        if not name.endswith(".weight") or tensor.dtype != torch.int8 or stem + ".weight_scale" not in state:
+            continue
+        scale, offset = state[stem + ".weight_scale"], state.get(stem + ".weight_offset")
+        out = tensor.shape[0]
+        if scale.numel() != out:
+            raise Dsv4QuantError(f"{name}: weight_scale has {scale.numel()} values, one per output channel "
+                                 f"is {out}")
+        if offset is not None and bool(offset.ne(0).any()):
+            raise Dsv4QuantError(f"{name}: a nonzero weight_offset cannot stay quantised (the NPU's int8 "
+                                 "product is symmetric); load this checkpoint on the cpu backend")
+        codes[name], scales[name] = tensor, scale.reshape(out).to(torch.float32)
+        for suffix in (".weight", ".weight_scale", ".weight_offset"):
+            rest.pop(stem + suffix, None)
+    return codes, scales, rest
 
 
 def dequantize_state(state: dict[str, Tensor], fp8_block: Sequence[int] = FP8_BLOCK) -> dict[str, Tensor]:

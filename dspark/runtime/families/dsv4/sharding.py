@@ -39,6 +39,7 @@ from dspark.runtime.distributed.tensor_parallel import (
 )
 from dspark.runtime.families.dsv4.model import DSV4Layer
 from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM
+from dspark.runtime.families.dsv4.w8a8 import kept
 
 
 def check_dsv4_heads_split(n_heads: int, tp: TPGroup, o_groups: int = 0) -> None:
@@ -63,15 +64,15 @@ def shard_dsv4_heads(layer: DSV4Layer, tp: TPGroup) -> None:
     heads, hd = cfg.n_heads // tp.size, cfg.head_dim
     h0, h1 = tp.rank * heads, (tp.rank + 1) * heads  # this rank's query heads
     q0, q1 = h0 * hd, h1 * hd  # their wq_b rows, wo columns
-    layer.wq_b = frozen_param(layer.wq_b[q0:q1])  # [heads·D, q_lora]
+    layer.wq_b = kept(layer.wq_b[q0:q1])  # [heads·D, q_lora]
     layer.attn_sink = frozen_param(layer.attn_sink[h0:h1])  # [heads]
     if cfg.o_groups:
         groups = cfg.o_groups // tp.size
         r0, r1 = tp.rank * groups * cfg.o_lora_rank, (tp.rank + 1) * groups * cfg.o_lora_rank
-        layer.wo_a = frozen_param(layer.wo_a[r0:r1])  # [groups·R, heads per group·D]
-        layer.wo_b = frozen_param(layer.wo_b[:, r0:r1])  # [dim, groups·R]
+        layer.wo_a = kept(layer.wo_a[r0:r1])  # [groups·R, heads per group·D]
+        layer.wo_b = kept(layer.wo_b[:, r0:r1])  # [dim, groups·R]
     else:
-        layer.wo = frozen_param(layer.wo[:, q0:q1])  # [dim, heads·D]
+        layer.wo = kept(layer.wo[:, q0:q1])  # [dim, heads·D]
     layer.local_heads = heads
     layer.partial_sum = PartialSum(tp) if tp.size > 1 else None
 
@@ -83,9 +84,9 @@ def shard_dsv4_mlp(layer: DSV4Layer, tp: TPGroup) -> PartialSum:
     if layer.ffn is not None:
         return PartialSum(tp)
     i0, i1 = rank_share(layer.cfg.inter_dim, tp)
-    layer.w1 = frozen_param(layer.w1[i0:i1])  # [I / size, dim]
-    layer.w3 = frozen_param(layer.w3[i0:i1])
-    layer.w2 = frozen_param(layer.w2[:, i0:i1])  # [dim, I / size]
+    layer.w1 = kept(layer.w1[i0:i1])  # [I / size, dim]
+    layer.w3 = kept(layer.w3[i0:i1])
+    layer.w2 = kept(layer.w2[:, i0:i1])  # [dim, I / size]
     return PartialSum(tp)
 
 

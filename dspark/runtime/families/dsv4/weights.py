@@ -19,7 +19,8 @@ from torch import Tensor
 
 from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
 from dspark.runtime.families.dsv4.model import DSV4Model
-from dspark.runtime.families.dsv4.quant import Dsv4QuantError, dequantize_state
+from dspark.runtime.families.dsv4.quant import Dsv4QuantError, dequantize_state, split_w8a8
+from dspark.runtime.families.dsv4.w8a8 import W8A8Weight
 
 
 class Dsv4WeightsError(ValueError):
@@ -183,16 +184,19 @@ def dsv4_state_dict(state: dict[str, Tensor], cfg: Dsv4Geometry) -> dict[str, Te
     return out
 
 
-def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor],
-                      fp8_block: Sequence[int] = FP8_BLOCK) -> None:
+def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor], fp8_block: Sequence[int] = FP8_BLOCK,
+                      keep_w8a8: bool = False) -> None:
     """Copy a checkpoint's tensors (any layout; quantised ones dequantised, FP8 in `fp8_block` blocks) into
     `model`, refusing a missing, extra or misshapen one by name; hash-routing tables must name
-    n_activated_experts distinct experts per token."""
+    n_activated_experts distinct experts per token. `keep_w8a8` (a backend with the kernels): W8A8_DYNAMIC
+    weights stay int8, as `W8A8Weight`s in place of the parameters they quantise."""
     try:
-        state = dequantize_state({n: t for n, t in state.items() if not is_draft_stage(n)}, fp8_block)
+        state = {n: t for n, t in state.items() if not is_draft_stage(n)}
+        codes, scales, state = split_w8a8(state) if keep_w8a8 else ({}, {}, state)
+        state = dequantize_state(state, fp8_block)
     except Dsv4QuantError as exc:
         raise Dsv4WeightsError(str(exc)) from None
-    mapped = dsv4_state_dict(state, model.cfg)
+    mapped = dsv4_state_dict({**state, **codes}, model.cfg)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(mapped))
     if missing:
@@ -212,4 +216,9 @@ def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor],
                     ids.sort(-1).values.diff(dim=-1) == 0).any():
                 raise Dsv4WeightsError(f"{name}: every token must name distinct experts in "
                                        f"0..{model.cfg.n_routed_experts - 1}")
-    model.load_state_dict(mapped, strict=True)  # copy_ casts to each parameter's dtype
+    for name, scale in dsv4_state_dict(scales, model.cfg).items():  # the kept weights, by the model's names
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        delattr(module, leaf)  # the parameter it replaces
+        setattr(module, leaf, W8A8Weight(mapped.pop(name), scale))
+    model.load_state_dict(mapped, strict=not scales)  # copy_ casts to each parameter's dtype
