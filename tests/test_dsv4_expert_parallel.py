@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 from dspark.runtime.distributed.tensor_parallel import TPGroup
 from dspark.runtime.families.dsv4.expert_parallel import (
+    DeepEPExperts,
     DispatchedExperts,
     ReplicatedRowsExperts,
+    deepep_buffer,
     shard_dsv4_experts,
 )
 from dspark.runtime.families.dsv4.moe import MoE
@@ -109,6 +111,88 @@ def test_dispatched_and_replicated_experts_equal_one_process(size: int, tmp_path
             x, tokens = rows_of(2)
             want = whole(x, tokens)
         assert all(torch.equal(r[f"replicated_{hashed}"], want) for r in ranks), (size, hashed)
+
+
+def _deepep_rank(rank: int, size: int, port: int, out_dir: str) -> None:
+    from .deepep_fake import Buffer, install_fake_deepep
+
+    torch.set_num_threads(1)
+    install_fake_deepep()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=60))
+    try:
+        ep = TPGroup.of(dist.group.WORLD)
+        buffer = deepep_buffer(ep, DIM)  # sized by DeepEP's hints
+        pairs = [dist.new_group([2 * p, 2 * p + 1]) for p in range(size // 2)] if size == 4 else []
+        out: dict[str, Any] = {}
+        for hashed in (False, True):
+            layer = moe(hashed)
+            held = EXPERTS // size
+            for name in ("w1", "w3", "w2"):
+                setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name)[rank * held:
+                                                                                          (rank + 1) * held]))
+            layer.experts.expert_offset = rank * held
+            layer.parallel = DeepEPExperts(ep, buffer)
+            with torch.no_grad():
+                out[f"deepep_{hashed}"] = layer(*rows_of(rank))
+                if pairs:
+                    leader = rank - rank % 2
+                    layer.parallel = DeepEPExperts(ep, buffer, TPGroup.of(pairs[rank // 2]))
+                    out[f"shared_{hashed}"] = (leader, layer(*rows_of(leader)))
+        out["calls"] = list(Buffer.created[0].calls)
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def deepep_reference(whole: MoE, x: torch.Tensor, tokens: torch.Tensor, size: int) -> torch.Tensor:
+    """What DeepEP's dispatch and combine compute, written out: rows carried in bfloat16, each rank's part
+    (its experts' weighted outputs, ascending expert id) rounded to bfloat16, the parts added in rank order
+    in float32 and the sum rounded to bfloat16; then the shared expert on the row itself."""
+    ids, weights = whole.route(x, tokens)
+    slots = whole.slot_outputs(x.to(torch.bfloat16).float(), ids, weights)  # [L, k, dim]
+    owner = ids // (EXPERTS // size)
+    total = torch.zeros_like(x)
+    for r in range(size):
+        part = MoE.combine(torch.where((owner == r)[..., None], slots, 0.0))
+        total = total + part.to(torch.bfloat16).float()
+    return total.to(torch.bfloat16).float() + whole.shared(x)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_deepep_dispatch_and_combine_are_its_documented_sums(size: int, tmp_path: Path) -> None:
+    # DeepEP (CUDA only, not installed here) by a stand-in of its documented semantics (tests/deepep_fake.py)
+    ranks = spawn_ranks(_deepep_rank, size, (), tmp_path, 120, "DeepEP expert-parallel ranks")
+    for hashed in (False, True):
+        whole = moe(hashed)
+        with torch.no_grad():
+            for rank in range(size):
+                x, tokens = rows_of(rank)
+                got = ranks[rank][f"deepep_{hashed}"]
+                assert torch.equal(got, deepep_reference(whole, x, tokens, size)), (size, hashed, rank)
+                torch.testing.assert_close(got, whole(x, tokens), rtol=2e-2, atol=2e-2)  # one process's
+                if size == 4:
+                    leader, got = ranks[rank][f"shared_{hashed}"]
+                    assert torch.equal(got, deepep_reference(whole, *rows_of(leader), size)), (hashed, rank)
+    assert all(r["calls"][:3] == ["get_dispatch_layout", "dispatch", "combine"] for r in ranks)
+
+
+def test_deepep_is_chosen_only_where_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from .deepep_fake import install_fake_deepep
+
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # not installed: the pairs' all-to-all
+    assert deepep_buffer(TPGroup.single(), DIM) is None
+    install_fake_deepep(monkeypatch)
+    target = Dsv4ForCausalLM(FULL)
+
+    class Rank0Of2:
+        rank, size, group = 0, 2, None
+
+    shard_dsv4_experts(target, Rank0Of2(), rows_replicated=False, deepep="buffer")  # type: ignore[arg-type]
+    layer = next(layer for layer in target.model.layers if layer.ffn is not None)
+    assert isinstance(layer.ffn.parallel, DeepEPExperts) and layer.ffn.parallel.buffer == "buffer"
 
 
 def test_sharding_keeps_each_ranks_experts_and_refuses_what_does_not_split() -> None:

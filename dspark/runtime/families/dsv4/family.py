@@ -10,7 +10,7 @@ from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.config import DeploymentConfig, ModelGeometry
 from dspark.runtime.distributed.dp_attention import DPAttentionGroups
 from dspark.runtime.distributed.launch import Ranks
-from dspark.runtime.families.dsv4.expert_parallel import shard_dsv4_experts
+from dspark.runtime.families.dsv4.expert_parallel import deepep_buffer, shard_dsv4_experts
 from dspark.runtime.families.dsv4.sharding import shard_dsv4_dp_attention, shard_dsv4_target
 from dspark.runtime.families.dsv4.target import Dsv4ForCausalLM, Dsv4LayerBackend
 from dspark.runtime.models.checkpoint import load_target_model
@@ -38,7 +38,9 @@ class Dsv4Family:
             shard_dsv4_target(target, shards)
             ep, share, rows_replicated = shards, None, True
         if dep.parallel.ep > 1:
-            shard_dsv4_experts(target, ep, rows_replicated=rows_replicated, share=share)
+            # rows that differ per rank go to their experts' ranks by DeepEP where it is installed (CUDA)
+            deepep = None if rows_replicated or device.type != "cuda" else deepep_buffer(ep, target.cfg.dim)
+            shard_dsv4_experts(target, ep, rows_replicated=rows_replicated, share=share, deepep=deepep)
         return target
 
     def attention(self, package: GeneratedPackage, target: ServingTarget, device: torch.device

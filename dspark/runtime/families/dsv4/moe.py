@@ -28,7 +28,10 @@ from dspark.runtime.families.dsv4.ops import ordered_sum, row_linear, row_softma
 
 
 class ExpertSlots(Protocol):
-    def slot_outputs(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor, static_shapes: bool) -> Tensor:
+    """What computes a row's routed output when the experts are over several ranks (expert parallelism)."""
+
+    def routed(self, moe: MoE, x: Tensor, ids: Tensor, weights: Tensor, static_shapes: bool) -> Tensor:
+        """Rows x [L, dim], their experts ids [L, k] (ascending) and weights [L, k] -> [L, dim]."""
         ...
 
 
@@ -143,7 +146,7 @@ class MoE(nn.Module):
         shape depends on the routing (device backends that capture graphs; `slot_outputs`)."""
         ids, weights = self.route(x, tokens)
         if self.parallel is None:
-            slots = self.slot_outputs(x, ids, weights, static_shapes)
+            routed = self.combine(self.slot_outputs(x, ids, weights, static_shapes))
         else:
-            slots = self.parallel.slot_outputs(self, x, ids, weights, static_shapes)
-        return self.combine(slots) + self.shared(x)
+            routed = self.parallel.routed(self, x, ids, weights, static_shapes)
+        return routed + self.shared(x)
