@@ -59,7 +59,7 @@ echo "== 1. GPU tests"
 timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime_paged_attention.py \
   tests/test_runtime_cuda.py tests/test_runtime_kernels.py tests/test_runtime_layout.py tests/test_runtime_metadata.py \
   tests/test_runtime_graph_buffers.py tests/test_runtime_device_placement.py tests/test_train_draft.py \
-  tests/test_dsv4_attention_kernel.py tests/test_dsv4_cuda_layers_gpu.py \
+  tests/test_dsv4_attention_kernel.py tests/test_dsv4_cuda_layers_gpu.py tests/test_dsv4_fp8.py \
   -k "not under_interpreter" \
   2>&1 | tee "$RES/tests.log" | tail -n 25
 # The CPU exactness checks on this machine's host CPU, another x86 model than the developers'

@@ -115,9 +115,9 @@ def load_target(ref: str, dtype: str = "float32", base_dir: Path | None = None,
     else:
         try:
             block = fp8_block(read_config(path))
-            # where the backend has the W8A8 kernels the weights stay int8 (`families/dsv4/w8a8.py`)
+            # where the backend has the kernels a format stays quantised: W8A8 on Ascend, FP8 on CUDA
             load_dsv4_weights(model.model, _load_state(path), block,  # type: ignore[arg-type]
-                              keep_w8a8=backend == "ascend")
+                              keep_w8a8=backend == "ascend", keep_fp8=backend == "cuda")
         except Dsv4WeightsError as exc:
             raise CheckpointError(f"{path}: {exc}") from None
     return model.to(DTYPES[dtype]).eval()

@@ -46,15 +46,21 @@ def scale_values(scale: Tensor) -> Tensor:
     return scale.to(torch.float32)
 
 
+def check_fp8_scales(weight: Tensor, scale: Tensor, block: Sequence[int], name: str = "") -> None:
+    """An FP8 weight [out, in] has one scale per block: [ceil(out / b0), ceil(in / b1)]."""
+    out, inn = weight.shape
+    grid = (math.ceil(out / block[0]), math.ceil(inn / block[1]))
+    if tuple(scale.shape) != grid:
+        raise Dsv4QuantError(f"{name}: FP8 scales {list(scale.shape)}, a [{out}, {inn}] weight in "
+                             f"{block[0]} x {block[1]} blocks needs {list(grid)}")
+
+
 def dequant_fp8_blocks(weight: Tensor, scale: Tensor, block: Sequence[int] = FP8_BLOCK,
                        name: str = "") -> Tensor:
     """float8_e4m3fn weight [out, in] and its block scales [ceil(out / b0), ceil(in / b1)] -> float32."""
+    check_fp8_scales(weight, scale, block, name)
     out, inn = weight.shape
     b0, b1 = block
-    grid = (math.ceil(out / b0), math.ceil(inn / b1))
-    if tuple(scale.shape) != grid:
-        raise Dsv4QuantError(f"{name}: FP8 scales {list(scale.shape)}, a [{out}, {inn}] weight in "
-                             f"{b0} x {b1} blocks needs {list(grid)}")
     s = scale_values(scale).repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inn]
     return weight.to(torch.float32) * s
 
@@ -106,6 +112,24 @@ def split_w8a8(state: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, T
         codes[name], scales[name] = tensor, scale.reshape(out).to(torch.float32)
         for suffix in (".weight", ".weight_scale", ".weight_offset"):
             rest.pop(stem + suffix, None)
+    return codes, scales, rest
+
+
+def split_fp8(state: dict[str, Tensor], fp8_block: Sequence[int] = FP8_BLOCK
+              ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+    """The FP8 block-scaled weights of a checkpoint, to keep quantised: their float8_e4m3fn codes by the
+    weight's name, their block scales as float32 by the same name (checked against `fp8_block`), and the
+    other tensors."""
+    codes, scales, rest = {}, {}, dict(state)
+    for name, tensor in sorted(state.items()):
+        stem = name.removesuffix(".weight")
+        found = [stem + s for s in _SCALE_SUFFIXES if stem + s in state]
+        if not name.endswith(".weight") or tensor.dtype != torch.float8_e4m3fn or len(found) != 1:
+            continue  # the dequantiser refuses what does not fit (no scale, or two)
+        check_fp8_scales(tensor, state[found[0]], fp8_block, name)
+        codes[name], scales[name] = tensor, scale_values(state[found[0]])
+        rest.pop(name)
+        rest.pop(found[0])
     return codes, scales, rest
 
 

@@ -90,10 +90,10 @@ class W8A8Weight(nn.Module):
         return self
 
 
-def kept(weight: Tensor | W8A8Weight) -> nn.Parameter | W8A8Weight:
-    """What a rank keeps of a weight it sliced: a parameter of its own storage (`frozen_param`), or the
-    quantised weight (whose slice already has its own)."""
-    return weight if isinstance(weight, W8A8Weight) else frozen_param(weight)
+def kept(weight: Tensor | nn.Module) -> nn.Parameter | nn.Module:
+    """What a rank keeps of a weight it sliced: a parameter of its own storage (`frozen_param`), or a weight
+    kept quantised (`W8A8Weight`, `fp8_linear.Fp8BlockWeight`: its slice already has its own)."""
+    return weight if isinstance(weight, nn.Module) else frozen_param(weight)
 
 
 def bind_kernel(model: nn.Module, kernel: W8A8Kernel) -> int:

@@ -15,11 +15,12 @@ import re
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
+from dspark.runtime.families.dsv4.fp8_linear import Fp8BlockWeight
 from dspark.runtime.families.dsv4.model import DSV4Model
-from dspark.runtime.families.dsv4.quant import Dsv4QuantError, dequantize_state, split_w8a8
+from dspark.runtime.families.dsv4.quant import Dsv4QuantError, dequantize_state, split_fp8, split_w8a8
 from dspark.runtime.families.dsv4.w8a8 import W8A8Weight
 
 
@@ -185,14 +186,18 @@ def dsv4_state_dict(state: dict[str, Tensor], cfg: Dsv4Geometry) -> dict[str, Te
 
 
 def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor], fp8_block: Sequence[int] = FP8_BLOCK,
-                      keep_w8a8: bool = False) -> None:
+                      keep_w8a8: bool = False, keep_fp8: bool = False) -> None:
     """Copy a checkpoint's tensors (any layout; quantised ones dequantised, FP8 in `fp8_block` blocks) into
     `model`, refusing a missing, extra or misshapen one by name; hash-routing tables must name
-    n_activated_experts distinct experts per token. `keep_w8a8` (a backend with the kernels): W8A8_DYNAMIC
-    weights stay int8, as `W8A8Weight`s in place of the parameters they quantise."""
+    n_activated_experts distinct experts per token. On a backend with the kernels a format stays quantised,
+    in place of the parameters it quantises: `keep_w8a8` (Ascend) W8A8_DYNAMIC weights as `W8A8Weight`s,
+    `keep_fp8` (CUDA) FP8 block-scaled ones as `Fp8BlockWeight`s."""
+    block = (int(fp8_block[0]), int(fp8_block[1]))
     try:
         state = {n: t for n, t in state.items() if not is_draft_stage(n)}
         codes, scales, state = split_w8a8(state) if keep_w8a8 else ({}, {}, state)
+        fp8_codes, fp8_scales, state = split_fp8(state, block) if keep_fp8 else ({}, {}, state)
+        codes.update(fp8_codes)
         state = dequantize_state(state, fp8_block)
     except Dsv4QuantError as exc:
         raise Dsv4WeightsError(str(exc)) from None
@@ -216,9 +221,13 @@ def load_dsv4_weights(model: DSV4Model, state: dict[str, Tensor], fp8_block: Seq
                     ids.sort(-1).values.diff(dim=-1) == 0).any():
                 raise Dsv4WeightsError(f"{name}: every token must name distinct experts in "
                                        f"0..{model.cfg.n_routed_experts - 1}")
-    for name, scale in dsv4_state_dict(scales, model.cfg).items():  # the kept weights, by the model's names
+    kept: dict[str, nn.Module] = {name: W8A8Weight(mapped.pop(name), scale)
+                                  for name, scale in dsv4_state_dict(scales, model.cfg).items()}
+    kept.update({name: Fp8BlockWeight(mapped.pop(name), scale, block)
+                 for name, scale in dsv4_state_dict(fp8_scales, model.cfg).items()})
+    for name, weight in kept.items():  # by the model's names
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
         delattr(module, leaf)  # the parameter it replaces
-        setattr(module, leaf, W8A8Weight(mapped.pop(name), scale))
-    model.load_state_dict(mapped, strict=not scales)  # copy_ casts to each parameter's dtype
+        setattr(module, leaf, weight)
+    model.load_state_dict(mapped, strict=not kept)  # copy_ casts to each parameter's dtype
