@@ -46,7 +46,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.measure.calibration_metrics import roc_auc
 from dspark.measure.recording import RunRecorder
 from dspark.runtime.engine import speculative
 from dspark.runtime.engine.runtime import Runtime
@@ -54,6 +53,7 @@ from dspark.runtime.models import dspark_block_draft
 from dspark.runtime.models.checkpoint import resolve_checkpoint
 from dspark.runtime.models.dspark_block_loader import read_tensors
 from dspark.runtime.package import load_package
+from dspark.runtime.planner.calibration_metrics import roc_auc
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan
 from dspark.simulate.policies import AdaptivePolicy, InformedPolicy, OraclePolicy
 from dspark.simulate.pricing import StepPricer

@@ -19,15 +19,14 @@ from dspark.cli.calibrate import add_calibrate_parser, run_calibrate
 from dspark.formats.sts_calibration import calibration_json, read_calibration
 from dspark.formats.sts_shards import StsData, write_shard
 from dspark.measure.calibration import (
-    CalibrationError,
     calibration_payload,
-    default_grid,
     fit_sts,
     format_fit_report,
     save_calibration,
 )
-from dspark.measure.calibration_metrics import brier, ece, roc_auc
 from dspark.measure.scores import confidence, survival
+from dspark.runtime.planner.calibration_metrics import brier, ece, roc_auc
+from dspark.runtime.planner.sts import CalibrationError, default_grid
 from dspark.runtime.planner.survival import survival_from_logits
 
 FACTORS = (2.0, 0.5, 3.0)

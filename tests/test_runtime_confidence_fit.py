@@ -10,8 +10,6 @@ import torch
 from dspark.checkpoints.dspark_block_config import BlockDraftConfig
 from dspark.cli.main import main
 from dspark.formats.sts_shards import StsShardWriter
-from dspark.measure.calibration import CalibrationError
-from dspark.measure.calibration_metrics import ece
 from dspark.measure.head_fit import (
     BIAS,
     FIT_FILE,
@@ -28,6 +26,8 @@ from dspark.runtime.models.checkpoint import load_draft
 from dspark.runtime.models.dspark_block_draft import DSparkBlockDraft
 from dspark.runtime.models.dspark_block_loader import init_block_draft, save_block_draft
 from dspark.runtime.package import load_package
+from dspark.runtime.planner.calibration_metrics import ece
+from dspark.runtime.planner.sts import CalibrationError
 
 from .runtime_helpers import compile_variant
 

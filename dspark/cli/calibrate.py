@@ -10,16 +10,18 @@ from typing import Any
 from dspark.formats.json_io import FormatError
 from dspark.formats.sts_shards import StsMeta, read_shards, read_sts_meta
 from dspark.measure.calibration import (
+    fit_sts,
+    format_fit_report,
+    save_calibration,
+)
+from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS
+from dspark.runtime.planner.sts import (
     DEFAULT_GRID_POINTS,
     DEFAULT_T_MAX,
     DEFAULT_T_MIN,
     CalibrationError,
     default_grid,
-    fit_sts,
-    format_fit_report,
-    save_calibration,
 )
-from dspark.measure.calibration_metrics import DEFAULT_NUM_BINS
 
 
 def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:

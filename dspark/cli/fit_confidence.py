@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from dspark.formats.json_io import FormatError
-from dspark.measure.calibration import CalibrationError
 from dspark.measure.head_fit import HeadFitSettings, format_head_fit, refit_draft
+from dspark.runtime.planner.sts import CalibrationError
 
 
 def add_fit_confidence_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -15,7 +15,6 @@ report below never calls it one. Greedy labels do not carry over to sampling: ca
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,44 +25,9 @@ import numpy as np
 
 from dspark.formats.sts_calibration import CalibrationFileContents, calibration_json, write_calibration
 from dspark.formats.sts_shards import StsData
-from dspark.measure.calibration_metrics import DEFAULT_NUM_BINS, binned_ece, roc_auc
 from dspark.measure.scores import confidence, survival
-
-DEFAULT_GRID_POINTS = 41
-DEFAULT_T_MIN = 0.1
-DEFAULT_T_MAX = 10.0
-# ECE values closer than this are the same number up to summation order; the smaller T wins such ties so
-# that the fit does not depend on floating-point noise.
-ECE_TIE_TOLERANCE = 1e-15
-
-
-class CalibrationError(ValueError):
-    """A calibration setting or fit result is unusable; the message says what to change."""
-
-
-# ------------------------------------------------------------------------------------------------ fit
-
-
-def default_grid(points: int = DEFAULT_GRID_POINTS, t_min: float = DEFAULT_T_MIN,
-                 t_max: float = DEFAULT_T_MAX) -> np.ndarray:
-    """`points` temperatures log-spaced from `t_min` to `t_max` (inclusive)."""
-    if isinstance(points, bool) or not isinstance(points, int) or points < 1:
-        raise CalibrationError(f"grid points must be a positive integer, got {points!r}")
-    if not (math.isfinite(t_min) and math.isfinite(t_max) and 0 < t_min <= t_max):
-        raise CalibrationError(f"temperature range must satisfy 0 < t_min <= t_max (finite), got "
-                               f"t_min={t_min}, t_max={t_max}")
-    if points == 1 and t_min != t_max:
-        raise CalibrationError("a one-point grid needs t_min == t_max; give at least 2 grid points")
-    return np.geomspace(t_min, t_max, points)
-
-
-def _check_grid(grid: Any) -> np.ndarray:
-    g = np.unique(np.asarray(grid, dtype=np.float64))  # sorted ascending: the tie rule prefers smaller T
-    if g.ndim != 1 or g.shape[0] == 0:
-        raise CalibrationError("the temperature grid is empty; give at least one temperature")
-    if not (np.isfinite(g) & (g > 0)).all():
-        raise CalibrationError(f"grid temperatures must be finite and > 0, got {g.tolist()}")
-    return g
+from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, binned_ece, roc_auc
+from dspark.runtime.planner.sts import CalibrationError, check_grid, default_grid, fit_temperatures
 
 
 @dataclass(frozen=True)
@@ -123,26 +87,16 @@ def _conditional_eces(conf: np.ndarray, mask: np.ndarray, num_bins: int) -> list
 
 
 def fit_sts(data: StsData, grid: Any = None, num_bins: int = DEFAULT_NUM_BINS) -> StsFit:
-    """Fit `T_k` left to right, each minimising the ECE of the cumulative survival at k.
-
-    Position k's search keeps the temperatures already fitted for positions < k, so the survival the
-    planner will compute is what was calibrated. Ties (ECE within `ECE_TIE_TOLERANCE`) keep the smaller T.
-    """
+    """Fit `T_k` left to right, each minimising the ECE of the cumulative survival at k
+    (`dspark.runtime.planner.sts.fit_temperatures`, which the server's online calibration runs too), with the
+    fit's metrics before and after."""
     if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
         raise CalibrationError(f"num_bins must be a positive integer, got {num_bins!r}")
     if data.num_samples == 0:
         raise CalibrationError("no recorded rows to calibrate on")
-    g = default_grid() if grid is None else _check_grid(grid)
+    g = default_grid() if grid is None else check_grid(grid)
     z, mask = data.logits, data.prefix_mask
-
-    temps: list[float] = []
-    for k in range(data.gamma):
-        # Survival at k with each candidate T_k after the temperatures already fitted: what the planner
-        # would compute with them.
-        candidates = [survival(z[:, :k + 1], [*temps, t])[:, k] for t in g]
-        eces = np.array([binned_ece(s, mask[:, k], num_bins) for s in candidates])
-        best = int(np.flatnonzero(eces <= eces.min() + ECE_TIE_TOLERANCE)[0])
-        temps.append(float(g[best]))
+    temps = fit_temperatures(z, mask, g, num_bins)
 
     before = survival(z)
     after = survival(z, temps)

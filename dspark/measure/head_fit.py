@@ -45,10 +45,10 @@ from dspark.formats.sts_shards import (
     shard_features,
     shard_files,
 )
-from dspark.measure.calibration import CalibrationError
-from dspark.measure.calibration_metrics import brier, ece, roc_auc
 from dspark.measure.scores import survival
 from dspark.runtime.models.dspark_block_loader import INDEX_FILE, BlockDraftCheckpointError, read_tensors
+from dspark.runtime.planner.calibration_metrics import brier, ece, roc_auc
+from dspark.runtime.planner.sts import CalibrationError
 
 HEAD_PREFIX = "confidence_head."  # every tensor of the head; the backbone digest leaves them out
 WEIGHT, BIAS = HEAD_PREFIX + "proj.weight", HEAD_PREFIX + "proj.bias"

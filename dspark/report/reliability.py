@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.formats.sts_calibration import CalibrationFileContents
-from dspark.measure.calibration_metrics import DEFAULT_NUM_BINS, bin_index, brier, ece, roc_auc
 from dspark.measure.scores import confidence, survival
 from dspark.report.inputs import ReportError, RunData, StsSamples, unique_labels
+from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, bin_index, brier, ece, roc_auc
 
 NUM_BINS = DEFAULT_NUM_BINS
 

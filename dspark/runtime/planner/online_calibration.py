@@ -1,0 +1,236 @@
+"""Online STS calibration: the labels every decode step yields, refitted off the step path and swapped in
+between steps, with drift detected.
+
+A drafted step verifies `run_len` rows of a request (its root and `run_len - 1` drafts), so it knows, for the
+run's own sampling policy, whether the accepted prefix reached each verified draft: label[k] = "the prefix
+reached draft k" for k < run_len - 1 (`step_labels`). Which drafts are verified depends on the confidence
+scores, not on the outcomes, so within a score bin the labels stay unbiased. (A rejection also tells that no
+later draft was reached, but taking those labels where the draft was not verified would select rows by their
+outcome: the rows that failed early, never those that would have gone on.)
+
+`OnlineCalibrator` keeps the last `window` labelled request-steps (rows with non-finite logits dropped),
+refits the per-position temperatures every `refit_every` of them in a background thread (the shared STS fit,
+`sts.fit_temperatures`, over each position's known labels; a position with fewer than `min_known` keeps its
+temperature), and hands them to the step loop, which swaps them into its plan between steps (`poll`). Before
+each refit it scores the temperatures in use on the most recent `drift_window` request-steps: a position's
+cumulative ECE there is drift when it exceeds, by `drift_ece`, what perfectly calibrated labels of the same
+scores would measure at the 99th percentile (a few hundred steps in 15 bins measure 0.03 to 0.1 by noise
+alone: the threshold follows the noise of the window at hand). Drift is logged once as it starts; the window
+then forgets what came before the recent steps, so the refit follows the new traffic. Temperatures only ever
+come from the grid, so no window (all accepted, all rejected, nothing known) can make one invalid.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, binned_ece
+from dspark.runtime.planner.sts import (
+    DEFAULT_GRID_POINTS,
+    DEFAULT_T_MAX,
+    DEFAULT_T_MIN,
+    cumulative_survival,
+    default_grid,
+    fit_temperatures,
+)
+
+LOG = logging.getLogger("dspark.calibration")
+
+
+@dataclass(frozen=True)
+class OnlineCalibrationSettings:
+    window: int = 4096  # labelled request-steps kept
+    refit_every: int = 256  # new labelled request-steps between refits
+    min_known: int = 200  # known labels a position needs before its temperature is refitted
+    drift_window: int = 256  # the most recent request-steps drift is scored on
+    drift_ece: float = 0.03  # how far their cumulative ECE must exceed calibrated labels' noise (99th pct.)
+    num_bins: int = DEFAULT_NUM_BINS
+    grid_points: int = DEFAULT_GRID_POINTS
+    t_min: float = DEFAULT_T_MIN
+    t_max: float = DEFAULT_T_MAX
+
+    def __post_init__(self) -> None:
+        for name in ("window", "refit_every", "min_known", "drift_window", "num_bins", "grid_points"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"online calibration {name} must be a positive integer, got {value!r}")
+        if self.drift_window > self.window:
+            raise ValueError(f"online calibration drift_window {self.drift_window} exceeds window "
+                             f"{self.window}")
+        if not (math.isfinite(self.drift_ece) and 0 < self.drift_ece < 1):
+            raise ValueError(f"online calibration drift_ece must be in (0, 1), got {self.drift_ece!r}")
+        default_grid(self.grid_points, self.t_min, self.t_max)  # refuses a bad range
+
+
+def step_labels(raw_correct: Sequence[int], run_lens: Sequence[int], gamma: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, label[k] = raw_correct > k (the prefix reached draft k, `raw_correct` the uncapped match
+    over the rows that ran) and whether draft k was verified, which makes it known: `[B, gamma]` bool each."""
+    raw = np.asarray(raw_correct, dtype=np.int64)[:, None]
+    verified = np.asarray(run_lens, dtype=np.int64)[:, None] - 1  # drafts verified
+    k = np.arange(gamma)[None, :]
+    return k < raw, np.broadcast_to(k < verified, (raw.shape[0], gamma)).copy()
+
+
+class LabelWindow:
+    """The last `capacity` labelled request-steps: logits float64, labels and known masks bool
+    `[n, gamma]`."""
+
+    def __init__(self, gamma: int, capacity: int) -> None:
+        self.logits = np.zeros((capacity, gamma))
+        self.labels = np.zeros((capacity, gamma), dtype=bool)
+        self.known = np.zeros((capacity, gamma), dtype=bool)
+        self.capacity, self.size, self.next = capacity, 0, 0
+
+    def add(self, logits: np.ndarray, labels: np.ndarray, known: np.ndarray) -> int:
+        """Append rows with finite logits (the oldest fall out); returns how many were kept."""
+        keep = np.isfinite(logits).all(1)
+        for z, y, m in zip(logits[keep], labels[keep], known[keep], strict=True):
+            self.logits[self.next], self.labels[self.next], self.known[self.next] = z, y, m
+            self.next = (self.next + 1) % self.capacity
+            self.size = min(self.size + 1, self.capacity)
+        return int(keep.sum())
+
+    def recent(self, n: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of the last `n` rows (all when None), oldest first."""
+        n = self.size if n is None else min(n, self.size)
+        order = (self.next - n + np.arange(n)) % self.capacity
+        return self.logits[order].copy(), self.labels[order].copy(), self.known[order].copy()
+
+    def keep_recent(self, n: int) -> None:
+        """Forget all but the last `n` rows."""
+        logits, labels, known = self.recent(n)
+        self.size, self.next = 0, 0
+        self.add(logits, labels, known)
+
+
+NOISE_DRAWS = 64  # label sets drawn to measure calibrated labels' ECE noise
+
+
+def drifted(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, temperatures: Sequence[float],
+            num_bins: int, margin: float, min_known: int, seed: int) -> tuple[tuple[float | None, ...], bool]:
+    """The window's per-position cumulative ECE, and whether some position's exceeds the 99th percentile of
+    the ECE that labels drawn from the survival itself (perfect calibration) measure there, by `margin`."""
+    ece = windowed_ece(logits, labels, known, temperatures, num_bins, min_known)
+    if all(e is None for e in ece):
+        return ece, False
+    s = cumulative_survival(logits, temperatures)
+    gen = np.random.default_rng(seed)
+    drift = False
+    for k, observed in enumerate(ece):
+        if observed is None:
+            continue
+        p = s[known[:, k], k]
+        noise = [binned_ece(p, gen.random(p.shape[0]) < p, num_bins) for _ in range(NOISE_DRAWS)]
+        drift |= observed > float(np.quantile(noise, 0.99)) + margin
+    return ece, drift
+
+
+def windowed_ece(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, temperatures: Sequence[float],
+                 num_bins: int, min_known: int = 1) -> tuple[float | None, ...]:
+    """Per position, the cumulative-survival ECE over the rows whose label is known (None below
+    `min_known`)."""
+    if logits.shape[0] == 0:
+        return (None,) * len(temperatures)
+    s = cumulative_survival(logits, temperatures)
+    out: list[float | None] = []
+    for k in range(logits.shape[1]):
+        rows = known[:, k]
+        out.append(binned_ece(s[rows, k], labels[rows, k], num_bins) if rows.sum() >= min_known else None)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RefitResult:
+    temperatures: tuple[float, ...]
+    recent_ece: tuple[float | None, ...]  # of the temperatures in use before the refit, on recent steps
+    drift: bool
+
+
+class OnlineCalibrator:
+    def __init__(self, gamma: int, temperatures: Sequence[float] | None, settings: OnlineCalibrationSettings,
+                 *, background: bool = True) -> None:
+        self.settings, self.gamma = settings, gamma
+        self.temperatures = tuple(float(t) for t in temperatures) if temperatures else (1.0,) * gamma
+        if len(self.temperatures) != gamma:
+            raise ValueError(f"{len(self.temperatures)} temperatures for gamma {gamma}")
+        self.window = LabelWindow(gamma, settings.window)
+        self.grid = default_grid(settings.grid_points, settings.t_min, settings.t_max)
+        self.background = background  # False: refit in the caller (tests, offline replays)
+        self.samples = 0  # labelled request-steps seen
+        self.refits = 0
+        self.drift = False
+        self.recent_ece: tuple[float | None, ...] = (None,) * gamma
+        self._since_refit = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._result: RefitResult | None = None
+
+    # -- on the step path: cheap --------------------------------------------------------------------------
+    def observe(self, conf_logits: torch.Tensor, raw_correct: Sequence[int], run_lens: Sequence[int],
+                include: Sequence[bool] | None = None) -> None:
+        """A drafted step's requests (`include`: those under the policy the temperatures are for)."""
+        logits = conf_logits.detach().to(torch.float64).cpu().numpy()
+        labels, known = step_labels(raw_correct, run_lens, self.gamma)
+        rows = np.ones(logits.shape[0], dtype=bool) if include is None else np.asarray(include, dtype=bool)
+        added = self.window.add(logits[rows], labels[rows], known[rows])
+        self.samples += added
+        self._since_refit += added
+        if self._since_refit >= self.settings.refit_every and self._thread is None:
+            self._since_refit = 0
+            window = self.window
+            snapshot = (window.recent(), window.recent(self.settings.drift_window), self.temperatures)
+            if self.background:
+                self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
+                                                name="dspark-online-calibration")
+                self._thread.start()
+            else:
+                self._refit(*snapshot)
+
+    def poll(self) -> tuple[float, ...] | None:
+        """The refitted temperatures, once, when a refit has finished (to swap in between steps)."""
+        with self._lock:
+            result, self._result = self._result, None
+        if result is None:
+            return None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if result.drift and not self.drift:
+            worst = max((e for e in result.recent_ece if e is not None), default=0.0)
+            LOG.warning("online calibration: drift: the last %d request-steps' cumulative ECE reaches %.3f, "
+                        "above calibrated labels' noise by more than %.3f; refitting on them",
+                        self.settings.drift_window, worst, self.settings.drift_ece)
+            self.window.keep_recent(self.settings.drift_window)
+        self.drift, self.recent_ece = result.drift, result.recent_ece
+        self.temperatures = result.temperatures
+        self.refits += 1
+        return result.temperatures
+
+    # -- off the step path -----------------------------------------------------------------------------------
+    def _refit(self, window: tuple[np.ndarray, ...], recent: tuple[np.ndarray, ...],
+               in_use: tuple[float, ...]) -> None:
+        s = self.settings
+        recent_ece, drift = drifted(*recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2, self.refits)
+        if drift and not self.drift:
+            window = recent  # the drift starts: fit the recent steps (`poll` forgets the older ones)
+        logits, labels, known = window
+        temps = fit_temperatures(logits, labels, self.grid, s.num_bins, known=known, previous=in_use,
+                                 min_known=s.min_known)
+        with self._lock:
+            self._result = RefitResult(temps, recent_ece, drift)
+
+    def state(self) -> dict[str, Any]:
+        """The live figures: what `/v1/dspark/calibration` and `/metrics` report."""
+        logits, labels, known = self.window.recent()
+        ece = windowed_ece(logits, labels, known, self.temperatures, self.settings.num_bins)
+        return {"temperatures": list(self.temperatures), "samples": self.samples, "refits": self.refits,
+                "window_ece": list(ece), "recent_ece": list(self.recent_ece), "drift": self.drift}

@@ -1,0 +1,81 @@
+"""STS, the per-position temperature scaling of the draft's confidence logits: its temperature grid and its
+fit, shared by `dspark calibrate` (offline, `dspark.measure.calibration`) and the server's online calibration
+(`online_calibration`). numpy float64 and the planner's own survival, no torch state.
+
+`fit_temperatures` picks one `T_k` per draft position, left to right, each minimising the binned ECE of the
+cumulative survival `s[:, k] = prod_{i<=k} sigmoid(z[:, i] / T_i)` against the label "the accepted prefix
+reached draft k" over the rows whose label is known, keeping the temperatures already fitted for positions
+< k: the survival the planner will compute is what was calibrated. Ties (within `ECE_TIE_TOLERANCE`) keep the
+smaller T. A position with fewer than `min_known` known labels keeps its previous temperature.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dspark.runtime.planner.calibration_metrics import binned_ece
+from dspark.runtime.planner.survival import survival_from_logits
+
+DEFAULT_GRID_POINTS = 41
+DEFAULT_T_MIN = 0.1
+DEFAULT_T_MAX = 10.0
+# ECE values closer than this are the same number up to summation order; the smaller T wins such ties so
+# that the fit does not depend on floating-point noise.
+ECE_TIE_TOLERANCE = 1e-15
+
+
+class CalibrationError(ValueError):
+    """A calibration setting or fit result is unusable; the message says what to change."""
+
+
+def default_grid(points: int = DEFAULT_GRID_POINTS, t_min: float = DEFAULT_T_MIN,
+                 t_max: float = DEFAULT_T_MAX) -> np.ndarray:
+    """`points` temperatures log-spaced from `t_min` to `t_max` (inclusive)."""
+    if isinstance(points, bool) or not isinstance(points, int) or points < 1:
+        raise CalibrationError(f"grid points must be a positive integer, got {points!r}")
+    if not (math.isfinite(t_min) and math.isfinite(t_max) and 0 < t_min <= t_max):
+        raise CalibrationError(f"temperature range must satisfy 0 < t_min <= t_max (finite), got "
+                               f"t_min={t_min}, t_max={t_max}")
+    if points == 1 and t_min != t_max:
+        raise CalibrationError("a one-point grid needs t_min == t_max; give at least 2 grid points")
+    return np.geomspace(t_min, t_max, points)
+
+
+def check_grid(grid: Any) -> np.ndarray:
+    """A grid as sorted unique float64 temperatures (the tie rule prefers the smaller T)."""
+    g = np.unique(np.asarray(grid, dtype=np.float64))
+    if g.ndim != 1 or g.shape[0] == 0:
+        raise CalibrationError("the temperature grid is empty; give at least one temperature")
+    if not (np.isfinite(g) & (g > 0)).all():
+        raise CalibrationError(f"grid temperatures must be finite and > 0, got {g.tolist()}")
+    return g
+
+
+def cumulative_survival(logits: np.ndarray, temperatures: Sequence[float]) -> np.ndarray:
+    """The planner's survival of `[n, k]` logits with `k` temperatures, float64."""
+    z = torch.from_numpy(np.require(logits, dtype=np.float64, requirements=["C", "W"]))
+    return survival_from_logits(z, list(temperatures)).numpy()
+
+
+def fit_temperatures(logits: np.ndarray, labels: np.ndarray, grid: np.ndarray, num_bins: int,
+                     known: np.ndarray | None = None, previous: Sequence[float] | None = None,
+                     min_known: int = 1) -> tuple[float, ...]:
+    """Temperatures for `logits [n, gamma]` (finite) and `labels [n, gamma]` (bool: the prefix reached draft
+    k), over the rows `known [n, gamma]` marks at each position (all when None); see the module docstring."""
+    n, gamma = logits.shape
+    temps: list[float] = []
+    for k in range(gamma):
+        rows = np.ones(n, dtype=bool) if known is None else known[:, k]
+        if int(rows.sum()) < max(min_known, 1):
+            temps.append(1.0 if previous is None else float(previous[k]))
+            continue
+        z, y = logits[rows, :k + 1], labels[rows, k]
+        eces = np.array([binned_ece(cumulative_survival(z, [*temps, float(t)])[:, k], y, num_bins)
+                         for t in grid])
+        temps.append(float(grid[int(np.flatnonzero(eces <= eces.min() + ECE_TIE_TOLERANCE)[0])]))
+    return tuple(temps)

@@ -1,0 +1,126 @@
+"""Online STS calibration (`dspark.runtime.planner.online_calibration`): the labels a step's verified rows
+determine; a synthetic stream whose true acceptance curve changes mid-run, where the refit converges to the
+generating temperatures, the change is detected within a few hundred request-steps and the refit then follows
+it; hostile windows (everything accepted, everything rejected, nothing known, non-finite logits) that never
+produce an invalid temperature; the background refit handed over between steps."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.runtime.planner.online_calibration import (
+    OnlineCalibrationSettings,
+    OnlineCalibrator,
+    step_labels,
+)
+
+GAMMA = 4
+
+
+def test_a_step_knows_the_labels_of_its_verified_drafts() -> None:
+    labels, known = step_labels([2, 1, 3, 0], [4, 5, 4, 1], GAMMA)
+    # request 0: 3 drafts verified, the first 2 accepted, the third rejected; draft 3 not verified
+    assert labels[0].tolist() == [True, True, False, False] and known[0].tolist() == [True, True, True, False]
+    # request 1: 4 verified, rejected at draft 1: every label known
+    assert labels[1].tolist() == [True, False, False, False] and known[1].all()
+    # request 2: all 3 verified drafts accepted; draft 3 not verified
+    assert labels[2].tolist() == [True, True, True, False] and known[2].tolist() == [True, True, True, False]
+    # request 3: nothing verified (the root alone): nothing known, even where a label would follow
+    assert not known[3].any()
+
+
+def stream(calibrator: OnlineCalibrator, steps: int, true_t: float, gen: np.random.Generator,
+           planned: bool = True) -> list[int]:
+    """`steps` request-steps whose draft k is accepted with sigmoid(z_k / true_t) once the prefix reached it;
+    a planner-like run length (score-dependent) when `planned`. Returns the refit steps."""
+    refit_at = []
+    for i in range(steps):
+        z = gen.normal(0.0, 2.5, size=(1, GAMMA))
+        accept = gen.random(GAMMA) < 1 / (1 + np.exp(-z[0] / true_t))
+        raw = int(np.argmin(accept)) if not accept.all() else GAMMA
+        survival = np.cumprod(1 / (1 + np.exp(-z[0] / np.asarray(calibrator.temperatures))))
+        run_len = 1 + (int((survival > 0.3).sum()) if planned else GAMMA)
+        run_len = max(run_len, 2)
+        calibrator.observe(torch.from_numpy(z), [min(raw, run_len - 1)], [run_len])
+        if calibrator.poll() is not None:
+            refit_at.append(i)
+    return refit_at
+
+
+def close_on_grid(t: float, want: float) -> bool:
+    return abs(math.log(t / want)) < 0.35  # within a few grid steps (41 over 0.1 .. 10: 0.115 each)
+
+
+def test_the_refit_converges_to_the_generating_temperatures() -> None:
+    # every draft verified: every label known, so every position's temperature is identified
+    gen = np.random.default_rng(0)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=256, min_known=150, drift_window=256)
+    cal = OnlineCalibrator(GAMMA, None, settings, background=False)
+    stream(cal, 4000, 2.0, gen, planned=False)
+    assert all(close_on_grid(t, 2.0) for t in cal.temperatures), cal.temperatures
+    stream(cal, 4000, 0.5, gen, planned=False)
+    assert all(close_on_grid(t, 0.5) for t in cal.temperatures), cal.temperatures
+
+
+def test_a_drift_under_planned_verification_is_detected_and_followed(caplog: pytest.LogCaptureFixture
+                                                                     ) -> None:
+    gen = np.random.default_rng(1)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150, drift_window=256)
+    cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False)
+    with caplog.at_level(logging.WARNING, logger="dspark.calibration"):
+        stream(cal, 3000, 2.0, gen)
+        assert not [r for r in caplog.records if "drift" in r.message], "a drift where there is none"
+        refits = stream(cal, 2000, 0.4, gen)
+    drifts = [r for r in caplog.records if "drift" in r.message]
+    assert len(drifts) == 1, [r.message for r in drifts]
+    assert refits and refits[0] < 500  # the first refit after the change (every 128 request-steps) sees it
+    assert close_on_grid(cal.temperatures[0], 0.4), cal.temperatures
+    assert not cal.drift  # the refit followed the new traffic
+
+
+@pytest.mark.parametrize("case", ["all_accepted", "all_rejected", "nothing_known", "non_finite"])
+def test_a_hostile_window_never_yields_an_invalid_temperature(case: str) -> None:
+    settings = OnlineCalibrationSettings(window=512, refit_every=64, min_known=32, drift_window=64)
+    cal = OnlineCalibrator(GAMMA, (1.5, 1.0, 0.8, 2.0), settings, background=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        z = torch.randn(8, GAMMA, generator=gen) * 3
+        if case == "non_finite":
+            z[::2, 1] = float("nan")
+            z[1::4, 2] = float("inf")
+        raw = {"all_accepted": [GAMMA] * 8, "all_rejected": [0] * 8}.get(case, [1] * 8)
+        run = [1] * 8 if case == "nothing_known" else [GAMMA + 1] * 8
+        cal.observe(z, raw, run)
+        cal.poll()
+        assert len(cal.temperatures) == GAMMA
+        assert all(math.isfinite(t) and settings.t_min <= t <= settings.t_max or t in (1.5, 1.0, 0.8, 2.0)
+                   for t in cal.temperatures), cal.temperatures
+    if case == "nothing_known":
+        assert cal.temperatures == (1.5, 1.0, 0.8, 2.0) and cal.samples == 2400
+    if case == "non_finite":
+        assert cal.samples < 2400  # rows with a non-finite logit never enter the window
+
+
+def test_the_background_refit_is_handed_over_between_steps() -> None:
+    settings = OnlineCalibrationSettings(window=1024, refit_every=256, min_known=64, drift_window=128)
+    cal = OnlineCalibrator(GAMMA, None, settings)
+    gen = np.random.default_rng(3)
+    stream(cal, 256, 2.0, gen, planned=False)
+    deadline = time.monotonic() + 30
+    while (new := cal.poll()) is None:
+        assert time.monotonic() < deadline, "the background refit never finished"
+        time.sleep(0.01)
+    assert new == cal.temperatures and cal.refits == 1 and cal.state()["samples"] == 256
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="drift_window"):
+        OnlineCalibrationSettings(window=100, drift_window=200)
+    with pytest.raises(ValueError, match="refit_every"):
+        OnlineCalibrationSettings(refit_every=0)
