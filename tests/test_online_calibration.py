@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 import numpy as np
@@ -124,3 +125,74 @@ def test_settings_are_checked() -> None:
         OnlineCalibrationSettings(window=100, drift_window=200)
     with pytest.raises(ValueError, match="refit_every"):
         OnlineCalibrationSettings(refit_every=0)
+
+
+@pytest.mark.parametrize("build", ["tiny_cpu_cap_accept", "tiny_cpu_compact"])
+def test_swapped_temperatures_never_change_what_is_committed(build: str) -> None:
+    from pathlib import Path
+
+    from dspark.corpus import held_out_prompts
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+
+    package = load_package(Path(__file__).resolve().parents[1] / "generated" / build)
+    prompts = [package.tokenizer.encode(p) for p in held_out_prompts(6)]
+    settings = OnlineCalibrationSettings(window=256, refit_every=24, min_known=16, drift_window=32)
+    runtime = Runtime(package, online_calibration=settings)
+    online = runtime.speculative.online
+    assert online is not None and online.temperatures == package.plan.temperatures
+    want, _ = runtime.generate(prompts, 48, target_only=True)
+    got, _ = runtime.generate(prompts, 48)
+    assert got == want  # lossless with the temperatures swapped while it ran
+    assert online.refits >= 1 and online.samples > 24
+    assert runtime.speculative.plan.temperatures == online.temperatures  # the last refit is the one planning
+
+
+def test_online_calibration_needs_a_planner() -> None:
+    from pathlib import Path
+
+    from dspark.runtime.engine.requests import RequestError
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+
+    with pytest.raises(RequestError, match="cap-accept or compact"):
+        Runtime(load_package(Path(__file__).resolve().parents[1] / "generated" / "tiny_cpu_static"),
+                online_calibration=OnlineCalibrationSettings())
+
+
+def test_the_server_reports_its_live_calibration() -> None:
+    from pathlib import Path
+
+    import httpx
+
+    from dspark.corpus import held_out_prompts
+    from dspark.formats.sts_calibration import calibration_from_json
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+    from dspark.runtime.serve.server import CompletionServer
+
+    from .server_helpers import serving_in_process
+
+    generated = Path(__file__).resolve().parents[1] / "generated"
+    settings = OnlineCalibrationSettings(window=256, refit_every=16, min_known=8, drift_window=32)
+    runtime = Runtime(load_package(generated / "tiny_cpu_compact"), online_calibration=settings)
+    server = CompletionServer(runtime)
+    with serving_in_process(server) as (_, url):
+        for prompt in held_out_prompts(6):
+            body = {"model": server.model_name, "prompt": prompt, "max_tokens": 32}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        live = httpx.get(f"{url}/v1/dspark/calibration", timeout=30).json()
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    file_keys = {k: v for k, v in live.items() if k not in ("samples", "refits", "window_ece", "drift")}
+    saved = calibration_from_json(file_keys, "the live calibration")  # a calibration file a spec can name
+    assert len(saved.temperatures) == len(live["window_ece"]) and saved.policy == "greedy"
+    assert live["samples"] > 16 and live["refits"] >= 1 and live["drift"] in (True, False)
+    samples = re.escape(str(float(live["samples"])))
+    assert re.search(r"dspark_calibration_samples\{[^}]*\} " + samples, metrics)
+    assert 'dspark_calibration_temperature{deployment="tiny_cpu_compact",position="0"' in metrics
+
+    plain = CompletionServer(Runtime(load_package(generated / "tiny_cpu_compact")))
+    with serving_in_process(plain) as (_, url):
+        off = httpx.get(f"{url}/v1/dspark/calibration", timeout=30)
+    assert off.status_code == 404 and off.json()["error"]["code"] == "online_calibration_off"

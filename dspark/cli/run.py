@@ -70,6 +70,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-fraction", type=float, default=None, metavar="F",
                    help="for experiments: verify this share (0 to 1) of the candidate drafts every step "
                         "instead of the cost model's budget (cap-accept and compact builds only)")
+    p.add_argument("--online-calibration", action="store_true",
+                   help="refit the planner's STS temperatures from the run's own verified drafts, off the "
+                        "step path, and swap them in between steps (cap-accept and compact builds with a "
+                        "confidence head; docs/planner.md, \"Online calibration\")")
 
 
 def check_run_args(args: argparse.Namespace) -> None:
@@ -165,6 +169,7 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     from dspark.runtime.distributed.launch import LaunchError
     from dspark.runtime.engine.requests import RequestError
     from dspark.runtime.engine.runtime import Runtime, follows
+    from dspark.runtime.planner.online_calibration import OnlineCalibrationSettings
 
     check_run_args(args)
     prompts = read_prompts(args)
@@ -174,7 +179,8 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
                        "every draft (static mode has no planner)")
     # every engine of the launch (one per DP rank under DP attention) runs with these
     options = {"forced_budget_fraction": args.budget_fraction, "sampling": sampling_of(pkg, args),
-               "seed": args.seed}
+               "seed": args.seed,
+               "online_calibration": OnlineCalibrationSettings() if args.online_calibration else None}
     try:
         if follows(pkg, **options):  # another rank of a torchrun launch ran rank 0's steps
             return 0

@@ -78,6 +78,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         help="verify exactly K rows (the root plus K-1 drafts) of every request each "
                              "step instead of planning the rows: a fixed-length baseline; K in 1..gamma+1, "
                              "cap-accept and compact builds only")
+    calibration = p.add_mutually_exclusive_group()
+    calibration.add_argument("--online-calibration", dest="online_calibration", action="store_true",
+                             default=None, help="refit the planner's STS temperatures from the served steps' "
+                                                "verified drafts and swap them in between steps")
+    calibration.add_argument("--no-online-calibration", dest="online_calibration", action="store_false",
+                             help="keep the compiled temperatures (the default)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -129,12 +135,15 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
     from dspark.runtime.distributed.launch import LaunchError
     from dspark.runtime.engine.requests import RequestError
     from dspark.runtime.engine.runtime import Runtime, follows
+    from dspark.runtime.planner.online_calibration import OnlineCalibrationSettings
 
     pkg = load_package_or_fail(package_dir)
     check_fixed_verify_len(pkg, args.fixed_verify_len)
     try:
         # rank 0 owns the HTTP server; another rank ran its steps (target-only comes in rank 0's commands)
-        if follows(pkg, seed=args.seed, fixed_verify_len=args.fixed_verify_len):
+        options = {"seed": args.seed, "fixed_verify_len": args.fixed_verify_len,
+                   "online_calibration": OnlineCalibrationSettings() if args.online_calibration else None}
+        if follows(pkg, **options):
             return 0
     except LaunchError as err:
         raise CliError(str(err)) from None
@@ -142,7 +151,7 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
     try:
         warn_if_dummy_weights(pkg)
         try:
-            runtime = Runtime(pkg, seed=args.seed, fixed_verify_len=args.fixed_verify_len)
+            runtime = Runtime(pkg, **options)
         # a CUDA build without a GPU, a missing checkpoint, a launch that does not fit the build
         except (RequestError, LaunchError, ValueError) as err:
             raise CliError(str(err)) from None

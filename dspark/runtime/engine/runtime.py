@@ -50,6 +50,7 @@ from dspark.runtime.models.checkpoint import load_draft_model, target_embeddings
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
+from dspark.runtime.planner.online_calibration import OnlineCalibrationSettings, OnlineCalibrator
 from dspark.runtime.planner.switch import SpeculationSwitch
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams
@@ -58,9 +59,11 @@ from dspark.runtime.sampling import SamplingParams
 class Runtime:
     def __init__(self, package: GeneratedPackage, forced_budget_fraction: float | None = None,
                  recorder: StepRecorder | None = None, sampling: SamplingParams | None = None,
-                 seed: int = 0, ranks: Ranks | None = None, fixed_verify_len: int | None = None) -> None:
+                 seed: int = 0, ranks: Ranks | None = None, fixed_verify_len: int | None = None,
+                 online_calibration: OnlineCalibrationSettings | None = None) -> None:
         """`ranks`: this process's places when `follows` joined the process group already;
-        `fixed_verify_len`: every request verifies exactly this many rows each step (benchmarks)."""
+        `fixed_verify_len`: every request verifies exactly this many rows each step (benchmarks);
+        `online_calibration`: refit the planner's temperatures from the served steps (a planning mode)."""
         dep = package.deployment
         self.package = package
         self.deployment = dep
@@ -124,6 +127,12 @@ class Runtime:
         self.extend = ExtendSteps(self.models, self.forward, eos, sync)
         self.speculative = SpeculativeStep(self.models, self.plan, self.forward, eos, self.sampling, sync)
         self.speculative.recorder = recorder
+        if online_calibration is not None:
+            if not isinstance(self.plan, AdaptiveVerifyPlan) or not dep.draft.confidence_head:
+                raise RequestError("online calibration refits the planner's temperatures: it needs a "
+                                   "cap-accept or compact deployment with a confidence head")
+            self.speculative.online = OnlineCalibrator(self.plan.gamma, self.plan.temperatures,
+                                                       online_calibration)
         # the planner's off state: whether the next decode step speculates (None: every step does)
         self.switch: SpeculationSwitch | None = self.plan.speculation_switch()
         self.stats = RunStats(gamma=self.plan.gamma)

@@ -29,6 +29,7 @@ from dspark.runtime.engine.step_sync import GlobalVerify, StepSync, VerifyReport
 from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
 from dspark.runtime.kv_cache import SlotHandle
 from dspark.runtime.layout import tier_for
+from dspark.runtime.planner.online_calibration import OnlineCalibrator
 from dspark.runtime.planner.step_offset import StepOffset
 from dspark.runtime.planner.survival import LaggedSurvival
 from dspark.runtime.planner.verify_plan import StepPlan, VerifyPlan
@@ -72,6 +73,9 @@ class SpeculativeStep:
         # price the planner weighs (the off state's included).
         self.offset = StepOffset(plan.step_offset_window)
         self.recorder: StepRecorder | None = None
+        # Online calibration (`planner.online_calibration`): the labels of every drafted step, and the
+        # temperatures it refits, swapped into this step's plan between steps.
+        self.online: OnlineCalibrator | None = None
         # the planner's off state, for the next step's record: is it a probe, and the steps without
         # speculation since the last drafted one (`note_off_step`)
         self.probe = False
@@ -84,6 +88,8 @@ class SpeculativeStep:
             self._idle()
             return None
         start = time.perf_counter()
+        if self.online is not None and (temperatures := self.online.poll()) is not None:
+            self.plan = self.plan.with_overrides(temperatures=temperatures)  # type: ignore[attr-defined]
         m, n, num_reqs = self.models, self.plan.num_draft_tokens, len(running)
         prefix_host = [r.seq_len for r in running]
         page_table = m.host_page_table(running).to(m.device)
@@ -121,7 +127,8 @@ class SpeculativeStep:
         if batch.all_greedy:
             pred = layout.unpack(logits.argmax(-1), fill=-1).view(num_reqs, n)
             acc: AcceptResult = greedy_accept(drafts, pred, layout.verify_lens)
-            if self.recorder is not None:  # the uncapped match: exact labels wherever every row ran
+            if self.recorder is not None or self.online is not None:
+                # the uncapped match over the rows that ran: exact labels wherever a draft was verified
                 raw_correct = greedy_accept(drafts, pred, torch.full_like(layout.verify_lens, n)).correct_len
                 accept_prob = (drafts == pred[:, :-1]).float()
         else:
@@ -146,7 +153,11 @@ class SpeculativeStep:
         if decision is not None and decision.predicted_step_seconds is not None:
             self.offset.observe(decision.predicted_step_seconds - offset, seconds)
 
-        # 6. Record (`dspark run --record`): calibration labels and the step's record.
+        # 6. Learn and record: online calibration's labels; with `dspark run --record`, the calibration
+        #    shards' labels and the step's record.
+        if self.online is not None and proposal.conf_logits is not None and raw_correct is not None:
+            self.online.observe(proposal.conf_logits, raw_correct.tolist(), plan.run_lens,
+                                [r.sampling == self.policy for r in running])
         if self.recorder is not None and proposal.conf_logits is not None and raw_correct is not None:
             # Labels are the acceptance event of the recorded policy, and exact only where every row ran.
             same_policy = torch.tensor([r.sampling == self.policy for r in running], device=m.device)

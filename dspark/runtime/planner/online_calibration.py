@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dspark.formats.sts_calibration import CalibrationFileContents, calibration_json
 from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, binned_ece
 from dspark.runtime.planner.sts import (
     DEFAULT_GRID_POINTS,
@@ -181,7 +182,8 @@ class OnlineCalibrator:
         logits = conf_logits.detach().to(torch.float64).cpu().numpy()
         labels, known = step_labels(raw_correct, run_lens, self.gamma)
         rows = np.ones(logits.shape[0], dtype=bool) if include is None else np.asarray(include, dtype=bool)
-        added = self.window.add(logits[rows], labels[rows], known[rows])
+        with self._lock:  # `state` reads the window from the server's thread
+            added = self.window.add(logits[rows], labels[rows], known[rows])
         self.samples += added
         self._since_refit += added
         if self._since_refit >= self.settings.refit_every and self._thread is None:
@@ -209,7 +211,8 @@ class OnlineCalibrator:
             LOG.warning("online calibration: drift: the last %d request-steps' cumulative ECE reaches %.3f, "
                         "above calibrated labels' noise by more than %.3f; refitting on them",
                         self.settings.drift_window, worst, self.settings.drift_ece)
-            self.window.keep_recent(self.settings.drift_window)
+            with self._lock:
+                self.window.keep_recent(self.settings.drift_window)
         self.drift, self.recent_ece = result.drift, result.recent_ece
         self.temperatures = result.temperatures
         self.refits += 1
@@ -229,8 +232,26 @@ class OnlineCalibrator:
             self._result = RefitResult(temps, recent_ece, drift)
 
     def state(self) -> dict[str, Any]:
-        """The live figures: what `/v1/dspark/calibration` and `/metrics` report."""
-        logits, labels, known = self.window.recent()
-        ece = windowed_ece(logits, labels, known, self.temperatures, self.settings.num_bins)
-        return {"temperatures": list(self.temperatures), "samples": self.samples, "refits": self.refits,
-                "window_ece": list(ece), "recent_ece": list(self.recent_ece), "drift": self.drift}
+        """The live figures (any thread): the temperatures in use, request-steps labelled since start,
+        refits, the window's size and per-position cumulative ECE with those temperatures (None below
+        `min_known` known labels), the recent steps' ECE at the last refit, and whether they had drifted."""
+        with self._lock:
+            logits, labels, known = self.window.recent()
+            temperatures = self.temperatures
+        s = self.settings
+        ece = windowed_ece(logits, labels, known, temperatures, s.num_bins, s.min_known)
+        return {"temperatures": list(temperatures), "samples": self.samples, "refits": self.refits,
+                "window": int(logits.shape[0]), "window_ece": list(ece), "recent_ece": list(self.recent_ece),
+                "drift": self.drift}
+
+    def calibration_file(self, dataset: str, policy: str | None) -> dict[str, Any]:
+        """The live calibration as a calibration file (`dspark calibrate`'s format: it can be saved and named
+        in a spec), with `state()`'s figures beside it under their own keys."""
+        state = self.state()
+        ece = state["window_ece"]
+        contents = CalibrationFileContents(
+            temperatures=tuple(state["temperatures"]), dataset=dataset, num_samples=state["window"],
+            num_bins=self.settings.num_bins, grid=tuple(float(t) for t in self.grid), policy=policy,
+            ece_after=None if None in ece else tuple(ece))
+        return {**calibration_json(contents), "samples": state["samples"], "refits": state["refits"],
+                "window_ece": ece, "drift": state["drift"]}

@@ -81,6 +81,22 @@ class ServingMetrics:
         self.free_pages = gauge("dspark_kv_free_pages", "free KV pages")
         self.total_pages = gauge("dspark_kv_pages", "KV pages in the pool (the null page excluded)")
         self.free_slots = gauge("dspark_free_slots", "free request slots")
+        # online calibration (`dspark serve --online-calibration`): read from the calibrator when scraped
+        self.online = runtime.speculative.online
+        if self.online is not None:
+            self.calibration_samples = gauge("dspark_calibration_samples", "request-steps labelled for "
+                                             "online calibration since start")
+            self.calibration_refits = gauge("dspark_calibration_refits",
+                                            "online calibration refits swapped in")
+            self.calibration_drift = gauge("dspark_calibration_drift", "1 while the recent steps' "
+                                           "calibration has drifted beyond label noise, else 0")
+            by_position = [*names, "position"]
+            self.calibration_temperature = Gauge("dspark_calibration_temperature", "the STS temperature in "
+                                                 "use, by draft position", by_position, registry=r)
+            self.calibration_ece = Gauge("dspark_calibration_window_ece", "cumulative ECE of the window "
+                                         "with the temperatures in use, by draft position", by_position,
+                                         registry=r)
+            self._labels = values
         self._committed = 0
         self._request_steps = 0
         self._tau = 0.0
@@ -132,6 +148,14 @@ class ServingMetrics:
         self.observe_pool(runtime)
 
     def render(self) -> tuple[bytes, str]:
+        if self.online is not None:
+            state = self.online.state()
+            self.calibration_samples.set(state["samples"])
+            self.calibration_refits.set(state["refits"])
+            self.calibration_drift.set(int(state["drift"]))
+            for k, (t, e) in enumerate(zip(state["temperatures"], state["window_ece"], strict=True)):
+                self.calibration_temperature.labels(*self._labels, str(k)).set(t)
+                self.calibration_ece.labels(*self._labels, str(k)).set(float("nan") if e is None else e)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -29,6 +29,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from dspark.fingerprint import sampling_policy
 from dspark.runtime.chat_template import ChatTemplateError
 from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.engine.runtime import Runtime
@@ -58,7 +59,8 @@ from dspark.runtime.tokenizer import TokenizerError
 
 log = logging.getLogger("uvicorn.error")
 
-ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics"
+ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/dspark/calibration, "
+          "GET /health and GET /metrics")
 # A temperature this small samples the argmax anyway, and in float32 it overflows the scaled logits
 # (a NaN distribution): such a request decodes greedily, as vLLM does below the same bound.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -337,6 +339,17 @@ class CompletionServer:
             ok = self.engine.alive
             return JSONResponse({"status": "ok" if ok else "engine stopped", **self.runtime.pool_stats()},
                                 status_code=200 if ok else 503)
+
+        @app.get("/v1/dspark/calibration")
+        async def calibration() -> JSONResponse:
+            online = self.runtime.speculative.online
+            if online is None:
+                raise ApiError(404, "online calibration is off: start the server with --online-calibration "
+                                    "(the compiled temperatures are in the package's planner_config.py)",
+                               code="online_calibration_off")
+            sampling = self.runtime.sampling
+            policy = sampling_policy(sampling.temperature, sampling.top_p, sampling.top_k)
+            return JSONResponse(online.calibration_file(f"online: {self.model_name} served traffic", policy))
 
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
