@@ -346,6 +346,8 @@ def test_export_sglang_accounts_for_every_spec_field(write_spec, tmp_path, monke
                     "calibration": {"file": "sts.json", "policy": "greedy"},
                     "graph": {"enabled": True, "token_tiers": [4, 8, 16, 32, 64, 128]},
                     "parallelism": {"tp": 2, "dp": 2, "dp_attention": True},
+                    "online_calibration": {"window": 512, "refit_every": 64, "min_known": 32,
+                                           "drift_window": 128, "drift_ece": 0.05},
                     "backend": {"kind": "ascend", "device": "910b"}}, name="files.yaml"),
         write_spec({"verify": {"mode": "cap-accept", "align_to_graph_tier": True, "lag_steps": 2},
                     "cost_model": additive, "calibration": {"temperatures": [1.0, 1.0, 1.0]},

@@ -10,6 +10,7 @@ import logging
 import math
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,8 +130,6 @@ def test_settings_are_checked() -> None:
 
 @pytest.mark.parametrize("build", ["tiny_cpu_cap_accept", "tiny_cpu_compact"])
 def test_swapped_temperatures_never_change_what_is_committed(build: str) -> None:
-    from pathlib import Path
-
     from dspark.corpus import held_out_prompts
     from dspark.runtime.engine.runtime import Runtime
     from dspark.runtime.package import load_package
@@ -149,8 +148,6 @@ def test_swapped_temperatures_never_change_what_is_committed(build: str) -> None
 
 
 def test_online_calibration_needs_a_planner() -> None:
-    from pathlib import Path
-
     from dspark.runtime.engine.requests import RequestError
     from dspark.runtime.engine.runtime import Runtime
     from dspark.runtime.package import load_package
@@ -161,8 +158,6 @@ def test_online_calibration_needs_a_planner() -> None:
 
 
 def test_the_server_reports_its_live_calibration() -> None:
-    from pathlib import Path
-
     import httpx
 
     from dspark.corpus import held_out_prompts
@@ -196,3 +191,69 @@ def test_the_server_reports_its_live_calibration() -> None:
     with serving_in_process(plain) as (_, url):
         off = httpx.get(f"{url}/v1/dspark/calibration", timeout=30)
     assert off.status_code == 404 and off.json()["error"]["code"] == "online_calibration_off"
+
+
+def _spec_with(tmp_path, build: str, section: dict | None) -> Path:
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    data = yaml.safe_load((repo / "specs" / f"{build}.yaml").read_text())
+    for key in ("cost_model", "calibration"):  # their files, relative to specs/
+        if isinstance(data.get(key), dict) and "file" in data[key]:
+            data[key]["file"] = str(repo / "specs" / data[key]["file"])
+    data["name"] = f"{build}_online"
+    data["online_calibration"] = section
+    path = tmp_path / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_the_spec_turns_online_calibration_on_with_its_settings(tmp_path) -> None:
+    from dspark.cli.compile import main as compile_main
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+
+    spec = _spec_with(tmp_path, "tiny_cpu_compact", {"refit_every": 64, "drift_window": 128})
+    assert compile_main(["build", str(spec), "-o", str(tmp_path / "pkg")]) == 0
+    deployment = load_package(tmp_path / "pkg").deployment
+    assert deployment.online_calibration == OnlineCalibrationSettings(refit_every=64, drift_window=128)
+    assert "online_calibration=OnlineCalibrationSettings(" in (tmp_path / "pkg" / "deployment.py").read_text()
+    off = _spec_with(tmp_path, "tiny_cpu_compact", {"enabled": False})
+    assert compile_main(["build", str(off), "-o", str(tmp_path / "off")]) == 0
+    assert load_package(tmp_path / "off").deployment.online_calibration is None
+    assert "OnlineCalibrationSettings" not in (tmp_path / "off" / "deployment.py").read_text()
+    runtime = Runtime(load_package(tmp_path / "pkg"), online_calibration=deployment.online_calibration)
+    assert runtime.speculative.online is not None
+
+
+@pytest.mark.parametrize(("build", "section", "where", "message"), [
+    ("tiny_cpu_static", {}, "online_calibration.enabled", "static mode has no planner"),
+    ("tiny_cpu_compact", {"window": 100, "drift_window": 200}, "online_calibration.drift_window",
+     "more than window"),
+])
+def test_a_spec_that_cannot_calibrate_online_is_refused_at_its_line(tmp_path, capsys, build, section, where,
+                                                                     message) -> None:
+    from dspark.cli.compile import main as compile_main
+
+    spec = _spec_with(tmp_path, build, section)
+    assert compile_main(["build", str(spec), "-o", str(tmp_path / "pkg")]) == 2
+    err = capsys.readouterr().err
+    assert f"{spec.name}:" in err and where in err and message in err, err
+    assert not (tmp_path / "pkg").exists()
+
+
+def test_the_live_calibration_is_saved_as_a_file_a_spec_can_name(tmp_path: Path) -> None:
+    from dspark.cli.serve import save_live_calibration
+    from dspark.corpus import held_out_prompts
+    from dspark.formats.sts_calibration import read_calibration
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+
+    package = load_package(Path(__file__).resolve().parents[1] / "generated" / "tiny_cpu_compact")
+    settings = OnlineCalibrationSettings(window=256, refit_every=16, min_known=8, drift_window=32)
+    runtime = Runtime(package, online_calibration=settings)
+    runtime.generate([package.tokenizer.encode(p) for p in held_out_prompts(4)], 32)
+    save_live_calibration(runtime, tmp_path / "live.json")
+    saved = read_calibration(tmp_path / "live.json")
+    assert saved.temperatures == runtime.speculative.online.temperatures and saved.policy == "greedy"
+    assert saved.dataset == "online: tiny_cpu_compact served traffic"

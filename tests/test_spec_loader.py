@@ -333,7 +333,8 @@ def test_schema_lists_every_section(capsys):
     assert main(["schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert set(schema["properties"]) == {"name", "model", "draft", "parallelism", "backend",
-                                         "verify", "graph", "cost_model", "calibration", "serving"}
+                                         "verify", "graph", "cost_model", "calibration", "online_calibration",
+                                         "serving"}
     assert schema["additionalProperties"] is False
 
 

@@ -73,7 +73,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--online-calibration", action="store_true",
                    help="refit the planner's STS temperatures from the run's own verified drafts, off the "
                         "step path, and swap them in between steps (cap-accept and compact builds with a "
-                        "confidence head; docs/planner.md, \"Online calibration\")")
+                        "confidence head; the spec's online_calibration settings, else their defaults; "
+                        "a spec that turns it on needs no flag)")
 
 
 def check_run_args(args: argparse.Namespace) -> None:
@@ -180,7 +181,8 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     # every engine of the launch (one per DP rank under DP attention) runs with these
     options = {"forced_budget_fraction": args.budget_fraction, "sampling": sampling_of(pkg, args),
                "seed": args.seed,
-               "online_calibration": OnlineCalibrationSettings() if args.online_calibration else None}
+               "online_calibration": (pkg.deployment.online_calibration or OnlineCalibrationSettings())
+               if args.online_calibration else pkg.deployment.online_calibration}
     try:
         if follows(pkg, **options):  # another rank of a torchrun launch ran rank 0's steps
             return 0

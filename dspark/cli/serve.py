@@ -81,9 +81,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     calibration = p.add_mutually_exclusive_group()
     calibration.add_argument("--online-calibration", dest="online_calibration", action="store_true",
                              default=None, help="refit the planner's STS temperatures from the served steps' "
-                                                "verified drafts and swap them in between steps")
+                                                "verified drafts and swap them in between steps (default: "
+                                                "as the spec's online_calibration says)")
     calibration.add_argument("--no-online-calibration", dest="online_calibration", action="store_false",
-                             help="keep the compiled temperatures (the default)")
+                             help="keep the compiled temperatures, whatever the spec says")
+    p.add_argument("--save-calibration", type=Path, default=None, metavar="PATH",
+                   help="with online calibration on: on shutdown, write the live calibration to PATH as a "
+                        "calibration file (name it in the spec's calibration.file to start from it)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -141,8 +145,13 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
     check_fixed_verify_len(pkg, args.fixed_verify_len)
     try:
         # rank 0 owns the HTTP server; another rank ran its steps (target-only comes in rank 0's commands)
+        compiled = pkg.deployment.online_calibration  # the spec's setting, which the flags override
+        online = {None: compiled, True: compiled or OnlineCalibrationSettings(), False: None}
         options = {"seed": args.seed, "fixed_verify_len": args.fixed_verify_len,
-                   "online_calibration": OnlineCalibrationSettings() if args.online_calibration else None}
+                   "online_calibration": online[args.online_calibration]}
+        if args.save_calibration is not None and options["online_calibration"] is None:
+            raise CliError("--save-calibration needs online calibration (--online-calibration, or the "
+                           "spec's online_calibration section)")
         if follows(pkg, **options):
             return 0
     except LaunchError as err:
@@ -163,8 +172,26 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
             failed = serve(runtime, sock, args.host, args.port, args.model_name, args.log_level)
         finally:
             runtime.close()
+            if args.save_calibration is not None:
+                save_live_calibration(runtime, args.save_calibration)
         if failed and runtime.ranks.world.size > 1:
             raise CliError("a rank of the launch failed and the server shut down; restart the launch")
     finally:
         sock.close()
     return 0
+
+
+def save_live_calibration(runtime: Any, path: Path) -> None:
+    """The live calibration of a server that ran with online calibration, written as a calibration file."""
+    from dspark.fingerprint import sampling_policy
+    from dspark.formats.sts_calibration import write_calibration
+
+    online = runtime.speculative.online
+    if online is None:
+        raise CliError("--save-calibration needs online calibration (--online-calibration, or the spec's "
+                       "online_calibration section)")
+    sampling = runtime.sampling
+    policy = sampling_policy(sampling.temperature, sampling.top_p, sampling.top_k)
+    contents = online.calibration_contents(f"online: {runtime.deployment.name} served traffic", policy)
+    print(f"wrote {write_calibration(path, contents)} ({online.refits} refits on {online.samples} "
+          "request-steps)", file=sys.stderr)

@@ -17,10 +17,11 @@ from dspark.formats.dsv4_config import (
     Dsv4Geometry,
     dsv4_cache_layout,
 )
-from dspark.modes import SpeculationOff, VerifyMode
+from dspark.modes import BLOCK_DRAFT, SpeculationOff, VerifyMode
 from dspark.spec import ResolvedSpec
 from dspark.spec.checkpoints import CheckpointRef
 from dspark.spec.derived import draft_batch_tiers, draft_graphs
+from dspark.spec.models import DeploymentSpec
 
 HEADER_WIDTH = 100
 RUNTIME_ATTENTION = "dspark.runtime.attention"  # the package of the dense families' attention modules
@@ -336,7 +337,7 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "model_family": spec.model.family,
         "geometry": resolved.geometry,  # a Dsv4Geometry for the dsv4 family
         # the geometry as deployment.py writes it: its class, and one `field=literal,` line per field
-        "geometry_class": "Dsv4Geometry" if isinstance(resolved.geometry, Dsv4Geometry) else "ModelGeometry",
+        "geometry_class": _geometry_class(resolved),
         "geometry_fields": _geometry_fields(resolved),
         "dsv4_layout": dsv4_layout(resolved),
         "gamma": spec.draft.gamma,
@@ -359,6 +360,9 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "max_verify_len": resolved.max_verify_len,
         "parallel": spec.parallelism,
         "serving": spec.serving,
+        "config_imports": _config_imports(resolved),
+        "draft_architecture": _draft_architecture(spec),
+        "online_calibration": _online_calibration(spec),
         "model_checkpoint": stored_checkpoint(resolved.model_checkpoint, package_dir),
         "draft_checkpoint": stored_checkpoint(resolved.draft_checkpoint, package_dir),
         "model_digest": resolved.model_digest,
@@ -389,6 +393,40 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "attention_class": code.cls,
         **_runner_docs(resolved),
     }
+
+
+def _geometry_class(resolved: ResolvedSpec) -> str:
+    return "Dsv4Geometry" if isinstance(resolved.geometry, Dsv4Geometry) else "ModelGeometry"
+
+
+def _online(spec: DeploymentSpec) -> bool:
+    return spec.online_calibration is not None and spec.online_calibration.enabled
+
+
+def _config_imports(resolved: ResolvedSpec) -> str:
+    """deployment.py's names from dspark.runtime.config, one a line in the import sorter's order."""
+    geometry = _geometry_class(resolved)
+    online = ["OnlineCalibrationSettings"] if _online(resolved.spec) else []
+    names = ["DeploymentConfig", "DraftRef", geometry, "ModelRef", *online, "ParallelPlan", "ServingConfig"]
+    return "".join(f"    {name},\n" for name in names)
+
+
+def _draft_architecture(spec: DeploymentSpec) -> str:
+    """The DraftRef's `architecture` line where the draft is not a block draft (the field's default)."""
+    if spec.draft.architecture == BLOCK_DRAFT:
+        return ""
+    return f"\n        architecture={py_literal(spec.draft.architecture)},"
+
+
+def _online_calibration(spec: DeploymentSpec) -> str:
+    """The DeploymentConfig's `online_calibration` field where the spec turns it on: the settings the
+    server refits with."""
+    if not _online(spec):
+        return ""
+    assert spec.online_calibration is not None
+    fields = spec.online_calibration.model_dump(exclude={"enabled"})
+    body = "".join(f"        {name}={py_literal(value)},\n" for name, value in fields.items())
+    return f"\n    online_calibration=OnlineCalibrationSettings(\n{body}    ),"
 
 
 # The dense geometry's fields, in ModelGeometry's order (rope_scaling written as its fields' dict).

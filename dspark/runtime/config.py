@@ -7,6 +7,7 @@ at import time instead of deep inside a decode step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -189,6 +190,35 @@ class ServingConfig:
 
 
 @dataclass(frozen=True)
+class OnlineCalibrationSettings:
+    """How the runtime refits the planner's temperatures from its own traffic
+    (`dspark.runtime.planner.online_calibration`; the spec's `online_calibration` section)."""
+
+    window: int = 4096  # labelled request-steps kept
+    refit_every: int = 256  # new labelled request-steps between refits
+    min_known: int = 200  # known labels a position needs before its temperature is refitted
+    drift_window: int = 256  # the most recent request-steps drift is scored on
+    drift_ece: float = 0.03  # how far their cumulative ECE must exceed calibrated labels' noise (99th pct.)
+    num_bins: int = 15  # as `dspark calibrate` scores
+    grid_points: int = 41  # its grid: log-spaced t_min .. t_max
+    t_min: float = 0.1
+    t_max: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("window", "refit_every", "min_known", "drift_window", "num_bins", "grid_points"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"online calibration {name} must be a positive integer, got {value!r}")
+        if self.drift_window > self.window:
+            raise ValueError(f"online calibration drift_window {self.drift_window} exceeds window "
+                             f"{self.window}")
+        if not (math.isfinite(self.drift_ece) and 0 < self.drift_ece < 1):
+            raise ValueError(f"online calibration drift_ece must be in (0, 1), got {self.drift_ece!r}")
+        _require(math.isfinite(self.t_min) and math.isfinite(self.t_max) and 0 < self.t_min <= self.t_max,
+                 f"online calibration needs 0 < t_min <= t_max, got {self.t_min}, {self.t_max}")
+
+
+@dataclass(frozen=True)
 class DeploymentConfig:
     """Everything the runtime needs to know about one compiled deployment."""
 
@@ -205,6 +235,7 @@ class DeploymentConfig:
     parallel: ParallelPlan
     serving: ServingConfig
     token_tiers: tuple[int, ...] = ()  # rows a verify step is padded to; () without graph capture
+    online_calibration: OnlineCalibrationSettings | None = None  # None: the compiled temperatures stay
 
     def __post_init__(self) -> None:
         _require(self.backend in ("cpu", "cuda", "ascend"), f"unknown backend {self.backend!r}")

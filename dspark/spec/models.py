@@ -541,6 +541,33 @@ class ServingSpec(Section):
         return value
 
 
+class OnlineCalibrationSpec(Section):
+    """Refit the planner's STS temperatures from the served steps' own verified drafts, off the step path,
+    swapped in between steps (docs/planner.md, "Online calibration"). `dspark serve --online-calibration` /
+    `--no-online-calibration` override `enabled`."""
+
+    enabled: bool = Field(default=True, description="Refit while serving (writing the section turns it on).")
+    window: int = Field(default=4096, ge=1, description="Labelled request-steps kept for the refit.")
+    refit_every: int = Field(default=256, ge=1, description="New labelled request-steps between refits.")
+    min_known: int = Field(
+        default=200, ge=1,
+        description="Known labels a draft position needs before its temperature is refitted.")
+    drift_window: int = Field(
+        default=256, ge=1, description="The most recent request-steps drift is scored on (at most window).")
+    drift_ece: float = Field(
+        default=0.03, gt=0, lt=1,
+        description="How far their cumulative ECE must exceed what calibrated labels of the same scores "
+                    "measure (99th percentile) to count as drift.")
+
+    @field_validator("drift_window")
+    @classmethod
+    def _inside_window(cls, value: int, info: ValidationInfo) -> int:
+        window = info.data.get("window")
+        if window is not None and value > window:
+            raise FieldValueError(f"{value} is more than window ({window})", f"use at most {window}")
+        return value
+
+
 class DeploymentSpec(Section):
     """A DSpark adaptive-verify speculative decoding deployment."""
 
@@ -561,6 +588,10 @@ class DeploymentSpec(Section):
     calibration: CalibrationSpec | None = Field(
         default=None,
         description="STS temperatures: {temperatures: [...]} or {file: PATH}.")
+    online_calibration: OnlineCalibrationSpec | None = Field(
+        default=None,
+        description="Refit the STS temperatures while serving (cap-accept and compact with a confidence "
+                    "head); left out: the compiled temperatures stay.")
     serving: ServingSpec = Field(default_factory=ServingSpec, description="Serving limits.")
 
     @field_validator("name")

@@ -71,6 +71,19 @@ def check_calibration_count(facts: SpecFacts) -> Iterator[SpecIssue]:
                     "(recalibrate after changing gamma)")
 
 
+def check_online_calibration(facts: SpecFacts) -> Iterator[SpecIssue]:
+    spec = facts.spec
+    online = spec.online_calibration
+    if online is None or not online.enabled:
+        return
+    if not spec.verify.mode.plans or not spec.draft.confidence_head:
+        yield SpecIssue(("online_calibration", "enabled"),
+                        f"online calibration refits the planner's temperatures, but {spec.verify.mode} mode "
+                        f"{'has no planner' if not spec.verify.mode.plans else 'has no confidence head'}",
+                        "remove online_calibration, or use verify.mode: cap-accept or compact with a draft "
+                        "that has a confidence head")
+
+
 def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
     geometry, parallelism = facts.geometry, facts.spec.parallelism
     tp = parallelism.tp
@@ -289,6 +302,7 @@ RULES: tuple[Rule, ...] = (
     check_verify_lens,
     check_confidence_head,
     check_calibration_count,
+    check_online_calibration,
     check_tiers_need_graphs,
     check_tier_lists,
     check_tier_coverage,

@@ -23,7 +23,6 @@ come from the grid, so no window (all accepted, all rejected, nothing known) can
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,42 +32,11 @@ import numpy as np
 import torch
 
 from dspark.formats.sts_calibration import CalibrationFileContents, calibration_json
-from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, binned_ece
-from dspark.runtime.planner.sts import (
-    DEFAULT_GRID_POINTS,
-    DEFAULT_T_MAX,
-    DEFAULT_T_MIN,
-    cumulative_survival,
-    default_grid,
-    fit_temperatures,
-)
+from dspark.runtime.config import OnlineCalibrationSettings
+from dspark.runtime.planner.calibration_metrics import binned_ece
+from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
 
 LOG = logging.getLogger("dspark.calibration")
-
-
-@dataclass(frozen=True)
-class OnlineCalibrationSettings:
-    window: int = 4096  # labelled request-steps kept
-    refit_every: int = 256  # new labelled request-steps between refits
-    min_known: int = 200  # known labels a position needs before its temperature is refitted
-    drift_window: int = 256  # the most recent request-steps drift is scored on
-    drift_ece: float = 0.03  # how far their cumulative ECE must exceed calibrated labels' noise (99th pct.)
-    num_bins: int = DEFAULT_NUM_BINS
-    grid_points: int = DEFAULT_GRID_POINTS
-    t_min: float = DEFAULT_T_MIN
-    t_max: float = DEFAULT_T_MAX
-
-    def __post_init__(self) -> None:
-        for name in ("window", "refit_every", "min_known", "drift_window", "num_bins", "grid_points"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"online calibration {name} must be a positive integer, got {value!r}")
-        if self.drift_window > self.window:
-            raise ValueError(f"online calibration drift_window {self.drift_window} exceeds window "
-                             f"{self.window}")
-        if not (math.isfinite(self.drift_ece) and 0 < self.drift_ece < 1):
-            raise ValueError(f"online calibration drift_ece must be in (0, 1), got {self.drift_ece!r}")
-        default_grid(self.grid_points, self.t_min, self.t_max)  # refuses a bad range
 
 
 def step_labels(raw_correct: Sequence[int], run_lens: Sequence[int], gamma: int
@@ -244,14 +212,20 @@ class OnlineCalibrator:
                 "window": int(logits.shape[0]), "window_ece": list(ece), "recent_ece": list(self.recent_ece),
                 "drift": self.drift}
 
-    def calibration_file(self, dataset: str, policy: str | None) -> dict[str, Any]:
-        """The live calibration as a calibration file (`dspark calibrate`'s format: it can be saved and named
-        in a spec), with `state()`'s figures beside it under their own keys."""
-        state = self.state()
+    def calibration_contents(self, dataset: str, policy: str | None,
+                             state: dict[str, Any] | None = None) -> CalibrationFileContents:
+        """The live calibration as a calibration file's contents (`dspark calibrate`'s format: it can be
+        saved and named in a spec): the temperatures in use, the window's size and ECE with them."""
+        state = self.state() if state is None else state
         ece = state["window_ece"]
-        contents = CalibrationFileContents(
+        return CalibrationFileContents(
             temperatures=tuple(state["temperatures"]), dataset=dataset, num_samples=state["window"],
             num_bins=self.settings.num_bins, grid=tuple(float(t) for t in self.grid), policy=policy,
             ece_after=None if None in ece else tuple(ece))
-        return {**calibration_json(contents), "samples": state["samples"], "refits": state["refits"],
-                "window_ece": ece, "drift": state["drift"]}
+
+    def calibration_file(self, dataset: str, policy: str | None) -> dict[str, Any]:
+        """`calibration_contents` as JSON, with `state()`'s figures beside it under their own keys."""
+        state = self.state()
+        return {**calibration_json(self.calibration_contents(dataset, policy, state)),
+                "samples": state["samples"], "refits": state["refits"], "window_ece": state["window_ece"],
+                "drift": state["drift"]}
