@@ -257,3 +257,24 @@ def test_the_live_calibration_is_saved_as_a_file_a_spec_can_name(tmp_path: Path)
     saved = read_calibration(tmp_path / "live.json")
     assert saved.temperatures == runtime.speculative.online.temperatures and saved.policy == "greedy"
     assert saved.dataset == "online: tiny_cpu_compact served traffic"
+
+
+def test_exploration_verifies_every_draft_on_its_share_of_steps() -> None:
+    from dspark.corpus import held_out_prompts
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+
+    package = load_package(Path(__file__).resolve().parents[1] / "generated" / "tiny_cpu_compact")
+    prompts = [package.tokenizer.encode(p) for p in held_out_prompts(6)]
+    known_last, rows = {}, {}
+    for share in (0.0, 0.5):
+        settings = OnlineCalibrationSettings(window=4096, refit_every=4096, exploration=share)
+        runtime = Runtime(package, online_calibration=settings)
+        got, stats = runtime.generate(prompts, 48)
+        assert got == runtime.generate(prompts, 48, target_only=True)[0]  # lossless either way
+        window = runtime.speculative.online.window
+        known_last[share] = int(window.known[:window.size, -1].sum())
+        rows[share] = stats.verify_rows / stats.request_steps
+    # the last position is labelled only where every draft ran: exploration supplies those labels, at the
+    # price of more verify rows per request-step
+    assert known_last[0.5] > known_last[0.0] and rows[0.5] > rows[0.0]

@@ -199,6 +199,7 @@ class OnlineCalibrationSettings:
     min_known: int = 200  # known labels a position needs before its temperature is refitted
     drift_window: int = 256  # the most recent request-steps drift is scored on
     drift_ece: float = 0.03  # how far their cumulative ECE must exceed calibrated labels' noise (99th pct.)
+    exploration: float = 0.0  # share of decode steps that verify every draft (labels for low scores)
     num_bins: int = 15  # as `dspark calibrate` scores
     grid_points: int = 41  # its grid: log-spaced t_min .. t_max
     t_min: float = 0.1
@@ -212,6 +213,8 @@ class OnlineCalibrationSettings:
         if self.drift_window > self.window:
             raise ValueError(f"online calibration drift_window {self.drift_window} exceeds window "
                              f"{self.window}")
+        if not (math.isfinite(self.exploration) and 0 <= self.exploration < 1):
+            raise ValueError(f"online calibration exploration must be in [0, 1), got {self.exploration!r}")
         if not (math.isfinite(self.drift_ece) and 0 < self.drift_ece < 1):
             raise ValueError(f"online calibration drift_ece must be in (0, 1), got {self.drift_ece!r}")
         _require(math.isfinite(self.t_min) and math.isfinite(self.t_max) and 0 < self.t_min <= self.t_max,

@@ -558,6 +558,10 @@ class OnlineCalibrationSpec(Section):
         default=0.03, gt=0, lt=1,
         description="How far their cumulative ECE must exceed what calibrated labels of the same scores "
                     "measure (99th percentile) to count as drift.")
+    exploration: float = Field(
+        default=0.0, ge=0, lt=1,
+        description="Share of decode steps (compact) that verify every draft whatever the planner chose, so "
+                    "low scores get labels too; each such step runs the full N rows a request.")
 
     @field_validator("drift_window")
     @classmethod

@@ -190,6 +190,8 @@ class SpeculativeStep:
         try:
             own = self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history, offset,
                                       sampled)
+            if self.online is not None and self.online.explores():
+                own = self.plan.uniform_step(num_reqs, self.plan.num_draft_tokens)  # labels for low scores
             rows = sum(own.run_lens)
             report = VerifyReport(num_reqs, rows, self._tier_of(rows), True)
         except ValueError as error:  # the planner's refusals, and a step past the largest tier

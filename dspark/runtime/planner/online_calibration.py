@@ -23,6 +23,7 @@ come from the grid, so no window (all accepted, all rejected, nothing known) can
 from __future__ import annotations
 
 import logging
+import random
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -139,11 +140,17 @@ class OnlineCalibrator:
         self.drift = False
         self.recent_ece: tuple[float | None, ...] = (None,) * gamma
         self._since_refit = 0
+        self._explore = random.Random(0)  # which steps explore: reproducible run to run
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._result: RefitResult | None = None
 
     # -- on the step path: cheap --------------------------------------------------------------------------
+    def explores(self) -> bool:
+        """Whether this step verifies every draft (the `exploration` share of steps): the planner verifies
+        what its scores promise, so without these the low scores of later positions get no labels."""
+        return self.settings.exploration > 0 and self._explore.random() < self.settings.exploration
+
     def observe(self, conf_logits: torch.Tensor, raw_correct: Sequence[int], run_lens: Sequence[int],
                 include: Sequence[bool] | None = None) -> None:
         """A drafted step's requests (`include`: those under the policy the temperatures are for)."""
