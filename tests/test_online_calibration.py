@@ -278,3 +278,21 @@ def test_exploration_verifies_every_draft_on_its_share_of_steps() -> None:
     # the last position is labelled only where every draft ran: exploration supplies those labels, at the
     # price of more verify rows per request-step
     assert known_last[0.5] > known_last[0.0] and rows[0.5] > rows[0.0]
+
+
+def test_a_recording_run_keeps_every_swap_in_its_step_records(tmp_path: Path) -> None:
+    from dspark.cli.compile import main as compile_main
+    from dspark.cli.main import main as dspark_main
+    from dspark.corpus import held_out_prompts
+    from dspark.formats.step_records import read_steps
+
+    spec = _spec_with(tmp_path, "tiny_cpu_cap_accept", {"refit_every": 16, "min_known": 8, "drift_window": 32,
+                                                        "window": 256})
+    assert compile_main(["build", str(spec), "-o", str(tmp_path / "pkg")]) == 0
+    prompts = [arg for p in held_out_prompts(6) for arg in ("--prompt", p)]
+    assert dspark_main(["run", str(tmp_path / "pkg"), *prompts, "--max-new-tokens", "48",
+                        "--record", str(tmp_path / "rec")]) == 0
+    steps = read_steps(next((tmp_path / "rec").rglob("steps.jsonl")), gamma=7)
+    swaps = [s for s in steps if s.temperatures is not None]
+    assert swaps and all(len(s.temperatures) == 7 and min(s.temperatures) > 0 for s in swaps)
+    assert len(swaps) < len(steps)  # only the steps a refit was swapped in before

@@ -103,7 +103,7 @@ class RequestRecord:
 
 _STEP_KEYS = ("step", "num_reqs", "lag", "mode", "budget", "aligned_budget", "decision_tau", "planned_rows",
               "rows", "tier", "padding_rows", "tau", "committed", "predicted_step_seconds", "step_seconds",
-              "requests", "probe", "off_steps", "off_seconds", "offset_seconds")
+              "requests", "probe", "off_steps", "off_seconds", "offset_seconds", "temperatures")
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,8 @@ class StepRecord:
     # The measured step offset the planner added to every price it weighed (`predicted_step_seconds`
     # includes it); absent, 0, in recordings made before the planner measured it.
     offset_seconds: float = 0.0
+    # The STS temperatures online calibration swapped into the plan before this step (absent: no swap).
+    temperatures: tuple[float, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         if self.step is None:
@@ -146,7 +148,8 @@ class StepRecord:
                 "predicted_step_seconds": self.predicted_step_seconds, "step_seconds": self.step_seconds,
                 "requests": [r.to_json() for r in self.requests], "probe": self.probe,
                 "off_steps": self.off_steps, "off_seconds": self.off_seconds,
-                "offset_seconds": self.offset_seconds}
+                "offset_seconds": self.offset_seconds,
+                **({} if self.temperatures is None else {"temperatures": list(self.temperatures)})}
 
     @classmethod
     @errors_as(StepRecordError)
@@ -173,7 +176,18 @@ class StepRecord:
             committed=int_field(data, "committed", where),
             predicted_step_seconds=number_field(data, "predicted_step_seconds", where, nullable=True),
             step_seconds=step_seconds, requests=requests, **_off_state(data, where),
-            offset_seconds=_offset(data, where))
+            offset_seconds=_offset(data, where), temperatures=_temperatures(data, gamma, where))
+
+
+def _temperatures(data: Mapping[str, Any], gamma: int, where: str) -> tuple[float, ...] | None:
+    """A swap's temperatures (one per draft position, each > 0), where the record has one."""
+    if "temperatures" not in data:
+        return None
+    values = number_list(data, "temperatures", where, gamma)
+    assert values is not None
+    if any(t <= 0 for t in values):
+        raise StepRecordError(f"{where}: temperatures must all be > 0, got {list(values)}")
+    return values
 
 
 def _offset(data: Mapping[str, Any], where: str) -> float:

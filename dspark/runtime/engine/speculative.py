@@ -88,8 +88,9 @@ class SpeculativeStep:
             self._idle()
             return None
         start = time.perf_counter()
-        if self.online is not None and (temperatures := self.online.poll()) is not None:
-            self.plan = self.plan.with_overrides(temperatures=temperatures)  # type: ignore[attr-defined]
+        swapped = self.online.poll() if self.online is not None else None
+        if swapped is not None:  # a refit finished: it plans from this step on
+            self.plan = self.plan.with_overrides(temperatures=swapped)  # type: ignore[attr-defined]
         m, n, num_reqs = self.models, self.plan.num_draft_tokens, len(running)
         prefix_host = [r.seq_len for r in running]
         page_table = m.host_page_table(running).to(m.device)
@@ -169,7 +170,8 @@ class SpeculativeStep:
                 raw=raw_correct.tolist(), conf_logits=proposal.conf_logits, seconds=seconds,
                 accept_prob=None if accept_prob is None else accept_prob.tolist(),
                 lag_steps=self.plan.lag_steps, mode=self.plan.mode, probe=self.probe,
-                off_steps=self._off_steps, off_seconds=self._off_seconds, offset_seconds=offset))
+                off_steps=self._off_steps, off_seconds=self._off_seconds, offset_seconds=offset,
+                temperatures=swapped))
         self._off_steps, self._off_seconds = 0, 0.0
         return StepInfo(num_reqs=num_reqs, committed=sum(correct) + num_reqs, rows=layout.total_rows,
                         planned_rows=sum(plan.verify_lens), padding_rows=layout.num_padding_rows,
