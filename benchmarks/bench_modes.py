@@ -16,6 +16,9 @@ equals target-only greedy decoding (it must).
 `--fixed-k 4,8` adds the last package run with every request verifying exactly k rows per step (as
 `dspark serve --fixed-verify-len k`), one runtime per k, to compare adaptive with every fixed length in
 the same interleaved rounds; "paired" then reads against the first of them.
+`--online-calibration` adds the last package run with online calibration on (its default settings, or
+`--refit-every N`): its paired ratio to the same package off is the price of observing every step and
+refitting in a background thread (docs/planner.md, "Online calibration").
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 from bench_static import held_out_prompts
 
+from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.engine.stats import RunStats
 from dspark.runtime.package import load_package
@@ -68,6 +72,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fixed-k", default=None, metavar="K1,K2,...",
                         help="also the last package at each fixed verify length k, listed first")
+    parser.add_argument("--online-calibration", action="store_true",
+                        help="also the last package with online calibration on, listed last")
+    parser.add_argument("--refit-every", type=int, default=None, metavar="N",
+                        help="with --online-calibration: refit every N labelled request-steps")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -76,6 +84,11 @@ def main() -> None:
     runtimes = [*(Runtime(last, fixed_verify_len=k) for k in fixed),
                 *(Runtime(load_package(p)) for p in args.packages)]
     names = [*(f"fixed-{k}" for k in fixed), *(rt.deployment.name for rt in runtimes[len(fixed):])]
+    if args.online_calibration:
+        settings = OnlineCalibrationSettings() if args.refit_every is None else OnlineCalibrationSettings(
+            refit_every=args.refit_every)
+        runtimes.append(Runtime(last, online_calibration=settings))
+        names.append(f"{last.deployment.name}+online")
     tokenizer = runtimes[0].package.tokenizer
     prompts = [tokenizer.encode(p) for p in held_out_prompts(args.prompts, args.prompt_chars)]
     reference, _ = runtimes[0].generate(prompts, args.max_new_tokens, target_only=True)
@@ -132,6 +145,11 @@ def main() -> None:
               f"{r['padding_rows_per_request_step']:>5.2f} {tau:>7} {act:>7} {r['lossless']}")
     print("decode = generated tokens / decode seconds; vs t-o = its ratio to target-only decoding; paired = "
           "median over rounds of decode tokens/s over the first package's in the same round")
+    if args.online_calibration:
+        online = runtimes[-1].speculative.online
+        assert online is not None
+        print(f"online calibration: {online.refits} refits on {online.samples} labelled request-steps, "
+              f"drift {online.drift}, temperatures {[round(t, 3) for t in online.temperatures]}")
     print("rows = verify rows run per request-step (compact: planned rows only); pad = tier padding "
           "rows per request-step; tau / actual = predicted vs committed tokens per step (B summed)")
 
