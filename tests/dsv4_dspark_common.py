@@ -62,12 +62,7 @@ def release_state(stages: Dsv4DSparkStages, seed: int) -> dict[str, torch.Tensor
             state[f"mtp.{last}.{_HEADS[name]}"] = value
         else:
             _, i, rest = name.split(".", 2)
-            if rest.startswith("ffn.experts."):
-                which = rest.rsplit(".", 1)[-1]
-                for e in range(value.shape[0]):
-                    state[f"mtp.{i}.ffn.experts.{e}.{which}.weight"] = value[e]
-            else:
-                state[f"mtp.{i}.{_LAYER[rest]}"] = value
+            state.update(_layer_tensors(f"mtp.{i}", rest, value))
     return state
 
 
@@ -79,13 +74,17 @@ def target_release_state(model: DSV4Model) -> dict[str, torch.Tensor]:
             state[_TOP[name]] = tensor
             continue
         _, i, rest = name.split(".", 2)
-        if rest.startswith("ffn.experts."):
-            which = rest.rsplit(".", 1)[-1]
-            for e in range(tensor.shape[0]):
-                state[f"layers.{i}.ffn.experts.{e}.{which}.weight"] = tensor[e]
-        else:
-            state[f"layers.{i}.{_LAYER[rest]}"] = tensor
+        state.update(_layer_tensors(f"layers.{i}", rest, tensor))
     return state
+
+
+def _layer_tensors(prefix: str, rest: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A layer's tensor `rest` (DSV4Layer's name) under `prefix` in the release's names; stacked experts one
+    tensor each."""
+    if rest.startswith("ffn.experts."):
+        which = rest.rsplit(".", 1)[-1]
+        return {f"{prefix}.ffn.experts.{e}.{which}.weight": tensor[e] for e in range(tensor.shape[0])}
+    return {f"{prefix}.{_LAYER[rest]}": tensor}
 
 
 def write_stage_checkpoint(path: Path, config: dict[str, Any] = STAGE_CONFIG, seed: int = 0) -> Path:

@@ -48,6 +48,24 @@ def moe(hashed: bool) -> MoE:
     return layer
 
 
+def rank_moe(hashed: bool, rank: int, size: int) -> MoE:
+    """`moe(hashed)` keeping rank `rank`'s share of the experts, as expert parallelism shards them."""
+    layer = moe(hashed)
+    held = EXPERTS // size
+    for name in ("w1", "w3", "w2"):
+        setattr(layer.experts, name,
+                torch.nn.Parameter(getattr(layer.experts, name)[rank * held:(rank + 1) * held]))
+    layer.experts.expert_offset = rank * held
+    return layer
+
+
+def join_gloo(rank: int, size: int, port: int) -> TPGroup:
+    """This spawned process as rank `rank` of a gloo world of `size`: the world as the expert group."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=60))
+    return TPGroup.of(dist.group.WORLD)
+
+
 def rows_of(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(ROWS[rank], DIM, generator=gen) * 2
@@ -56,20 +74,13 @@ def rows_of(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _moe_rank(rank: int, size: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=60))
+    ep = join_gloo(rank, size, port)
     try:
-        ep = TPGroup.of(dist.group.WORLD)
         # pairs of ranks holding the same rows, as a DP rank's two attention ranks do (size 4)
         pairs = [dist.new_group([2 * p, 2 * p + 1]) for p in range(size // 2)] if size == 4 else []
         out: dict[str, Any] = {}
         for hashed in (False, True):
-            layer = moe(hashed)
-            held = EXPERTS // size
-            for name in ("w1", "w3", "w2"):
-                setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name)[rank * held:
-                                                                                          (rank + 1) * held]))
-            layer.experts.expert_offset = rank * held
+            layer = rank_moe(hashed, rank, size)
             x, tokens = rows_of(rank)
             layer.parallel = DispatchedExperts(ep)
             with torch.no_grad():
@@ -118,20 +129,13 @@ def _deepep_rank(rank: int, size: int, port: int, out_dir: str) -> None:
 
     torch.set_num_threads(1)
     install_fake_deepep()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=60))
+    ep = join_gloo(rank, size, port)
     try:
-        ep = TPGroup.of(dist.group.WORLD)
         buffer = deepep_buffer(ep, DIM)  # sized by DeepEP's hints
         pairs = [dist.new_group([2 * p, 2 * p + 1]) for p in range(size // 2)] if size == 4 else []
         out: dict[str, Any] = {}
         for hashed in (False, True):
-            layer = moe(hashed)
-            held = EXPERTS // size
-            for name in ("w1", "w3", "w2"):
-                setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name)[rank * held:
-                                                                                          (rank + 1) * held]))
-            layer.experts.expert_offset = rank * held
+            layer = rank_moe(hashed, rank, size)
             layer.parallel = DeepEPExperts(ep, buffer)
             with torch.no_grad():
                 out[f"deepep_{hashed}"] = layer(*rows_of(rank))

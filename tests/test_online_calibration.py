@@ -182,7 +182,7 @@ def test_the_server_reports_its_live_calibration() -> None:
     file_keys = {k: v for k, v in live.items() if k not in ("samples", "refits", "window_ece", "drift")}
     saved = calibration_from_json(file_keys, "the live calibration")  # a calibration file a spec can name
     assert len(saved.temperatures) == len(live["window_ece"]) and saved.policy == "greedy"
-    assert live["samples"] > 16 and live["refits"] >= 1 and live["drift"] in (True, False)
+    assert live["samples"] > 16 and live["refits"] >= 1 and isinstance(live["drift"], bool)
     samples = re.escape(str(float(live["samples"])))
     assert re.search(r"dspark_calibration_samples\{[^}]*\} " + samples, metrics)
     assert 'dspark_calibration_temperature{deployment="tiny_cpu_compact",position="0"' in metrics

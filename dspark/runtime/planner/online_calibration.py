@@ -63,11 +63,14 @@ class LabelWindow:
     def add(self, logits: np.ndarray, labels: np.ndarray, known: np.ndarray) -> int:
         """Append rows with finite logits (the oldest fall out); returns how many were kept."""
         keep = np.isfinite(logits).all(1)
-        for z, y, m in zip(logits[keep], labels[keep], known[keep], strict=True):
-            self.logits[self.next], self.labels[self.next], self.known[self.next] = z, y, m
-            self.next = (self.next + 1) % self.capacity
-            self.size = min(self.size + 1, self.capacity)
-        return int(keep.sum())
+        kept = int(keep.sum())
+        rows = slice(max(0, kept - self.capacity), kept)  # more than fit: only the newest stay
+        at = (self.next + np.arange(kept)[rows]) % self.capacity
+        self.logits[at] = logits[keep][rows]
+        self.labels[at], self.known[at] = labels[keep][rows], known[keep][rows]
+        self.next = (self.next + kept) % self.capacity
+        self.size = min(self.size + kept, self.capacity)
+        return kept
 
     def recent(self, n: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Copies of the last `n` rows (all when None), oldest first."""

@@ -37,7 +37,7 @@ from dspark.formats.dsv4_config import FP8_BLOCK, Dsv4Geometry
 from dspark.formats.dsv4_dspark_config import Dsv4DSparkConfig, dsv4_dspark_config
 from dspark.runtime.config import DraftRef
 from dspark.runtime.families.dsv4.hyper import HyperHead
-from dspark.runtime.families.dsv4.model import DSV4Layer
+from dspark.runtime.families.dsv4.model import DSV4Layer, draw_weights_
 from dspark.runtime.families.dsv4.ops import rms_norm, row_linear, row_softmax
 from dspark.runtime.families.dsv4.quant import Dsv4QuantError, dequantize_state
 from dspark.runtime.families.dsv4.weights import (
@@ -89,16 +89,8 @@ class Dsv4DSparkStages(nn.Module):
 
     @torch.no_grad()
     def init_random_(self, seed: int) -> None:
-        """Dummy weights (`load_format: dummy`), scaled as the target's are."""
-        gen = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in leaf:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            elif leaf == "attn_sink":
-                param.copy_(torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+        """Dummy weights (`load_format: dummy`), drawn as the target's are."""
+        draw_weights_(self, torch.Generator().manual_seed(seed))
 
     def resolve_gamma(self, gamma: int | None) -> int:
         g = self.cfg.block_size if gamma is None else gamma

@@ -521,6 +521,20 @@ class DSV4Layer(nn.Module):
         return self.finish_rows(h, torch.stack(outs), pos, tokens, mixes), rows, after
 
 
+@torch.no_grad()
+def draw_weights_(module: nn.Module, gen: torch.Generator) -> None:
+    """Random weights for `module`'s parameters, in order: norms near 1, sinks, positional biases and
+    embeddings unit normal, every matrix scaled by 1/sqrt(its input width) (activations stay O(1))."""
+    for name, param in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if "norm" in leaf:
+            param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+        elif leaf in ("attn_sink", "ape", "embed"):
+            param.copy_(torch.randn(param.shape, generator=gen))
+        else:
+            param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+
+
 class DSV4Model(nn.Module):
     """Embedding (copied into hc_mult streams), one DSV4Layer per compress ratio, the streams' collapse
     (hc_head), final RMSNorm, LM head; seeded random weights."""
@@ -544,14 +558,7 @@ class DSV4Model(nn.Module):
     def init_random_(self, seed: int) -> None:
         """Dummy weights scaled so activations and attention stay O(1) and the top-k has real choices."""
         gen = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if "norm" in leaf:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            elif leaf in ("attn_sink", "ape", "embed"):
-                param.copy_(torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * param.shape[-1] ** -0.5)
+        draw_weights_(self, gen)
         for layer in self.layers:
             gate = None if layer.ffn is None else layer.ffn.gate
             if gate is not None and gate.tid2eid is not None:  # each token's own distinct experts
