@@ -1,12 +1,16 @@
-"""Prompt sets for benchmarks: held-out standard-library code, and prompts read from a file.
+"""Prompt sets for benchmarks: held-out standard-library code, code of other installed packages, and prompts
+read from a file.
 
 The held-out split is the embedded tiny model pair's (`train_tiny` trains on the other files), so
-these prompts measure acceptance on code the model never saw. Importing this module does not import
-torch: `dspark bench` is a plain HTTP client and must stay light.
+these prompts measure acceptance on code the model never saw. `package_prompts` is out of distribution: the
+sources of third-party packages every install of dspark has (its dependencies), which the pair, trained on the
+standard library, never saw; its files fall into two disjoint parts (one to serve, one to score). Importing
+this module does not import torch: `dspark bench` is a plain HTTP client and must stay light.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sysconfig
 import zlib
@@ -58,6 +62,56 @@ def held_out_prompts(count: int, length: int = DEFAULT_PROMPT_CHARS, phase: int 
             if len(prompts) == count:
                 return prompts
     return prompts
+
+
+# Installed with dspark (numpy and networkx are its dependencies, sympy torch's), and the three on which the
+# embedded pair's calibration is furthest off (benchmarks/calibration_drift.py); none imports here.
+OUT_OF_DISTRIBUTION_PACKAGES = ("numpy", "sympy", "networkx")
+
+
+def package_files(part: int, packages: tuple[str, ...] = OUT_OF_DISTRIBUTION_PACKAGES) -> list[list[Path]]:
+    """Per installed package of `packages` (absent ones skipped), its `.py` files in part `part` (0 or 1:
+    the file's path inside the package hashes to it), sorted. A standard-library package is refused: the
+    pair trained on those."""
+    if part not in (0, 1):
+        raise ValueError(f"part must be 0 or 1, got {part!r}")
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    out = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        if root.resolve().is_relative_to(stdlib) and "site-packages" not in root.parts:
+            raise ValueError(f"{name} is part of the standard library, which the embedded pair trained on; "
+                             "name a third-party package")
+        out.append([p for p in sorted(root.rglob("*.py"))
+                    if zlib.crc32(f"{name}/{p.relative_to(root)}".encode()) % 2 == part])
+    return out
+
+
+def package_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS, phase: int = DEFAULT_PHASE,
+                    packages: tuple[str, ...] = OUT_OF_DISTRIBUTION_PACKAGES) -> list[str]:
+    """`count` prompts cut as `held_out_prompts` cuts them, from the files of `package_files(part)`, taking
+    the packages' files in turn (so every package contributes); fewer when the files run out. Parts 0 and 1
+    share no file."""
+    prompts: list[str] = []
+    queues = [iter(files) for files in package_files(part, packages)]
+    while queues and len(prompts) < count:
+        for queue in list(queues):
+            path = next(queue, None)
+            if path is None:
+                queues.remove(queue)
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            offset = 0
+            for i, line in enumerate(text.splitlines(keepends=True)):
+                if i % HELD_OUT_LINE_STRIDE == phase and text[offset:offset + length].strip():
+                    prompts.append(text[offset:offset + length])
+                offset += len(line)
+            if len(prompts) >= count:
+                break
+    return prompts[:count]
 
 
 def load_prompts_file(path: Path) -> list[str]:

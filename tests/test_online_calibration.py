@@ -16,11 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.corpus import package_files, package_prompts
+from dspark.runtime.planner.calibration_metrics import binned_ece
 from dspark.runtime.planner.online_calibration import (
     OnlineCalibrationSettings,
     OnlineCalibrator,
+    draws_ece,
     step_labels,
 )
+from dspark.runtime.planner.sts import cumulative_survival, default_grid, grid_eces
 
 GAMMA = 4
 
@@ -84,6 +88,45 @@ def test_a_drift_under_planned_verification_is_detected_and_followed(caplog: pyt
     assert refits and refits[0] < 500  # the first refit after the change (every 128 request-steps) sees it
     assert close_on_grid(cal.temperatures[0], 0.4), cal.temperatures
     assert not cal.drift  # the refit followed the new traffic
+
+
+def test_refits_back_off_while_the_traffic_holds_still_and_resume_on_drift() -> None:
+    gen = np.random.default_rng(2)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150, drift_window=256)
+    cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False)
+    stream(cal, 8000, 2.0, gen, planned=False)
+    # checks every 128 request-steps (62 of them); refits at 128, 384, 896, 1920 and 3968 (256, 512, ...
+    # 2048 apart; the next 4096 later)
+    assert cal.refits == 5, cal.refits
+    before = cal.refits
+    stream(cal, 1000, 0.4, gen, planned=False)
+    assert cal.drift_at is not None and cal.drift_at - 8000 < 500
+    assert cal.refits - before >= 4  # every check refits while the drift lasts
+
+
+def test_the_vectorised_fit_scores_every_temperature_as_the_naive_loop_does() -> None:
+    gen = np.random.default_rng(4)
+    z = gen.normal(0.5, 2.0, size=(700, 3))
+    y = gen.random(700) < 0.4
+    grid = default_grid()
+    prefix = cumulative_survival(z[:, :2], [0.7, 1.3])[:, 1]
+    naive = [binned_ece(cumulative_survival(z, [0.7, 1.3, t])[:, 2], y, 15) for t in grid]
+    assert grid_eces(prefix, np.ascontiguousarray(z[:, 2]), y, grid, 15).tolist() == naive
+    draws = gen.random((5, 700)) < prefix
+    assert draws_ece(prefix, draws, 15).tolist() == [binned_ece(prefix, d, 15) for d in draws]
+
+
+def test_the_out_of_distribution_prompts_come_in_two_parts_with_no_file_in_common() -> None:
+    parts = [package_files(part, ("no_such_package", "yaml", "jinja2")) for part in (0, 1)]
+    files = [{p for files in part for p in files} for part in parts]
+    assert files[0] and files[1] and not files[0] & files[1]
+    assert len(parts[0]) == 2  # yaml and jinja2 (the absent one skipped), each with files in both parts
+    prompts = package_prompts(40, 0, packages=("yaml", "jinja2"))
+    assert len(prompts) == 40 and all(0 < len(p) <= 200 for p in prompts)  # a file's end cuts some short
+    with pytest.raises(ValueError, match="part"):
+        package_files(2)
+    with pytest.raises(ValueError, match="json is part of the standard library"):
+        package_files(0, ("json",))
 
 
 @pytest.mark.parametrize("case", ["all_accepted", "all_rejected", "nothing_known", "non_finite"])

@@ -8,11 +8,14 @@ scores, not on the outcomes, so within a score bin the labels stay unbiased. (A 
 later draft was reached, but taking those labels where the draft was not verified would select rows by their
 outcome: the rows that failed early, never those that would have gone on.)
 
-`OnlineCalibrator` keeps the last `window` labelled request-steps (rows with non-finite logits dropped),
-refits the per-position temperatures every `refit_every` of them in a background thread (the shared STS fit,
-`sts.fit_temperatures`, over each position's known labels; a position with fewer than `min_known` keeps its
-temperature), and hands them to the step loop, which swaps them into its plan between steps (`poll`). Before
-each refit it scores the temperatures in use on the most recent `drift_window` request-steps: a position's
+`OnlineCalibrator` keeps the last `window` labelled request-steps (rows with non-finite logits dropped) and
+every `refit_every` of them checks, in a background thread, the temperatures in use for drift; it refits them
+(the shared STS fit, `sts.fit_temperatures`, over each position's known labels; a position with fewer than
+`min_known` keeps its temperature) at the first check, on drift, and otherwise at intervals that double from
+`refit_every` up to `window` while the traffic holds still (a refit costs tens of milliseconds of CPU that
+the steps would otherwise have; a stable calibration needs few), and hands the result to the step loop, which
+swaps it into its plan between steps (`poll`). A check scores the temperatures in use on the most recent
+`drift_window` request-steps: a position's
 cumulative ECE there is drift when it exceeds, by `drift_ece`, what perfectly calibrated labels of the same
 scores would measure at the 99th percentile (a few hundred steps in 15 bins measure 0.03 to 0.1 by noise
 alone: the threshold follows the noise of the window at hand). Drift is logged once as it starts; the window
@@ -34,7 +37,7 @@ import torch
 
 from dspark.formats.sts_calibration import CalibrationFileContents, calibration_json
 from dspark.runtime.config import OnlineCalibrationSettings
-from dspark.runtime.planner.calibration_metrics import binned_ece
+from dspark.runtime.planner.calibration_metrics import bin_index, binned_ece
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
 
 LOG = logging.getLogger("dspark.calibration")
@@ -102,9 +105,18 @@ def drifted(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, temperatu
         if observed is None:
             continue
         p = s[known[:, k], k]
-        noise = [binned_ece(p, gen.random(p.shape[0]) < p, num_bins) for _ in range(NOISE_DRAWS)]
+        noise = draws_ece(p, gen.random((NOISE_DRAWS, p.shape[0])) < p[None, :], num_bins)
         drift |= observed > float(np.quantile(noise, 0.99)) + margin
     return ece, drift
+
+
+def draws_ece(p: np.ndarray, draws: np.ndarray, num_bins: int) -> np.ndarray:
+    """`binned_ece(p, draws[d], num_bins)` for every row `d` of `draws [D, n]` (bool), in one pass: `[D]`."""
+    idx = bin_index(p, num_bins)
+    sum_p = np.bincount(idx, weights=p, minlength=num_bins)
+    cells = (idx[None, :] + np.arange(draws.shape[0])[:, None] * num_bins).ravel()
+    sum_y = np.bincount(cells, weights=draws.ravel().astype(np.float64), minlength=draws.shape[0] * num_bins)
+    return np.abs(sum_y.reshape(draws.shape[0], num_bins) - sum_p[None, :]).sum(axis=1) / p.shape[0]
 
 
 def windowed_ece(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, temperatures: Sequence[float],
@@ -123,8 +135,8 @@ def windowed_ece(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, temp
 
 @dataclass(frozen=True)
 class RefitResult:
-    temperatures: tuple[float, ...]
-    recent_ece: tuple[float | None, ...]  # of the temperatures in use before the refit, on recent steps
+    temperatures: tuple[float, ...] | None  # None: a check that did not refit
+    recent_ece: tuple[float | None, ...]  # of the temperatures in use before the check, on recent steps
     drift: bool
 
 
@@ -141,6 +153,9 @@ class OnlineCalibrator:
         self.samples = 0  # labelled request-steps seen
         self.refits = 0
         self.drift = False
+        self.drift_at: int | None = None  # `samples` when the current drift was detected
+        self._refit_interval = settings.refit_every  # doubles up to `window` between drifts
+        self._since_fit = 0  # labelled request-steps since the last refit's snapshot
         self.recent_ece: tuple[float | None, ...] = (None,) * gamma
         self._since_refit = 0
         self._explore = random.Random(0)  # which steps explore: reproducible run to run
@@ -164,10 +179,15 @@ class OnlineCalibrator:
             added = self.window.add(logits[rows], labels[rows], known[rows])
         self.samples += added
         self._since_refit += added
+        self._since_fit += added
         if self._since_refit >= self.settings.refit_every and self._thread is None:
             self._since_refit = 0
+            refit = self.refits == 0 or self._since_fit >= self._refit_interval
+            if refit:
+                self._since_fit = 0
             window = self.window
-            snapshot = (window.recent(), window.recent(self.settings.drift_window), self.temperatures)
+            snapshot = (window.recent() if refit else None, window.recent(self.settings.drift_window),
+                        self.temperatures, self.samples)
             if self.background:
                 self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
                                                 name="dspark-online-calibration")
@@ -176,7 +196,8 @@ class OnlineCalibrator:
                 self._refit(*snapshot)
 
     def poll(self) -> tuple[float, ...] | None:
-        """The refitted temperatures, once, when a refit has finished (to swap in between steps)."""
+        """The refitted temperatures, once, when a refit has finished (to swap in between steps); a check
+        without a refit updates the drift figures and returns None."""
         with self._lock:
             result, self._result = self._result, None
         if result is None:
@@ -191,21 +212,30 @@ class OnlineCalibrator:
                         self.settings.drift_window, worst, self.settings.drift_ece)
             with self._lock:
                 self.window.keep_recent(self.settings.drift_window)
+            self.drift_at = self.samples
         self.drift, self.recent_ece = result.drift, result.recent_ece
+        if result.drift:
+            self._refit_interval = self.settings.refit_every
+        if result.temperatures is None:
+            return None
+        if not result.drift:
+            self._refit_interval = min(2 * self._refit_interval, self.settings.window)
         self.temperatures = result.temperatures
         self.refits += 1
         return result.temperatures
 
     # -- off the step path -----------------------------------------------------------------------------------
-    def _refit(self, window: tuple[np.ndarray, ...], recent: tuple[np.ndarray, ...],
-               in_use: tuple[float, ...]) -> None:
+    def _refit(self, window: tuple[np.ndarray, ...] | None, recent: tuple[np.ndarray, ...],
+               in_use: tuple[float, ...], seed: int) -> None:
         s = self.settings
-        recent_ece, drift = drifted(*recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2, self.refits)
+        recent_ece, drift = drifted(*recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2, seed)
         if drift and not self.drift:
             window = recent  # the drift starts: fit the recent steps (`poll` forgets the older ones)
-        logits, labels, known = window
-        temps = fit_temperatures(logits, labels, self.grid, s.num_bins, known=known, previous=in_use,
-                                 min_known=s.min_known)
+        temps = None
+        if window is not None:
+            logits, labels, known = window
+            temps = fit_temperatures(logits, labels, self.grid, s.num_bins, known=known, previous=in_use,
+                                     min_known=s.min_known)
         with self._lock:
             self._result = RefitResult(temps, recent_ece, drift)
 

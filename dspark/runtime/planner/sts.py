@@ -1,6 +1,6 @@
 """STS, the per-position temperature scaling of the draft's confidence logits: its temperature grid and its
 fit, shared by `dspark calibrate` (offline, `dspark.measure.calibration`) and the server's online calibration
-(`online_calibration`). numpy float64 and the planner's own survival, no torch state.
+(`online_calibration`). numpy float64 only (the online refit runs in a thread beside the step).
 
 `fit_temperatures` picks one `T_k` per draft position, left to right, each minimising the binned ECE of the
 cumulative survival `s[:, k] = prod_{i<=k} sigmoid(z[:, i] / T_i)` against the label "the accepted prefix
@@ -16,10 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
-from dspark.runtime.planner.calibration_metrics import binned_ece
-from dspark.runtime.planner.survival import survival_from_logits
+from dspark.runtime.planner.calibration_metrics import bin_index
 
 DEFAULT_GRID_POINTS = 41
 DEFAULT_T_MIN = 0.1
@@ -56,10 +54,34 @@ def check_grid(grid: Any) -> np.ndarray:
     return g
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: the sigmoid is then 0, exactly
+        return 1.0 / (1.0 + np.exp(-x))
+
+
 def cumulative_survival(logits: np.ndarray, temperatures: Sequence[float]) -> np.ndarray:
-    """The planner's survival of `[n, k]` logits with `k` temperatures, float64."""
-    z = torch.from_numpy(np.require(logits, dtype=np.float64, requirements=["C", "W"]))
-    return survival_from_logits(z, list(temperatures)).numpy()
+    """The planner's survival `cumprod(sigmoid(z / T))` of `[n, k]` logits with `k` temperatures, float64.
+
+    numpy, not the planner's torch function: the online refit runs it in a background thread, where torch's
+    intra-op threads would compete with the step's own on every core."""
+    z = np.asarray(logits, dtype=np.float64)
+    return np.cumprod(sigmoid(z / np.asarray(temperatures, dtype=np.float64)[None, :]), axis=1)
+
+
+def grid_eces(prefix: np.ndarray | None, z: np.ndarray, y: np.ndarray, grid: np.ndarray,
+              num_bins: int) -> np.ndarray:
+    """The binned ECE of `prefix * sigmoid(z / T)` against `y` for every T of `grid`, in one pass: `[G]`.
+
+    Each column is the bits `binned_ece(cumulative_survival(...)[:, k], y)` computes for that T (the same
+    division, sigmoid, product and per-bin accumulation order): the fit does not depend on the vectorising."""
+    q = sigmoid(z[:, None] / grid[None, :])  # [n, G]
+    s = prefix[:, None] * q if prefix is not None else q
+    g = grid.shape[0]
+    idx = bin_index(s, num_bins) + np.arange(g)[None, :] * num_bins  # [n, G]: (T, bin) cells
+    sum_p = np.bincount(idx.T.ravel(), weights=s.T.ravel(), minlength=g * num_bins).reshape(g, num_bins)
+    sum_y = np.bincount(idx.T.ravel(), weights=np.broadcast_to(y.astype(np.float64)[None, :], (g, y.shape[0])
+                                                               ).ravel(), minlength=g * num_bins)
+    return np.abs(sum_y.reshape(g, num_bins) - sum_p).sum(axis=1) / s.shape[0]
 
 
 def fit_temperatures(logits: np.ndarray, labels: np.ndarray, grid: np.ndarray, num_bins: int,
@@ -74,8 +96,8 @@ def fit_temperatures(logits: np.ndarray, labels: np.ndarray, grid: np.ndarray, n
         if int(rows.sum()) < max(min_known, 1):
             temps.append(1.0 if previous is None else float(previous[k]))
             continue
-        z, y = logits[rows, :k + 1], labels[rows, k]
-        eces = np.array([binned_ece(cumulative_survival(z, [*temps, float(t)])[:, k], y, num_bins)
-                         for t in grid])
+        z = logits[rows, :k + 1]
+        prefix = cumulative_survival(z[:, :k], temps)[:, k - 1] if k else None
+        eces = grid_eces(prefix, np.ascontiguousarray(z[:, k]), labels[rows, k], grid, num_bins)
         temps.append(float(grid[int(np.flatnonzero(eces <= eces.min() + ECE_TIE_TOLERANCE)[0])]))
     return tuple(temps)

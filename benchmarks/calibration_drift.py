@@ -1,0 +1,152 @@
+"""Online calibration under drift: in-distribution traffic, then code the pair never saw, served through one
+runtime with online calibration on (docs/planner.md, "Online calibration").
+
+Three phases through the same runtime, each a batch of prompts stepped to completion:
+  1. in distribution: held-out standard-library prompts (`dspark.corpus.held_out_prompts`);
+  2. out of distribution, served: part 0 of `dspark.corpus.package_prompts` (other packages' sources);
+  3. out of distribution, scored: part 1 (no file in common with part 2).
+It prints when drift was detected (labelled request-steps into the phase), then, on phase 3's labels, the
+per-position cumulative ECE of the compiled temperatures, of the live calibration as it stood after phase 2
+(frozen: phase 3 does not score what it fitted itself), and of the best temperatures fitted on phase 3's own
+labels (the oracle), with what perfectly calibrated labels of the live survival measure on as many rows (the
+noise floor); phase 1's labels scored the same way; and each phase's tau bias, mean(committed - predicted) /
+mean(committed), as served (the live calibration refitting as it goes).
+
+    .venv/bin/python benchmarks/calibration_drift.py generated/tiny_cpu_cap_accept
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from dspark.corpus import held_out_prompts, package_prompts
+from dspark.measure.recording import RunRecorder
+from dspark.runtime.config import OnlineCalibrationSettings
+from dspark.runtime.engine.runtime import Runtime
+from dspark.runtime.package import load_package
+from dspark.runtime.planner.online_calibration import draws_ece, step_labels, windowed_ece
+from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
+
+NOISE_DRAWS = 200
+
+
+@dataclass
+class Phase:
+    name: str
+    logits: np.ndarray  # [n, gamma] every labelled request-step's confidence logits
+    labels: np.ndarray
+    known: np.ndarray
+    committed: int
+    predicted: float
+    drift_at: int | None  # labelled request-steps into the phase when drift was detected (None: not)
+    temperatures: tuple[float, ...]  # the live calibration at the phase's end
+
+    @property
+    def tau_bias(self) -> float:
+        return (self.committed - self.predicted) / self.committed
+
+
+def serve(runtime: Runtime, prompts: list[str], max_new: int, name: str, work: str) -> Phase:
+    """Step `prompts` to completion, recording every step; see the module docstring."""
+    online = runtime.speculative.online
+    gamma = runtime.plan.gamma
+    recorder = RunRecorder(f"{work}/{name}", gamma, runtime.sampling.policy, record_steps=1 << 30)
+    runtime.recorder = recorder
+    start, drift_at = online.samples, online.drift_at
+    for text in prompts:
+        runtime.enqueue(runtime.new_request(runtime.package.tokenizer.encode(text), max_new))
+    detected = None
+    while runtime.has_work:
+        runtime.step()
+        if detected is None and online.drift_at != drift_at:
+            detected = online.drift_at - start
+    runtime.recorder = None
+    rows = [(r.confidence, r.raw_correct_len, r.verify_len) for s in recorder.steps.records for r in s.requests
+            if r.confidence is not None]
+    logits = np.array([c for c, _, _ in rows], dtype=np.float64)
+    labels, known = step_labels([raw for _, raw, _ in rows], [v for _, _, v in rows], gamma)
+    planned = [s for s in recorder.steps.records if s.tau is not None]
+    return Phase(name, logits, labels, known, sum(s.committed for s in planned),
+                 sum(float(s.tau) for s in planned), detected, online.temperatures)
+
+
+def noise_floor(phase: Phase, temperatures: tuple[float, ...], num_bins: int, seed: int) -> list[float]:
+    """Per position, the median ECE labels drawn from the survival itself measure on the phase's rows."""
+    s = cumulative_survival(phase.logits, temperatures)
+    gen = np.random.default_rng(seed)
+    out = []
+    for k in range(s.shape[1]):
+        p = s[phase.known[:, k], k]
+        out.append(float(np.median(draws_ece(p, gen.random((NOISE_DRAWS, p.shape[0])) < p, num_bins))))
+    return out
+
+
+def row(label: str, values: list[float | None] | tuple[float | None, ...], fmt: str = "{:.3f}") -> str:
+    cells = " ".join(f"{'-' if v is None else fmt.format(v):>7}" for v in values)
+    return f"  {label:<34}{cells}"
+
+
+def score(phase: Phase, compiled: tuple[float, ...], live: tuple[float, ...], settings: OnlineCalibrationSettings
+          ) -> dict[str, list[float]]:
+    bins = settings.num_bins
+    oracle = fit_temperatures(phase.logits, phase.labels, default_grid(settings.grid_points, settings.t_min,
+                                                                       settings.t_max), bins, known=phase.known)
+    ece = {name: list(windowed_ece(phase.logits, phase.labels, phase.known, temps, bins))
+           for name, temps in (("compiled", compiled), ("live", live), ("oracle", oracle))}
+    gamma = len(compiled)
+    print(f"{phase.name}: {phase.logits.shape[0]} labelled request-steps; cumulative ECE by draft position")
+    print(f"  {'':<34}" + " ".join(f"{k + 1:>7}" for k in range(gamma)) + "     mean")
+    for name, temps in (("compiled", compiled), ("live", live), ("oracle", oracle)):
+        print(row(f"T {name}", temps, "{:.2f}"))
+    floor = noise_floor(phase, live, bins, seed=1)
+    for name in ("compiled", "live", "oracle"):
+        print(row(f"ECE {name}", ece[name]) + f"  {np.mean(ece[name]):.3f}")
+    print(row("ECE live - oracle", [a - b for a, b in zip(ece["live"], ece["oracle"], strict=True)], "{:+.3f}"))
+    print(row("calibrated labels' ECE (median)", floor) + f"  {np.mean(floor):.3f}")
+    print(f"  mean ECE live / compiled: {np.mean(ece['live']) / np.mean(ece['compiled']):.2f}; "
+          f"worst live - oracle: {max(a - b for a, b in zip(ece['live'], ece['oracle'], strict=True)):+.3f}")
+    return ece
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("package")
+    parser.add_argument("--in-distribution", type=int, default=240, help="phase 1 prompts (default 240)")
+    parser.add_argument("--serve", type=int, default=240, help="phase 2 prompts (default 240)")
+    parser.add_argument("--score", type=int, default=480, help="phase 3 prompts (default 480)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    pkg = load_package(args.package)
+    if pkg.plan.temperatures is None:
+        raise SystemExit(f"{args.package}: the deployment has no calibration to compare with")
+    compiled = tuple(pkg.plan.temperatures)
+    settings = pkg.deployment.online_calibration or OnlineCalibrationSettings()
+    runtime = Runtime(pkg, online_calibration=settings)
+    serve_prompts = package_prompts(args.serve, part=0)
+    score_prompts = [p for p in package_prompts(args.score + args.serve, part=1) if p not in serve_prompts]
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            phases = [serve(runtime, prompts, args.max_new_tokens, name, work) for name, prompts in (
+                ("in distribution", held_out_prompts(args.in_distribution)),
+                ("out of distribution, served", serve_prompts),
+                ("out of distribution, scored", score_prompts[:args.score]))]
+    finally:
+        runtime.close()
+    ident, served, scored = phases
+    print(f"{pkg.deployment.name}, {args.max_new_tokens} new tokens a prompt; online calibration {settings}")
+    for p in phases:
+        drift = "no drift" if p.drift_at is None else f"drift detected {p.drift_at} request-steps in"
+        print(f"{p.name}: {p.logits.shape[0]} labelled request-steps, {drift}, tau bias as served "
+              f"{p.tau_bias:+.2%}; live T after: {', '.join(f'{t:.2f}' for t in p.temperatures)}")
+    print()
+    score(ident, compiled, ident.temperatures, settings)
+    print()
+    score(scored, compiled, served.temperatures, settings)
+
+
+if __name__ == "__main__":
+    main()
