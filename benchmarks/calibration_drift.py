@@ -9,7 +9,8 @@ It prints when drift was detected (labelled request-steps into the phase), then,
 per-position cumulative ECE of the compiled temperatures, of the live calibration as it stood after phase 2
 (frozen: phase 3 does not score what it fitted itself), and of the best temperatures fitted on phase 3's own
 labels (the oracle), with what perfectly calibrated labels of the live survival measure on as many rows (the
-noise floor); phase 1's labels scored the same way; and each phase's tau bias, mean(committed - predicted) /
+noise floor) and of temperatures and map refitted on all of phase 2 (what a refit at its end would swap in);
+phase 1's labels scored the same way; and each phase's tau bias, mean(committed - predicted) /
 mean(committed), as served (the live calibration refitting as it goes).
 
     .venv/bin/python benchmarks/calibration_drift.py generated/tiny_cpu_cap_accept
@@ -28,8 +29,9 @@ from dspark.measure.recording import RunRecorder
 from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.planner.online_calibration import draws_ece, step_labels, windowed_ece
+from dspark.runtime.planner.online_calibration import LiveCalibration, draws_ece, step_labels, windowed_ece
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
+from dspark.runtime.planner.survival_map import fit_survival_map
 
 NOISE_DRAWS = 200
 
@@ -43,7 +45,7 @@ class Phase:
     committed: int
     predicted: float
     drift_at: int | None  # labelled request-steps into the phase when drift was detected (None: not)
-    temperatures: tuple[float, ...]  # the live calibration at the phase's end
+    calibration: LiveCalibration  # the live calibration at the phase's end
 
     @property
     def tau_bias(self) -> float:
@@ -65,18 +67,18 @@ def serve(runtime: Runtime, prompts: list[str], max_new: int, name: str, work: s
         if detected is None and online.drift_at != drift_at:
             detected = online.drift_at - start
     runtime.recorder = None
-    rows = [(r.confidence, r.raw_correct_len, r.verify_len) for s in recorder.steps.records for r in s.requests
-            if r.confidence is not None]
+    rows = [(r.confidence, r.raw_correct_len, r.verify_len)
+            for s in recorder.steps.records for r in s.requests if r.confidence is not None]
     logits = np.array([c for c, _, _ in rows], dtype=np.float64)
     labels, known = step_labels([raw for _, raw, _ in rows], [v for _, _, v in rows], gamma)
     planned = [s for s in recorder.steps.records if s.tau is not None]
     return Phase(name, logits, labels, known, sum(s.committed for s in planned),
-                 sum(float(s.tau) for s in planned), detected, online.temperatures)
+                 sum(float(s.tau) for s in planned), detected, online.calibration)
 
 
-def noise_floor(phase: Phase, temperatures: tuple[float, ...], num_bins: int, seed: int) -> list[float]:
+def noise_floor(phase: Phase, calibration: LiveCalibration, num_bins: int, seed: int) -> list[float]:
     """Per position, the median ECE labels drawn from the survival itself measure on the phase's rows."""
-    s = cumulative_survival(phase.logits, temperatures)
+    s = calibration.survival(phase.logits)
     gen = np.random.default_rng(seed)
     out = []
     for k in range(s.shape[1]):
@@ -90,25 +92,40 @@ def row(label: str, values: list[float | None] | tuple[float | None, ...], fmt: 
     return f"  {label:<34}{cells}"
 
 
-def score(phase: Phase, compiled: tuple[float, ...], live: tuple[float, ...], settings: OnlineCalibrationSettings
-          ) -> dict[str, list[float]]:
+def refit(phase: Phase, settings: OnlineCalibrationSettings, survival_map: bool = True) -> LiveCalibration:
+    """Temperatures (and the survival map) fitted on all of a phase's labels, as the online refit fits."""
+    grid = default_grid(settings.grid_points, settings.t_min, settings.t_max)
+    temps = fit_temperatures(phase.logits, phase.labels, grid, settings.num_bins, known=phase.known)
+    if not survival_map or not settings.map_bins:
+        return LiveCalibration(temps)
+    return LiveCalibration(temps, fit_survival_map(cumulative_survival(phase.logits, temps), phase.labels,
+                                                   phase.known, settings.map_bins, settings.min_known))
+
+
+def score(phase: Phase, compiled: LiveCalibration, live: LiveCalibration, settings: OnlineCalibrationSettings,
+          served: Phase | None = None) -> dict[str, list[float]]:
     bins = settings.num_bins
-    oracle = fit_temperatures(phase.logits, phase.labels, default_grid(settings.grid_points, settings.t_min,
-                                                                       settings.t_max), bins, known=phase.known)
-    ece = {name: list(windowed_ece(phase.logits, phase.labels, phase.known, temps, bins))
-           for name, temps in (("compiled", compiled), ("live", live), ("oracle", oracle))}
-    gamma = len(compiled)
-    print(f"{phase.name}: {phase.logits.shape[0]} labelled request-steps; cumulative ECE by draft position")
+    oracle = refit(phase, settings, survival_map=False)
+    rows = [("compiled", compiled), ("live", live), ("oracle", oracle)]
+    if served is not None:  # what a refit at the served part's end would have swapped in
+        rows.append(("refit on all served", refit(served, settings)))
+    ece = {name: list(windowed_ece(phase.logits, phase.labels, phase.known, calibration, bins))
+           for name, calibration in rows}
+    gamma = len(compiled.temperatures)
+    print(f"{phase.name}: {phase.logits.shape[0]} labelled request-steps; cumulative ECE by draft position "
+          f"(live: {'temperatures and survival map' if live.survival_map else 'temperatures'}; oracle: the "
+          "best temperatures for these labels)")
     print(f"  {'':<34}" + " ".join(f"{k + 1:>7}" for k in range(gamma)) + "     mean")
-    for name, temps in (("compiled", compiled), ("live", live), ("oracle", oracle)):
-        print(row(f"T {name}", temps, "{:.2f}"))
+    for name, calibration in rows:
+        print(row(f"T {name}", calibration.temperatures, "{:.2f}"))
     floor = noise_floor(phase, live, bins, seed=1)
-    for name in ("compiled", "live", "oracle"):
+    for name, _ in rows:
         print(row(f"ECE {name}", ece[name]) + f"  {np.mean(ece[name]):.3f}")
-    print(row("ECE live - oracle", [a - b for a, b in zip(ece["live"], ece["oracle"], strict=True)], "{:+.3f}"))
+    gap = [a - b for a, b in zip(ece["live"], ece["oracle"], strict=True)]
+    print(row("ECE live - oracle", gap, "{:+.3f}"))
     print(row("calibrated labels' ECE (median)", floor) + f"  {np.mean(floor):.3f}")
     print(f"  mean ECE live / compiled: {np.mean(ece['live']) / np.mean(ece['compiled']):.2f}; "
-          f"worst live - oracle: {max(a - b for a, b in zip(ece['live'], ece['oracle'], strict=True)):+.3f}")
+          f"worst live - oracle: {max(gap):+.3f}")
     return ece
 
 
@@ -123,7 +140,7 @@ def main() -> None:
     pkg = load_package(args.package)
     if pkg.plan.temperatures is None:
         raise SystemExit(f"{args.package}: the deployment has no calibration to compare with")
-    compiled = tuple(pkg.plan.temperatures)
+    compiled = LiveCalibration(tuple(pkg.plan.temperatures), pkg.plan.survival_map)
     settings = pkg.deployment.online_calibration or OnlineCalibrationSettings()
     runtime = Runtime(pkg, online_calibration=settings)
     serve_prompts = package_prompts(args.serve, part=0)
@@ -141,11 +158,11 @@ def main() -> None:
     for p in phases:
         drift = "no drift" if p.drift_at is None else f"drift detected {p.drift_at} request-steps in"
         print(f"{p.name}: {p.logits.shape[0]} labelled request-steps, {drift}, tau bias as served "
-              f"{p.tau_bias:+.2%}; live T after: {', '.join(f'{t:.2f}' for t in p.temperatures)}")
+              f"{p.tau_bias:+.2%}; live T after: {', '.join(f'{t:.2f}' for t in p.calibration.temperatures)}")
     print()
-    score(ident, compiled, ident.temperatures, settings)
+    score(ident, compiled, ident.calibration, settings)
     print()
-    score(scored, compiled, served.temperatures, settings)
+    score(scored, compiled, served.calibration, settings, served)
 
 
 if __name__ == "__main__":

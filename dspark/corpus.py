@@ -2,15 +2,18 @@
 read from a file.
 
 The held-out split is the embedded tiny model pair's (`train_tiny` trains on the other files), so
-these prompts measure acceptance on code the model never saw. `package_prompts` is out of distribution: the
-sources of third-party packages every install of dspark has (its dependencies), which the pair, trained on the
-standard library, never saw; its files fall into two disjoint parts (one to serve, one to score). Importing
-this module does not import torch: `dspark bench` is a plain HTTP client and must stay light.
+these prompts measure acceptance on code the model never saw. `out_of_distribution_prompts` is text the pair,
+trained on the standard library, never saw, from what every install of dspark has: third-party packages'
+sources (`package_prompts`) and the prose of installed distributions' descriptions (`distribution_prose`),
+each in two disjoint parts (one to serve, one to score). Importing this module does not import torch:
+`dspark bench` is a plain HTTP client and must stay light.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import itertools
 import json
 import sysconfig
 import zlib
@@ -112,6 +115,41 @@ def package_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS, p
             if len(prompts) >= count:
                 break
     return prompts[:count]
+
+
+# Distributions installed with dspark whose descriptions (their METADATA's long text) are prose.
+PROSE_DISTRIBUTIONS = ("pydantic", "matplotlib", "tqdm", "torch", "fastapi", "httpx", "networkx", "numpy",
+                       "jinja2", "uvicorn")
+PROSE_LINE_STRIDE = 7  # a description is short: a prompt every 7 lines
+
+
+def distribution_prose(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS,
+                       distributions: tuple[str, ...] = PROSE_DISTRIBUTIONS) -> list[str]:
+    """Up to `count` prompts of `length` characters cut at line starts from installed distributions'
+    descriptions, every 7th line; a prompt's part (0 or 1) is its distribution and line hashed, so the two
+    parts share no prompt. Absent distributions are skipped."""
+    if part not in (0, 1):
+        raise ValueError(f"part must be 0 or 1, got {part!r}")
+    prompts: list[str] = []
+    for name in distributions:
+        try:
+            text = importlib.metadata.distribution(name).read_text("METADATA") or ""
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        offset = 0
+        for i, line in enumerate(text.splitlines(keepends=True)):
+            if (i % PROSE_LINE_STRIDE == 3 and zlib.crc32(f"{name}:{i}".encode()) % 2 == part
+                    and text[offset:offset + length].strip()):
+                prompts.append(text[offset:offset + length])
+            offset += len(line)
+    return prompts[:count]
+
+
+def out_of_distribution_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS) -> list[str]:
+    """`count` prompts of part `part`, code (`package_prompts`) and prose (`distribution_prose`) in turn."""
+    code, prose = package_prompts(count, part, length), distribution_prose(count, part, length)
+    mixed = [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
+    return mixed[:count]
 
 
 def load_prompts_file(path: Path) -> list[str]:

@@ -161,7 +161,7 @@ def test_the_background_refit_is_handed_over_between_steps() -> None:
     while (new := cal.poll()) is None:
         assert time.monotonic() < deadline, "the background refit never finished"
         time.sleep(0.01)
-    assert new == cal.temperatures and cal.refits == 1 and cal.state()["samples"] == 256
+    assert new == cal.calibration and cal.refits == 1 and cal.state()["samples"] == 256
 
 
 def test_settings_are_checked() -> None:
@@ -222,9 +222,10 @@ def test_the_server_reports_its_live_calibration() -> None:
             assert r.status_code == 200, r.text
         live = httpx.get(f"{url}/v1/dspark/calibration", timeout=30).json()
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    file_keys = {k: v for k, v in live.items() if k not in ("samples", "refits", "window_ece", "drift")}
-    saved = calibration_from_json(file_keys, "the live calibration")  # a calibration file a spec can name
+    figures = ("samples", "refits", "window_ece", "drift", "drift_at")
+    saved = calibration_from_json({k: v for k, v in live.items() if k not in figures}, "the live calibration")
     assert len(saved.temperatures) == len(live["window_ece"]) and saved.policy == "greedy"
+    assert saved.survival_map is not None and len(saved.survival_map.x) == len(saved.temperatures)
     assert live["samples"] > 16 and live["refits"] >= 1 and isinstance(live["drift"], bool)
     samples = re.escape(str(float(live["samples"])))
     assert re.search(r"dspark_calibration_samples\{[^}]*\} " + samples, metrics)
@@ -300,6 +301,26 @@ def test_the_live_calibration_is_saved_as_a_file_a_spec_can_name(tmp_path: Path)
     saved = read_calibration(tmp_path / "live.json")
     assert saved.temperatures == runtime.speculative.online.temperatures and saved.policy == "greedy"
     assert saved.dataset == "online: tiny_cpu_compact served traffic"
+    live_map = runtime.speculative.online.calibration.survival_map
+    assert live_map is not None and saved.survival_map == live_map.to_knots()
+
+    # Named in a spec, the file compiles into the plan: temperatures and survival map, lossless.
+    import yaml
+
+    from dspark.compiler.api import build
+
+    spec = _spec_with(tmp_path, "tiny_cpu_compact", None)
+    data = yaml.safe_load(spec.read_text())
+    del data["online_calibration"]
+    data["calibration"] = {"file": str(tmp_path / "live.json")}
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    build(spec, tmp_path / "pkg")
+    assert "SURVIVAL_MAP = SurvivalMap(" in (tmp_path / "pkg" / "planner_config.py").read_text()
+    compiled = load_package(tmp_path / "pkg")
+    assert compiled.plan.survival_map == live_map and compiled.plan.temperatures == saved.temperatures
+    mapped = Runtime(compiled)
+    prompts = [compiled.tokenizer.encode(p) for p in held_out_prompts(3)]
+    assert mapped.generate(prompts, 24)[0] == mapped.generate(prompts, 24, target_only=True)[0]
 
 
 def test_exploration_verifies_every_draft_on_its_share_of_steps() -> None:

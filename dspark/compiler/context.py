@@ -368,6 +368,7 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "model_digest": resolved.model_digest,
         "draft_digest": resolved.draft_digest,
         "temperatures": resolved.temperatures,
+        **_survival_map(resolved, calibration_file, mode.plans),
         "temperatures_source": (_source("STS temperatures", calibration_file) if resolved.temperatures
                                 else "no calibration: survival = cumprod(sigmoid(z))"),
         "cost_model": resolved.cost_model.model_dump(exclude_defaults=True) if resolved.cost_model else None,
@@ -416,6 +417,27 @@ def _draft_architecture(spec: DeploymentSpec) -> str:
     if spec.draft.architecture == BLOCK_DRAFT:
         return ""
     return f"\n        architecture={py_literal(spec.draft.architecture)},"
+
+
+def _survival_map(resolved: ResolvedSpec, calibration_file: str | None, plans: bool) -> dict[str, str]:
+    """planner_config.py's lines for the calibration file's survival map (empty strings without one): its
+    import, the SURVIVAL_MAP constant after the temperatures, and the plan's argument (a line of the
+    adaptive plan's call; the static plan's one-line call continued)."""
+    knots = resolved.survival_map
+    if knots is None:
+        return {"survival_map_import": "", "survival_map_constant": "", "survival_map_argument": ""}
+
+    def rows(values: tuple[tuple[float, ...], ...]) -> str:
+        return "".join(f"        {py_literal(row, 8, 110)},\n" for row in values)
+
+    constant = (f"\nSURVIVAL_MAP = SurvivalMap(  # monotone, on the survival of the temperatures, per draft\n"
+                f"    x=(\n{rows(knots.x)}    ),\n"
+                f"    y=(\n{rows(knots.y)}    ),\n"
+                f")  # {_source('survival map', calibration_file)}")
+    return {"survival_map_import": "from dspark.runtime.planner.survival_map import SurvivalMap\n",
+            "survival_map_constant": constant,
+            "survival_map_argument": ("\n    survival_map=SURVIVAL_MAP," if plans
+                                      else ", survival_map=SURVIVAL_MAP")}
 
 
 def _online_calibration(spec: DeploymentSpec) -> str:

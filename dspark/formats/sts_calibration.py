@@ -7,10 +7,15 @@ key is typed, so a damaged file fails here instead of being half-read, and unkno
 rejected so a typo in a hand-edited file is not silently ignored. `dspark calibrate` writes the file
 (`write_calibration`), the spec validates it with `CalibrationFileContents`, the report reads it
 (`read_calibration`); the first five fields are the ones SGLang's runtime reads (docs/formats.md).
+
+`survival_map` (optional, versioned) extends the temperatures with a monotone map per draft position on the
+cumulative survival (`dspark.runtime.planner.survival_map`); a file without it means the identity.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -71,16 +76,68 @@ class CalibrationFileContents(StsTemperatures):
     reach_rate: FloatTuple | None = Field(
         default=None, description="Share of request-steps whose accepted prefix reached each position.")
     fingerprint: TableFingerprint = None
+    survival_map: SurvivalMapKnots | None = Field(
+        default=None, description="Optional: a monotone map per position on the cumulative survival, "
+                                  "after the temperatures (absent: the identity).")
 
     @model_validator(mode="after")
     def _one_entry_per_position(self) -> CalibrationFileContents:
         gamma = len(self.temperatures)
         wrong = [f"{name} has {len(values)}" for name in _PER_POSITION
                  if (values := getattr(self, name)) and len(values) != gamma]
+        if self.survival_map is not None and len(self.survival_map.x) != gamma:
+            wrong.append(f"survival_map has {len(self.survival_map.x)}")
         if wrong:
             raise FieldValueError(f"{', '.join(wrong)} entries but there are {gamma} temperatures",
                                  "give one value per draft position (rewrite the file with "
                                  "`dspark calibrate`)")
+        return self
+
+
+SURVIVAL_MAP_VERSION = 1
+
+
+def survival_map_problems(x: Any, y: Any) -> str | None:
+    """What is wrong with knots `x`, `y` (one list per draft position), or None."""
+    rows = list(x) if isinstance(x, (list, tuple)) else None
+    cols = list(y) if isinstance(y, (list, tuple)) else None
+    if not rows or cols is None or len(rows) != len(cols) or not all(
+            isinstance(r, (list, tuple)) and isinstance(c, (list, tuple)) and len(r) == len(c) == len(rows[0])
+            and len(r) >= 2 for r, c in zip(rows, cols, strict=True)):
+        return ("x and y must be one list of at least 2 knots per draft position, the same count at every "
+                "position")
+    values = [v for r in rows + cols for v in r]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        return "knots must be finite numbers"
+    if any(r[0] != 0 or r[-1] != 1 for r in rows):
+        return "every position's x must start at 0 and end at 1"
+    if any(a > b for r in rows + cols for a, b in itertools.pairwise(r)):
+        return "x and y must be non-decreasing along each position's knots (the map is monotone)"
+    if any(not 0 <= v <= 1 for c in cols for v in c):
+        return "y must lie in [0, 1] (survivals)"
+    return None
+
+
+class SurvivalMapKnots(Section):
+    """A calibration file's `survival_map`: knots per draft position of a monotone piecewise-linear map."""
+
+    version: int = Field(description=f"The map's format version ({SURVIVAL_MAP_VERSION}).")
+    x: tuple[FloatTuple, ...] = Field(description="Per position, the knots' survivals: 0 .. 1.")
+    y: tuple[FloatTuple, ...] = Field(description="Per position, the mapped survivals, in [0, 1].")
+
+    @field_validator("x", "y", mode="before")
+    @classmethod
+    def _rows(cls, value: Any) -> Any:
+        return tuple(value) if isinstance(value, list) else value
+
+    @model_validator(mode="after")
+    def _monotone(self) -> SurvivalMapKnots:
+        if self.version != SURVIVAL_MAP_VERSION:
+            raise FieldValueError(f"version {self.version} is not one this dspark reads",
+                                  f"rewrite the file with this dspark (version {SURVIVAL_MAP_VERSION})")
+        problems = survival_map_problems(self.x, self.y)
+        if problems:
+            raise FieldValueError(problems, "rewrite the file with `dspark calibrate`")
         return self
 
 
@@ -91,7 +148,7 @@ class CalibrationFileError(FormatError):
 # The file's key order: SGLang's five fields first (its reader needs only these), then how the fit went.
 FILE_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after", "brier_before",
              "brier_after", "auc_before", "auc_after", "mean_survival_before", "mean_survival_after",
-             "reach_rate", "num_bins", "grid", "policy", "fingerprint")
+             "reach_rate", "num_bins", "grid", "policy", "fingerprint", "survival_map")
 
 
 def calibration_from_json(data: Any, where: str) -> CalibrationFileContents:
@@ -117,7 +174,10 @@ def calibration_json(contents: CalibrationFileContents) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in FILE_KEYS:
         value = getattr(contents, key)
-        if value is not None:
+        if isinstance(value, SurvivalMapKnots):
+            out[key] = {"version": value.version, "x": [list(r) for r in value.x],
+                        "y": [list(r) for r in value.y]}
+        elif value is not None:
             out[key] = list(value) if isinstance(value, tuple) else value
     return out
 

@@ -200,6 +200,7 @@ class OnlineCalibrationSettings:
     drift_window: int = 256  # the most recent request-steps drift is scored on
     drift_ece: float = 0.03  # how far their cumulative ECE must exceed calibrated labels' noise (99th pct.)
     exploration: float = 0.0  # share of decode steps that verify every draft (labels for low scores)
+    map_bins: int = 10  # groups of the monotone survival map fitted after the temperatures (0: none)
     num_bins: int = 15  # as `dspark calibrate` scores
     grid_points: int = 41  # its grid: log-spaced t_min .. t_max
     t_min: float = 0.1
@@ -210,6 +211,9 @@ class OnlineCalibrationSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"online calibration {name} must be a positive integer, got {value!r}")
+        if isinstance(self.map_bins, bool) or not isinstance(self.map_bins, int) or self.map_bins < 0:
+            raise ValueError(f"online calibration map_bins must be 0 (temperatures alone) or a positive "
+                             f"integer, got {self.map_bins!r}")
         if self.drift_window > self.window:
             raise ValueError(f"online calibration drift_window {self.drift_window} exceeds window "
                              f"{self.window}")

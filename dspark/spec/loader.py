@@ -79,6 +79,7 @@ def load_spec(path: str | os.PathLike[str], *, allow_stale_tables: bool = False)
         cost_model_fingerprint=tables.cost_model_fingerprint,
         calibration_fingerprint=tables.calibration_fingerprint,
         calibration_policy=calibration_policy(facts, tables.calibration_fingerprint),
+        survival_map=facts.calibration_file.survival_map if facts.calibration_file is not None else None,
         stale_tables=tuple(stale.warning for stale in tables.stale),
     )
 

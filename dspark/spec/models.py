@@ -548,7 +548,10 @@ class OnlineCalibrationSpec(Section):
 
     enabled: bool = Field(default=True, description="Refit while serving (writing the section turns it on).")
     window: int = Field(default=4096, ge=1, description="Labelled request-steps kept for the refit.")
-    refit_every: int = Field(default=256, ge=1, description="New labelled request-steps between refits.")
+    refit_every: int = Field(
+        default=256, ge=1,
+        description="New labelled request-steps between drift checks; refits at the first, on drift, and at "
+                    "intervals doubling up to window between drifts.")
     min_known: int = Field(
         default=200, ge=1,
         description="Known labels a draft position needs before its temperature is refitted.")
@@ -562,6 +565,10 @@ class OnlineCalibrationSpec(Section):
         default=0.0, ge=0, lt=1,
         description="Share of decode steps (compact) that verify every draft whatever the planner chose, so "
                     "low scores get labels too; each such step runs the full N rows a request.")
+    map_bins: int = Field(
+        default=10, ge=0,
+        description="Groups of the monotone survival map (isotonic) refitted after the temperatures; 0: "
+                    "the temperatures alone.")
 
     @field_validator("drift_window")
     @classmethod

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dspark.fingerprint import Fingerprint
 from dspark.formats.cost_tables import CostTable
+from dspark.formats.sts_calibration import SurvivalMapKnots
 from dspark.modes import SpeculationOff
 from dspark.spec.checkpoints import CheckpointRef
 from dspark.spec.errors import FieldPath, Location, format_path
@@ -38,6 +39,7 @@ class ResolvedSpec:
     cost_model_fingerprint: Fingerprint | None = None  # what the cost table was measured on
     calibration_fingerprint: Fingerprint | None = None  # what the calibration was fitted on
     calibration_policy: str | None = None  # the policy the calibration was fitted for, if stated
+    survival_map: SurvivalMapKnots | None = None  # the calibration file's monotone map, if it has one
     stale_tables: tuple[str, ...] = ()  # header warnings for tables kept with --allow-stale-tables
 
     @property

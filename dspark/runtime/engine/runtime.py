@@ -132,7 +132,8 @@ class Runtime:
                 raise RequestError("online calibration refits the planner's temperatures: it needs a "
                                    "cap-accept or compact deployment with a confidence head")
             self.speculative.online = OnlineCalibrator(self.plan.gamma, self.plan.temperatures,
-                                                       online_calibration)
+                                                       online_calibration,
+                                                       survival_map=self.plan.survival_map)
         # the planner's off state: whether the next decode step speculates (None: every step does)
         self.switch: SpeculationSwitch | None = self.plan.speculation_switch()
         self.stats = RunStats(gamma=self.plan.gamma)

@@ -90,7 +90,8 @@ class SpeculativeStep:
         start = time.perf_counter()
         swapped = self.online.poll() if self.online is not None else None
         if swapped is not None:  # a refit finished: it plans from this step on
-            self.plan = self.plan.with_overrides(temperatures=swapped)  # type: ignore[attr-defined]
+            self.plan = self.plan.with_overrides(  # type: ignore[attr-defined]
+                temperatures=swapped.temperatures, survival_map=swapped.survival_map)
         m, n, num_reqs = self.models, self.plan.num_draft_tokens, len(running)
         prefix_host = [r.seq_len for r in running]
         page_table = m.host_page_table(running).to(m.device)
@@ -171,7 +172,7 @@ class SpeculativeStep:
                 accept_prob=None if accept_prob is None else accept_prob.tolist(),
                 lag_steps=self.plan.lag_steps, mode=self.plan.mode, probe=self.probe,
                 off_steps=self._off_steps, off_seconds=self._off_seconds, offset_seconds=offset,
-                temperatures=swapped))
+                temperatures=None if swapped is None else swapped.temperatures))
         self._off_steps, self._off_seconds = 0, 0.0
         return StepInfo(num_reqs=num_reqs, committed=sum(correct) + num_reqs, rows=layout.total_rows,
                         planned_rows=sum(plan.verify_lens), padding_rows=layout.num_padding_rows,

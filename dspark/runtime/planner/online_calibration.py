@@ -39,6 +39,7 @@ from dspark.formats.sts_calibration import CalibrationFileContents, calibration_
 from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.planner.calibration_metrics import bin_index, binned_ece
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
+from dspark.runtime.planner.survival_map import SurvivalMap, fit_survival_map
 
 LOG = logging.getLogger("dspark.calibration")
 
@@ -91,14 +92,14 @@ class LabelWindow:
 NOISE_DRAWS = 64  # label sets drawn to measure calibrated labels' ECE noise
 
 
-def drifted(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, temperatures: Sequence[float],
+def drifted(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, calibration: LiveCalibration,
             num_bins: int, margin: float, min_known: int, seed: int) -> tuple[tuple[float | None, ...], bool]:
     """The window's per-position cumulative ECE, and whether some position's exceeds the 99th percentile of
     the ECE that labels drawn from the survival itself (perfect calibration) measure there, by `margin`."""
-    ece = windowed_ece(logits, labels, known, temperatures, num_bins, min_known)
+    ece = windowed_ece(logits, labels, known, calibration, num_bins, min_known)
     if all(e is None for e in ece):
         return ece, False
-    s = cumulative_survival(logits, temperatures)
+    s = calibration.survival(logits)
     gen = np.random.default_rng(seed)
     drift = False
     for k, observed in enumerate(ece):
@@ -119,13 +120,13 @@ def draws_ece(p: np.ndarray, draws: np.ndarray, num_bins: int) -> np.ndarray:
     return np.abs(sum_y.reshape(draws.shape[0], num_bins) - sum_p[None, :]).sum(axis=1) / p.shape[0]
 
 
-def windowed_ece(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, temperatures: Sequence[float],
+def windowed_ece(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, calibration: LiveCalibration,
                  num_bins: int, min_known: int = 1) -> tuple[float | None, ...]:
     """Per position, the cumulative-survival ECE over the rows whose label is known (None below
     `min_known`)."""
     if logits.shape[0] == 0:
-        return (None,) * len(temperatures)
-    s = cumulative_survival(logits, temperatures)
+        return (None,) * len(calibration.temperatures)
+    s = calibration.survival(logits)
     out: list[float | None] = []
     for k in range(logits.shape[1]):
         rows = known[:, k]
@@ -134,19 +135,33 @@ def windowed_ece(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, temp
 
 
 @dataclass(frozen=True)
+class LiveCalibration:
+    """What the planner computes its survival with: the temperatures, then the monotone map (or none)."""
+
+    temperatures: tuple[float, ...]
+    survival_map: SurvivalMap | None = None
+
+    def survival(self, logits: np.ndarray) -> np.ndarray:
+        return cumulative_survival(logits, self.temperatures, self.survival_map)
+
+
+@dataclass(frozen=True)
 class RefitResult:
-    temperatures: tuple[float, ...] | None  # None: a check that did not refit
+    calibration: LiveCalibration | None  # None: a check that did not refit
     recent_ece: tuple[float | None, ...]  # of the temperatures in use before the check, on recent steps
     drift: bool
 
 
 class OnlineCalibrator:
     def __init__(self, gamma: int, temperatures: Sequence[float] | None, settings: OnlineCalibrationSettings,
-                 *, background: bool = True) -> None:
+                 *, survival_map: SurvivalMap | None = None, background: bool = True) -> None:
         self.settings, self.gamma = settings, gamma
-        self.temperatures = tuple(float(t) for t in temperatures) if temperatures else (1.0,) * gamma
-        if len(self.temperatures) != gamma:
-            raise ValueError(f"{len(self.temperatures)} temperatures for gamma {gamma}")
+        temps = tuple(float(t) for t in temperatures) if temperatures else (1.0,) * gamma
+        if len(temps) != gamma:
+            raise ValueError(f"{len(temps)} temperatures for gamma {gamma}")
+        if survival_map is not None and survival_map.gamma != gamma:
+            raise ValueError(f"a survival map of {survival_map.gamma} positions for gamma {gamma}")
+        self.calibration = LiveCalibration(temps, survival_map)
         self.window = LabelWindow(gamma, settings.window)
         self.grid = default_grid(settings.grid_points, settings.t_min, settings.t_max)
         self.background = background  # False: refit in the caller (tests, offline replays)
@@ -187,7 +202,7 @@ class OnlineCalibrator:
                 self._since_fit = 0
             window = self.window
             snapshot = (window.recent() if refit else None, window.recent(self.settings.drift_window),
-                        self.temperatures, self.samples)
+                        self.calibration, self.samples)
             if self.background:
                 self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
                                                 name="dspark-online-calibration")
@@ -195,7 +210,11 @@ class OnlineCalibrator:
             else:
                 self._refit(*snapshot)
 
-    def poll(self) -> tuple[float, ...] | None:
+    @property
+    def temperatures(self) -> tuple[float, ...]:
+        return self.calibration.temperatures
+
+    def poll(self) -> LiveCalibration | None:
         """The refitted temperatures, once, when a refit has finished (to swap in between steps); a check
         without a refit updates the drift figures and returns None."""
         with self._lock:
@@ -216,56 +235,65 @@ class OnlineCalibrator:
         self.drift, self.recent_ece = result.drift, result.recent_ece
         if result.drift:
             self._refit_interval = self.settings.refit_every
-        if result.temperatures is None:
+        if result.calibration is None:
             return None
         if not result.drift:
             self._refit_interval = min(2 * self._refit_interval, self.settings.window)
-        self.temperatures = result.temperatures
+        self.calibration = result.calibration
         self.refits += 1
-        return result.temperatures
+        return result.calibration
 
     # -- off the step path -----------------------------------------------------------------------------------
     def _refit(self, window: tuple[np.ndarray, ...] | None, recent: tuple[np.ndarray, ...],
-               in_use: tuple[float, ...], seed: int) -> None:
+               in_use: LiveCalibration, seed: int) -> None:
         s = self.settings
         recent_ece, drift = drifted(*recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2, seed)
         if drift and not self.drift:
             window = recent  # the drift starts: fit the recent steps (`poll` forgets the older ones)
-        temps = None
+        fitted = None
         if window is not None:
             logits, labels, known = window
-            temps = fit_temperatures(logits, labels, self.grid, s.num_bins, known=known, previous=in_use,
-                                     min_known=s.min_known)
+            temps = fit_temperatures(logits, labels, self.grid, s.num_bins, known=known,
+                                     previous=in_use.temperatures, min_known=s.min_known)
+            survival_map = None
+            if s.map_bins:
+                survival_map = fit_survival_map(cumulative_survival(logits, temps), labels, known, s.map_bins,
+                                                s.min_known, previous=in_use.survival_map)
+            fitted = LiveCalibration(temps, survival_map)
         with self._lock:
-            self._result = RefitResult(temps, recent_ece, drift)
+            self._result = RefitResult(fitted, recent_ece, drift)
 
     def state(self) -> dict[str, Any]:
-        """The live figures (any thread): the temperatures in use, request-steps labelled since start,
-        refits, the window's size and per-position cumulative ECE with those temperatures (None below
-        `min_known` known labels), the recent steps' ECE at the last refit, and whether they had drifted."""
+        """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under
+        `temperatures`), request-steps labelled since start, refits, the window's size and per-position
+        cumulative ECE with that calibration (None below `min_known` known labels), the recent steps' ECE at
+        the last check, whether they had drifted, and at which request-step the drift was detected."""
         with self._lock:
             logits, labels, known = self.window.recent()
-            temperatures = self.temperatures
+            calibration = self.calibration
         s = self.settings
-        ece = windowed_ece(logits, labels, known, temperatures, s.num_bins, s.min_known)
-        return {"temperatures": list(temperatures), "samples": self.samples, "refits": self.refits,
-                "window": int(logits.shape[0]), "window_ece": list(ece), "recent_ece": list(self.recent_ece),
-                "drift": self.drift}
+        ece = windowed_ece(logits, labels, known, calibration, s.num_bins, s.min_known)
+        return {"calibration": calibration, "temperatures": list(calibration.temperatures),
+                "samples": self.samples, "refits": self.refits, "window": int(logits.shape[0]),
+                "window_ece": list(ece), "recent_ece": list(self.recent_ece), "drift": self.drift,
+                "drift_at": self.drift_at}
 
     def calibration_contents(self, dataset: str, policy: str | None,
                              state: dict[str, Any] | None = None) -> CalibrationFileContents:
         """The live calibration as a calibration file's contents (`dspark calibrate`'s format: it can be
-        saved and named in a spec): the temperatures in use, the window's size and ECE with them."""
+        saved and named in a spec): the temperatures and survival map in use, the window's size and ECE."""
         state = self.state() if state is None else state
-        ece = state["window_ece"]
+        ece, calibration = state["window_ece"], state["calibration"]
+        survival_map = calibration.survival_map
         return CalibrationFileContents(
-            temperatures=tuple(state["temperatures"]), dataset=dataset, num_samples=state["window"],
+            temperatures=calibration.temperatures, dataset=dataset, num_samples=state["window"],
             num_bins=self.settings.num_bins, grid=tuple(float(t) for t in self.grid), policy=policy,
-            ece_after=None if None in ece else tuple(ece))
+            ece_after=None if None in ece else tuple(ece),
+            survival_map=None if survival_map is None else survival_map.to_knots())
 
     def calibration_file(self, dataset: str, policy: str | None) -> dict[str, Any]:
         """`calibration_contents` as JSON, with `state()`'s figures beside it under their own keys."""
         state = self.state()
         return {**calibration_json(self.calibration_contents(dataset, policy, state)),
                 "samples": state["samples"], "refits": state["refits"], "window_ece": state["window_ece"],
-                "drift": state["drift"]}
+                "drift": state["drift"], "drift_at": state["drift_at"]}

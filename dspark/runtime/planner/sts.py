@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dspark.runtime.planner.calibration_metrics import bin_index
+from dspark.runtime.planner.survival_map import SurvivalMap
 
 DEFAULT_GRID_POINTS = 41
 DEFAULT_T_MIN = 0.1
@@ -59,13 +60,16 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-def cumulative_survival(logits: np.ndarray, temperatures: Sequence[float]) -> np.ndarray:
-    """The planner's survival `cumprod(sigmoid(z / T))` of `[n, k]` logits with `k` temperatures, float64.
+def cumulative_survival(logits: np.ndarray, temperatures: Sequence[float],
+                        survival_map: SurvivalMap | None = None) -> np.ndarray:
+    """The planner's survival `cumprod(sigmoid(z / T))` of `[n, k]` logits with `k` temperatures, float64
+    (then the calibration's `survival_map`, where there is one).
 
     numpy, not the planner's torch function: the online refit runs it in a background thread, where torch's
     intra-op threads would compete with the step's own on every core."""
     z = np.asarray(logits, dtype=np.float64)
-    return np.cumprod(sigmoid(z / np.asarray(temperatures, dtype=np.float64)[None, :]), axis=1)
+    survival = np.cumprod(sigmoid(z / np.asarray(temperatures, dtype=np.float64)[None, :]), axis=1)
+    return survival if survival_map is None else survival_map.apply(survival)
 
 
 def grid_eces(prefix: np.ndarray | None, z: np.ndarray, y: np.ndarray, grid: np.ndarray,

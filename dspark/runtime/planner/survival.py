@@ -14,12 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from dspark.runtime.planner.budget import require_int
+from dspark.runtime.planner.survival_map import SurvivalMap
 
 
 def survival_from_logits(logits: torch.Tensor,
-                         temperatures: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
+                         temperatures: Sequence[float] | torch.Tensor | None = None,
+                         survival_map: SurvivalMap | None = None) -> torch.Tensor:
     """`cumprod(sigmoid(z / T))` along positions, on the logits' device: [B, gamma], in float32
-    (float64 logits stay float64, for offline calibration to the last ulp)."""
+    (float64 logits stay float64, for offline calibration to the last ulp); then the calibration's monotone
+    `survival_map`, where it has one."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, gamma], got shape {tuple(logits.shape)}")
     z = logits if logits.dtype == torch.float64 else logits.to(torch.float32)
@@ -32,7 +35,8 @@ def survival_from_logits(logits: torch.Tensor,
         if not all(0 < v < float("inf") for v in values):
             raise ValueError(f"temperatures must all be finite and > 0 (1.0 = uncalibrated), got {values}")
         z = z / _divisor(tuple(values), z.dtype, z.device)
-    return torch.cumprod(torch.sigmoid(z), dim=1)
+    survival = torch.cumprod(torch.sigmoid(z), dim=1)
+    return survival if survival_map is None else survival_map.apply_torch(survival)
 
 
 @functools.lru_cache(maxsize=64)

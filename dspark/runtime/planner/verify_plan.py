@@ -27,6 +27,7 @@ from dspark.runtime.planner.budget import (
 )
 from dspark.runtime.planner.cost_models import CostModel, cost_model_from_dict
 from dspark.runtime.planner.survival import LaggedSurvival, survival_from_logits
+from dspark.runtime.planner.survival_map import SurvivalMap
 from dspark.runtime.planner.switch import SpeculationSwitch, SwitchConfig
 
 
@@ -117,6 +118,7 @@ class StaticVerifyPlan:
 
     gamma: int
     temperatures: tuple[float, ...] | None = None
+    survival_map: SurvivalMap | None = None
     mode: VerifyMode = VerifyMode.STATIC
     lag_steps: int = 0
     step_offset_window: int = 0  # nothing is priced
@@ -140,7 +142,7 @@ class StaticVerifyPlan:
         full = (self.num_draft_tokens,) * num_reqs
         survival = None
         if confidence_logits is not None:
-            survival = survival_from_logits(confidence_logits, self.temperatures)
+            survival = survival_from_logits(confidence_logits, self.temperatures, self.survival_map)
         return StepPlan(full, full, survival)
 
     def speculation_switch(self) -> None:
@@ -176,6 +178,7 @@ class AdaptiveVerifyPlan:
     align_to_graph_tier: bool = False
     lag_steps: int = 0
     temperatures: tuple[float, ...] | None = None
+    survival_map: SurvivalMap | None = None  # the calibration's monotone map after the temperatures
     cost_model: dict[str, Any] | None = None  # the table as the compiler embedded it
     token_tiers: tuple[int, ...] = ()  # graph tiers a packed step is padded to
     forced_budget_fraction: float | None = None  # experiments: verify this share of candidates
@@ -195,6 +198,8 @@ class AdaptiveVerifyPlan:
         if self.temperatures is not None and len(self.temperatures) != self.gamma:
             raise ValueError(f"{len(self.temperatures)} temperatures for gamma {self.gamma}; "
                              "give one per draft position")
+        if self.survival_map is not None and self.survival_map.gamma != self.gamma:
+            raise ValueError(f"a survival map of {self.survival_map.gamma} positions for gamma {self.gamma}")
         if self.align_to_graph_tier and not self.token_tiers:
             raise ValueError("align_to_graph_tier needs the graph's token_tiers")
         if any(b < 1 for b in self.row_classes) or list(self.row_classes) != sorted(set(self.row_classes)):
@@ -273,7 +278,7 @@ class AdaptiveVerifyPlan:
             raise ValueError(f"{self.mode} planning needs the draft's confidence logits; use a draft "
                              "with a confidence head")
         cfg = self.schedule
-        survival = survival_from_logits(confidence_logits, self.temperatures)
+        survival = survival_from_logits(confidence_logits, self.temperatures, self.survival_map)
         budget_survival = survival
         any_sampled = any(sampled)
         if history is not None:

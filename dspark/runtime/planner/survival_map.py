@@ -1,0 +1,144 @@
+"""A monotone map per draft position on the cumulative survival, after the STS temperatures: the calibration
+file's `survival_map` (version 1), fitted by isotonic regression.
+
+Temperatures scale each position's logit; when the reliability curve changes shape (code the pair never saw
+bends it, it does not only stretch it), no temperature fits it. The map takes the survival `s_k` of the
+temperatures to `f_k(s_k)`, `f_k` piecewise linear through `knots` points `(x, y)` with x and y non-decreasing
+from x = 0 to x = 1, and then takes the running minimum along positions, so the result is still a survival
+(a later draft is never likelier to be reached than an earlier one, which the budget relies on).
+
+`fit_survival_map` fits `f_k` on the rows whose label at k is known: the survival cut at its quantiles into
+`bins` groups, each group's mean survival and mean label, the labels made non-decreasing by pooling adjacent
+violators (isotonic regression) weighted by the group sizes; the knots are (0, 0), the groups' (mean
+survival, pooled label) and (1, the last pooled label). A position with fewer than `min_known` known labels
+keeps the identity. numpy for the fit and offline scoring, torch for the planner; the two evaluate the map
+the same way (`searchsorted` on the knots, then a linear blend).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dspark.formats.sts_calibration import SURVIVAL_MAP_VERSION, SurvivalMapKnots, survival_map_problems
+
+DEFAULT_BINS = 10
+
+
+@dataclass(frozen=True)
+class SurvivalMap:
+    """`x[k]` and `y[k]`: the knots of draft position k's map, the same count at every position."""
+
+    x: tuple[tuple[float, ...], ...]
+    y: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        problems = survival_map_problems(self.x, self.y)
+        if problems:
+            raise ValueError(f"survival map: {problems}")
+
+    @property
+    def gamma(self) -> int:
+        return len(self.x)
+
+    @classmethod
+    def identity(cls, gamma: int, knots: int = DEFAULT_BINS + 2) -> SurvivalMap:
+        line = tuple(float(v) for v in np.linspace(0.0, 1.0, knots))
+        return cls((line,) * gamma, (line,) * gamma)
+
+    def to_knots(self) -> SurvivalMapKnots:
+        """As the calibration file's `survival_map`."""
+        return SurvivalMapKnots(version=SURVIVAL_MAP_VERSION, x=self.x, y=self.y)
+
+    @classmethod
+    def from_knots(cls, knots: SurvivalMapKnots) -> SurvivalMap:
+        return cls(tuple(tuple(r) for r in knots.x), tuple(tuple(r) for r in knots.y))
+
+    def apply(self, survival: np.ndarray) -> np.ndarray:
+        """The mapped survival of `[n, k]` (k <= gamma: the first k positions), float64."""
+        s = np.asarray(survival, dtype=np.float64)
+        k = s.shape[1]
+        out = np.empty_like(s)
+        for j in range(k):
+            xs, ys = np.asarray(self.x[j]), np.asarray(self.y[j])
+            i = np.clip(np.searchsorted(xs, s[:, j], side="right") - 1, 0, xs.shape[0] - 2)
+            x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+            span = x1 - x0
+            t = np.where(span > 0, (s[:, j] - x0) / np.where(span > 0, span, 1.0), 0.0)
+            out[:, j] = y0 + np.clip(t, 0.0, 1.0) * (y1 - y0)
+        return np.minimum.accumulate(out, axis=1)
+
+    def apply_torch(self, survival: torch.Tensor) -> torch.Tensor:
+        """`apply` on the survival's device and dtype, `[B, gamma]`."""
+        xs, ys = _knots(self, survival.dtype, survival.device)  # [gamma, m]
+        s = survival.transpose(0, 1).contiguous()  # [gamma, B]
+        i = (torch.searchsorted(xs, s, right=True) - 1).clamp(0, xs.shape[1] - 2)
+        x0, x1 = xs.gather(1, i), xs.gather(1, i + 1)
+        y0, y1 = ys.gather(1, i), ys.gather(1, i + 1)
+        span = x1 - x0
+        t = torch.where(span > 0, (s - x0) / torch.where(span > 0, span, torch.ones_like(span)),
+                        torch.zeros_like(s))
+        out = (y0 + t.clamp(0.0, 1.0) * (y1 - y0)).transpose(0, 1)
+        return torch.cummin(out, dim=1).values
+
+
+@functools.lru_cache(maxsize=16)
+def _knots(survival_map: SurvivalMap, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The knots as tensors, made once per map and device (a swap makes a new map, hence new tensors)."""
+    return (torch.tensor(survival_map.x, dtype=dtype, device=device),
+            torch.tensor(survival_map.y, dtype=dtype, device=device))
+
+
+def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values.tolist(), weights.tolist(), strict=True):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            b, a = blocks.pop(), blocks.pop()
+            total = a[1] + b[1]
+            blocks.append([(a[0] * a[1] + b[0] * b[1]) / total, total, a[2] + b[2]])
+    return np.repeat([b[0] for b in blocks], [int(b[2]) for b in blocks])
+
+
+def fit_position(s: np.ndarray, y: np.ndarray, bins: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """One position's knots from its survivals `s` and labels `y` (see the module docstring)."""
+    edges = np.quantile(s, np.linspace(0.0, 1.0, bins + 1))
+    group = np.clip(np.searchsorted(edges, s, side="right") - 1, 0, bins - 1)
+    count = np.bincount(group, minlength=bins).astype(np.float64)
+    filled = count > 0
+    mean_s = np.bincount(group, weights=s, minlength=bins)[filled] / count[filled]
+    mean_y = np.bincount(group, weights=y.astype(np.float64), minlength=bins)[filled] / count[filled]
+    pooled = np.clip(isotonic(mean_y, count[filled]), 0.0, 1.0)
+    # Groups emptied by tied quantiles repeat the last knot: every position keeps `bins + 2` knots.
+    pad = bins - pooled.shape[0]
+    xs = np.concatenate([[0.0], np.clip(mean_s, 0.0, 1.0), [1.0] * (pad + 1)])
+    ys = np.concatenate([[0.0], pooled, [pooled[-1]] * (pad + 1)])
+    return tuple(float(v) for v in np.maximum.accumulate(xs)), tuple(float(v) for v in ys)
+
+
+def fit_survival_map(survival: np.ndarray, labels: np.ndarray, known: np.ndarray | None = None,
+                     bins: int = DEFAULT_BINS, min_known: int = 1,
+                     previous: SurvivalMap | None = None) -> SurvivalMap:
+    """The map of `survival [n, gamma]` (the temperatures' cumulative survival) against `labels [n, gamma]`
+    over the rows `known` marks at each position; below `min_known` a position keeps `previous`'s knots
+    (the identity when None)."""
+    gamma = survival.shape[1]
+    keep = previous or SurvivalMap.identity(gamma, bins + 2)
+    if len(keep.x[0]) != bins + 2:
+        keep = SurvivalMap.identity(gamma, bins + 2)
+    xs: list[tuple[float, ...]] = []
+    ys: list[tuple[float, ...]] = []
+    for k in range(gamma):
+        rows = np.ones(survival.shape[0], dtype=bool) if known is None else known[:, k]
+        if int(rows.sum()) < max(min_known, bins):
+            xs.append(keep.x[k])
+            ys.append(keep.y[k])
+            continue
+        x, y = fit_position(survival[rows, k], labels[rows, k], bins)
+        xs.append(x)
+        ys.append(y)
+    return SurvivalMap(tuple(xs), tuple(ys))
