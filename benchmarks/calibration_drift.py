@@ -3,8 +3,9 @@ runtime with online calibration on (docs/planner.md, "Online calibration").
 
 Three phases through the same runtime, each a batch of prompts stepped to completion:
   1. in distribution: held-out standard-library prompts (`dspark.corpus.held_out_prompts`);
-  2. out of distribution, served: part 0 of `dspark.corpus.package_prompts` (other packages' sources);
-  3. out of distribution, scored: part 1 (no file in common with part 2).
+  2. out of distribution, served: part 0 of `dspark.corpus.out_of_distribution_prompts` (other packages'
+     sources and installed distributions' descriptions, in turn);
+  3. out of distribution, scored: part 1 (no text in common with part 2).
 It prints when drift was detected (labelled request-steps into the phase), then, on phase 3's labels, the
 per-position cumulative ECE of the compiled temperatures, of the live calibration as it stood after phase 2
 (frozen: phase 3 does not score what it fitted itself), and of the best temperatures fitted on phase 3's own
@@ -21,10 +22,11 @@ from __future__ import annotations
 import argparse
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from dspark.corpus import held_out_prompts, package_prompts
+from dspark.corpus import distribution_prose, held_out_prompts, out_of_distribution_prompts, package_prompts
 from dspark.measure.recording import RunRecorder
 from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.engine.runtime import Runtime
@@ -34,6 +36,7 @@ from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_te
 from dspark.runtime.planner.survival_map import fit_survival_map
 
 NOISE_DRAWS = 200
+SOURCES = {"mixed": out_of_distribution_prompts, "code": package_prompts, "prose": distribution_prose}
 
 
 @dataclass
@@ -133,9 +136,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("package")
     parser.add_argument("--in-distribution", type=int, default=240, help="phase 1 prompts (default 240)")
-    parser.add_argument("--serve", type=int, default=240, help="phase 2 prompts (default 240)")
-    parser.add_argument("--score", type=int, default=480, help="phase 3 prompts (default 480)")
+    parser.add_argument("--serve", type=int, default=360, help="phase 2 prompts (default 360)")
+    parser.add_argument("--score", type=int, default=360,
+                        help="phase 3 prompts (default 360: as many as phase 2, so both mix the sources "
+                             "alike)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out-of-distribution", choices=sorted(SOURCES), default="mixed",
+                        help="phases 2 and 3: other packages' code, installed distributions' prose, or "
+                             "both in turn (default)")
+    parser.add_argument("--save-rows", type=Path, default=None,
+                        help="also write every phase's logits, labels and known masks here (.npz)")
     args = parser.parse_args()
     pkg = load_package(args.package)
     if pkg.plan.temperatures is None:
@@ -143,8 +153,9 @@ def main() -> None:
     compiled = LiveCalibration(tuple(pkg.plan.temperatures), pkg.plan.survival_map)
     settings = pkg.deployment.online_calibration or OnlineCalibrationSettings()
     runtime = Runtime(pkg, online_calibration=settings)
-    serve_prompts = package_prompts(args.serve, part=0)
-    score_prompts = [p for p in package_prompts(args.score + args.serve, part=1) if p not in serve_prompts]
+    source = SOURCES[args.out_of_distribution]
+    serve_prompts = source(args.serve, 0)
+    score_prompts = [p for p in source(args.score + args.serve, 1) if p not in serve_prompts]
     try:
         with tempfile.TemporaryDirectory() as work:
             phases = [serve(runtime, prompts, args.max_new_tokens, name, work) for name, prompts in (
@@ -154,7 +165,13 @@ def main() -> None:
     finally:
         runtime.close()
     ident, served, scored = phases
-    print(f"{pkg.deployment.name}, {args.max_new_tokens} new tokens a prompt; online calibration {settings}")
+    if args.save_rows is not None:
+        np.savez(args.save_rows, compiled=np.array(compiled.temperatures),
+                 **{f"{key}_{field}": getattr(p, field) for key, p in zip(("id", "served", "scored"), phases,
+                                                                          strict=True)
+                    for field in ("logits", "labels", "known")})
+    print(f"{pkg.deployment.name}, {args.max_new_tokens} new tokens a prompt, out of distribution: "
+          f"{args.out_of_distribution}; online calibration {settings}")
     for p in phases:
         drift = "no drift" if p.drift_at is None else f"drift detected {p.drift_at} request-steps in"
         print(f"{p.name}: {p.logits.shape[0]} labelled request-steps, {drift}, tau bias as served "

@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import itertools
 import json
+import random
 import sysconfig
 import zlib
 from pathlib import Path
@@ -72,14 +73,15 @@ def held_out_prompts(count: int, length: int = DEFAULT_PROMPT_CHARS, phase: int 
 OUT_OF_DISTRIBUTION_PACKAGES = ("numpy", "sympy", "networkx")
 
 
-def package_files(part: int, packages: tuple[str, ...] = OUT_OF_DISTRIBUTION_PACKAGES) -> list[list[Path]]:
-    """Per installed package of `packages` (absent ones skipped), its `.py` files in part `part` (0 or 1:
+def package_files(part: int, packages: tuple[str, ...] = OUT_OF_DISTRIBUTION_PACKAGES
+                  ) -> dict[str, list[Path]]:
+    """Per installed package of `packages` (absent ones left out), its `.py` files in part `part` (0 or 1:
     the file's path inside the package hashes to it), sorted. A standard-library package is refused: the
     pair trained on those."""
     if part not in (0, 1):
         raise ValueError(f"part must be 0 or 1, got {part!r}")
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    out = []
+    out = {}
     for name in packages:
         spec = importlib.util.find_spec(name)
         if spec is None or not spec.submodule_search_locations:
@@ -88,33 +90,38 @@ def package_files(part: int, packages: tuple[str, ...] = OUT_OF_DISTRIBUTION_PAC
         if root.resolve().is_relative_to(stdlib) and "site-packages" not in root.parts:
             raise ValueError(f"{name} is part of the standard library, which the embedded pair trained on; "
                              "name a third-party package")
-        out.append([p for p in sorted(root.rglob("*.py"))
-                    if zlib.crc32(f"{name}/{p.relative_to(root)}".encode()) % 2 == part])
+        out[name] = [p for p in sorted(root.rglob("*.py"))
+                     if zlib.crc32(f"{name}/{p.relative_to(root)}".encode()) % 2 == part]
     return out
 
 
 def package_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS, phase: int = DEFAULT_PHASE,
                     packages: tuple[str, ...] = OUT_OF_DISTRIBUTION_PACKAGES) -> list[str]:
-    """`count` prompts cut as `held_out_prompts` cuts them, from the files of `package_files(part)`, taking
-    the packages' files in turn (so every package contributes); fewer when the files run out. Parts 0 and 1
-    share no file."""
-    prompts: list[str] = []
-    queues = [iter(files) for files in package_files(part, packages)]
-    while queues and len(prompts) < count:
-        for queue in list(queues):
-            path = next(queue, None)
-            if path is None:
-                queues.remove(queue)
-                continue
-            text = path.read_text(encoding="utf-8", errors="replace")
-            offset = 0
-            for i, line in enumerate(text.splitlines(keepends=True)):
-                if i % HELD_OUT_LINE_STRIDE == phase and text[offset:offset + length].strip():
-                    prompts.append(text[offset:offset + length])
-                offset += len(line)
-            if len(prompts) >= count:
-                break
-    return prompts[:count]
+    """`count` prompts cut as `held_out_prompts` cuts them, from the files of `package_files(part)`: each
+    package's prompts in a fixed shuffled order (so a few hundred of them come from many files, not the first
+    few), the packages in turn; fewer when they run out. Parts 0 and 1 share no file."""
+    per_package = []
+    for name, files in package_files(part, packages).items():
+        prompts = [p for path in files
+                   for p in _cut(path.read_text(encoding="utf-8", errors="replace"), length, phase,
+                                 HELD_OUT_LINE_STRIDE)]
+        random.Random(f"{name}:{part}").shuffle(prompts)
+        per_package.append(prompts)
+    return _in_turn(per_package)[:count]
+
+
+def _cut(text: str, length: int, phase: int, stride: int) -> list[str]:
+    """Prompts of `length` characters starting at every `stride`-th line from line `phase`."""
+    out, offset = [], 0
+    for i, line in enumerate(text.splitlines(keepends=True)):
+        if i % stride == phase and text[offset:offset + length].strip():
+            out.append(text[offset:offset + length])
+        offset += len(line)
+    return out
+
+
+def _in_turn(lists: list[list[str]]) -> list[str]:
+    return [p for group in itertools.zip_longest(*lists) for p in group if p is not None]
 
 
 # Distributions installed with dspark whose descriptions (their METADATA's long text) are prose.
@@ -127,29 +134,30 @@ def distribution_prose(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS
                        distributions: tuple[str, ...] = PROSE_DISTRIBUTIONS) -> list[str]:
     """Up to `count` prompts of `length` characters cut at line starts from installed distributions'
     descriptions, every 7th line; a prompt's part (0 or 1) is its distribution and line hashed, so the two
-    parts share no prompt. Absent distributions are skipped."""
+    parts share no prompt. Each distribution's prompts in a fixed shuffled order, the distributions in turn;
+    absent distributions are skipped."""
     if part not in (0, 1):
         raise ValueError(f"part must be 0 or 1, got {part!r}")
-    prompts: list[str] = []
+    per_distribution = []
     for name in distributions:
         try:
             text = importlib.metadata.distribution(name).read_text("METADATA") or ""
         except importlib.metadata.PackageNotFoundError:
             continue
-        offset = 0
+        prompts, offset = [], 0
         for i, line in enumerate(text.splitlines(keepends=True)):
             if (i % PROSE_LINE_STRIDE == 3 and zlib.crc32(f"{name}:{i}".encode()) % 2 == part
                     and text[offset:offset + length].strip()):
                 prompts.append(text[offset:offset + length])
             offset += len(line)
-    return prompts[:count]
+        random.Random(f"{name}:{part}").shuffle(prompts)
+        per_distribution.append(prompts)
+    return _in_turn(per_distribution)[:count]
 
 
 def out_of_distribution_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS) -> list[str]:
     """`count` prompts of part `part`, code (`package_prompts`) and prose (`distribution_prose`) in turn."""
-    code, prose = package_prompts(count, part, length), distribution_prose(count, part, length)
-    mixed = [p for pair in itertools.zip_longest(code, prose) for p in pair if p is not None]
-    return mixed[:count]
+    return _in_turn([package_prompts(count, part, length), distribution_prose(count, part, length)])[:count]
 
 
 def load_prompts_file(path: Path) -> list[str]:

@@ -195,9 +195,9 @@ class OnlineCalibrationSettings:
     (`dspark.runtime.planner.online_calibration`; the spec's `online_calibration` section)."""
 
     window: int = 4096  # labelled request-steps kept
-    refit_every: int = 256  # new labelled request-steps between refits
+    refit_every: int = 128  # new labelled request-steps between drift checks (refits back off from it)
     min_known: int = 200  # known labels a position needs before its temperature is refitted
-    drift_window: int = 256  # the most recent request-steps drift is scored on
+    drift_window: int = 384  # the most recent request-steps drift is scored on
     drift_ece: float = 0.03  # how far their cumulative ECE must exceed calibrated labels' noise (99th pct.)
     exploration: float = 0.0  # share of decode steps that verify every draft (labels for low scores)
     map_bins: int = 10  # groups of the monotone survival map fitted after the temperatures (0: none)

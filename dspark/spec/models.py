@@ -549,14 +549,14 @@ class OnlineCalibrationSpec(Section):
     enabled: bool = Field(default=True, description="Refit while serving (writing the section turns it on).")
     window: int = Field(default=4096, ge=1, description="Labelled request-steps kept for the refit.")
     refit_every: int = Field(
-        default=256, ge=1,
+        default=128, ge=1,
         description="New labelled request-steps between drift checks; refits at the first, on drift, and at "
                     "intervals doubling up to window between drifts.")
     min_known: int = Field(
         default=200, ge=1,
         description="Known labels a draft position needs before its temperature is refitted.")
     drift_window: int = Field(
-        default=256, ge=1, description="The most recent request-steps drift is scored on (at most window).")
+        default=384, ge=1, description="The most recent request-steps drift is scored on (at most window).")
     drift_ece: float = Field(
         default=0.03, gt=0, lt=1,
         description="How far their cumulative ECE must exceed what calibrated labels of the same scores "
