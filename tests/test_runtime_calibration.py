@@ -311,6 +311,16 @@ def test_cli_fits_prints_and_writes(tmp_path: Path, capsys) -> None:
     assert f"{written.temperatures[2]:.4f}" in printed and str(out) in printed
     assert calibrate([str(shards / "r.0.pt"), "-o", str(out), "--dataset", "named"]) == 0
     assert read_calibration(out).dataset == "named"
+    # with the survival map: the file carries it, and the metrics "after" are the planner's, map included
+    assert read_calibration(out).survival_map is None
+    assert calibrate([str(shards), "-o", str(out), "--survival-map", "8"]) == 0
+    mapped = read_calibration(out)
+    assert mapped.survival_map is not None and len(mapped.survival_map.x[0]) == 10
+    from dspark.runtime.planner.survival_map import SurvivalMap
+
+    planner = SurvivalMap.from_knots(mapped.survival_map).apply(survival(data.logits, mapped.temperatures))
+    assert mapped.ece_after == pytest.approx([ece(planner[:, k], data.prefix_mask[:, k]) for k in range(3)])
+    assert "monotone survival map of 10 knots" in capsys.readouterr().out
 
 
 def test_cli_carries_the_recordings_policy_and_fingerprint(tmp_path: Path, capsys) -> None:
@@ -330,7 +340,8 @@ def test_cli_carries_the_recordings_policy_and_fingerprint(tmp_path: Path, capsy
     assert "different policies or deployments" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [[], ["--t-min", "0"], ["--bins", "0"], ["--grid-points", "0"]])
+@pytest.mark.parametrize("flags", [[], ["--t-min", "0"], ["--bins", "0"], ["--grid-points", "0"],
+                                   ["--survival-map", "-1"]])
 def test_cli_bad_input_exits_2_and_writes_nothing(tmp_path: Path, capsys, flags: list[str]) -> None:
     shards = tmp_path / "shards"
     write_shard(shards / "a.pt", np.zeros((4, 2)), np.zeros((4, 2), dtype=bool))

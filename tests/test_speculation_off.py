@@ -121,10 +121,11 @@ class ScriptedSwitch:
         self.probing = False
         self.observed = 0
 
-    def predict(self, requests: list[tuple[int, int]], offset_seconds: float = 0.0) -> Prediction:
+    def predict(self, requests: list[tuple[int, int]], offset_seconds: float = 0.0,
+                context_len: float | None = None) -> Prediction:
         return Prediction(len(requests), 1.0, 1.0, 1.0)
 
-    def decode_time(self, num_reqs: int) -> float:
+    def decode_seconds(self, num_reqs: int, context_len: float | None = None) -> float:
         return 1.0
 
     def speculates(self, prediction: Prediction) -> bool:

@@ -5,6 +5,7 @@ curve no temperature fits, and the calibration file's `survival_map` read, writt
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,3 +102,25 @@ def test_a_broken_map_is_refused_with_what_to_do(change: dict, message: str) -> 
     with pytest.raises(CalibrationFileError, match=message) as err:
         calibration_from_json({"temperatures": [1.0, 0.7], "survival_map": {**GOOD, **change}}, "sts.json")
     assert str(err.value).startswith("sts.json: ")
+
+
+def test_the_report_scores_a_file_with_its_survival_map() -> None:
+    from dspark.formats.sts_calibration import CalibrationFileContents
+    from dspark.report.reliability import calibration_groups
+
+    z, y = synthetic(3000, 6)
+    temps = (1.0, 1.0, 1.0, 1.0)
+    survival_map = fit_survival_map(cumulative_survival(z, temps), y, bins=10)
+
+    class Sts:  # the report's pooled rows of one run
+        policy, logits, prefix_mask, skipped_requests = "greedy", z, y, 0
+
+    class Run:
+        path, gamma, sts = Path("run"), 4, Sts()
+
+    plain = CalibrationFileContents(temperatures=temps)
+    mapped = CalibrationFileContents(temperatures=temps, survival_map=survival_map.to_knots())
+    (without,), (with_map,) = calibration_groups([Run()], plain), calibration_groups([Run()], mapped)
+    s = cumulative_survival(z, temps, survival_map)
+    assert with_map.cumulative["after"][3].ece == pytest.approx(binned_ece(s[:, 3], y[:, 3], 15))
+    assert with_map.cumulative["after"][3].ece < without.cumulative["after"][3].ece

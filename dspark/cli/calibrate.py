@@ -45,6 +45,10 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="smallest temperature tried (default: %(default)s)")
     p.add_argument("--t-max", type=float, default=DEFAULT_T_MAX,
                    help="largest temperature tried (default: %(default)s)")
+    p.add_argument("--survival-map", type=int, default=0, metavar="BINS",
+                   help="also fit a monotone map per position on the survival after the temperatures, from "
+                        "BINS quantile groups (isotonic; 10 is online calibration's), written as the file's "
+                        "survival_map; for curves no temperature fits (default: 0, none)")
     return p
 
 
@@ -86,7 +90,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
             raise CalibrationError(f"--bins must be >= 1, got {args.bins}")
         grid = default_grid(args.grid_points, args.t_min, args.t_max)
         data = read_shards(args.shards)
-        fit = fit_sts(data, grid=grid, num_bins=args.bins)
+        fit = fit_sts(data, grid=grid, num_bins=args.bins, map_bins=args.survival_map)
         dataset = args.dataset if args.dataset is not None else default_dataset_name(args.shards)
         recorded = recorded_under(args.shards)
         print(format_fit_report(fit, recorded.get("policy")), end="")

@@ -42,8 +42,10 @@ def add_profile_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each point (default: 2)")
     p.add_argument("--m-bin", type=int, default=64,
                    help="row-count bin width of the additive fit (default: 64)")
-    p.add_argument("--context-len", type=int, default=128,
-                   help="tokens already cached per request while timing (default: 128)")
+    p.add_argument("--context-len", type=int_list, default=[128], metavar="L1,L2,...",
+                   help="tokens already cached per request while timing (default: 128); several, "
+                        "increasing, profile each and give the additive table a context term the planner "
+                        "prices each step's mean context with (e.g. 128,512,900)")
     p.add_argument("--no-draft-time", action="store_true",
                    help="leave the draft's step time out of the tables (by default it is measured per "
                         "batch size and the planner adds it to the verify time)")
@@ -65,8 +67,14 @@ def int_list(text: str) -> list[int]:
 
 def check_profile_args(args: argparse.Namespace) -> None:
     for flag, value in (("--grid-density", args.grid_density), ("--repeats", args.repeats),
-                        ("--m-bin", args.m_bin), ("--context-len", args.context_len)):
+                        ("--m-bin", args.m_bin)):
         require_positive(flag, value)
+    if not args.context_len:
+        raise CliError("--context-len is empty; give one or more increasing lengths, e.g. 128,512,900")
+    for length in args.context_len:
+        require_positive("every --context-len value", length)
+    if any(a >= b for a, b in zip(args.context_len, args.context_len[1:], strict=False)):
+        raise CliError(f"--context-len values must increase, got {','.join(map(str, args.context_len))}")
     require_non_negative("--warmup", args.warmup)
     if args.batch_sizes is not None:
         if not args.batch_sizes:
@@ -84,39 +92,70 @@ def median_seconds(measure: Callable[[], float], warmup: int, repeats: int) -> f
 
 
 def profile_package(args: argparse.Namespace) -> int:
-    """Profile, print the fit report, write the tables. Raises `CliError` for anything the user can fix."""
+    """Profile at every `--context-len`, print the fit reports, write the tables (the additive table with a
+    context term when several contexts were profiled). Raises `CliError` for anything the user can fix."""
     check_profile_args(args)
     pkg = load_package_or_fail(args.package)
     from dspark.fingerprint import fingerprint_of_deployment
+    from dspark.runtime.engine.runtime import follows
+
+    if follows(pkg):  # another rank of a torchrun launch ran rank 0's steps
+        return 0
+    lengths = args.context_len
+    profiles = []
+    for length in lengths:
+        if len(lengths) > 1:
+            print(f"\n=== context {length} tokens a request")
+        profiles.append(profile_at(pkg, args, length))
+    (tables, result, tiers), others = profiles[0], profiles[1:]
+    if others:
+        from dspark.measure.profiler import context_profile_file
+
+        tables = with_context(tables, lengths, [p[0] for p in others])
+        print(f"\nadditive table: priced at contexts {', '.join(map(str, lengths))} (interpolated between "
+              f"them); the sps-1d and tier tables price context {lengths[0]}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        for length, (_, other, _) in zip(lengths[1:], others, strict=True):
+            path = other.save(args.out / context_profile_file(length))
+            print(f"wrote the context {length} samples: {path}")
+    fingerprint = fingerprint_of_deployment(pkg.deployment, tiers).to_json()
+    return write_profile(args.out, tables, result, fingerprint)
+
+
+def profile_at(pkg: Any, args: argparse.Namespace, context_len: int) -> tuple[FittedTables, ProfileResult,
+                                                                               tuple[int, ...]]:
+    """One context's profile, on a runtime of its own: the fitted tables with their draft and decode terms,
+    the raw result and the graph tiers."""
     from dspark.measure.cost_fit import fit_draft_seconds
     from dspark.measure.profiler import ProfilePlan, rows_around, run_profile
     from dspark.measure.step_timer import ProfileError, VerifyStepTimer
     from dspark.runtime.distributed.dp_engine import MirroredForward
     from dspark.runtime.distributed.launch import LaunchError
     from dspark.runtime.engine.requests import RequestError
-    from dspark.runtime.engine.runtime import Runtime, follows
+    from dspark.runtime.engine.runtime import Runtime
 
     try:
-        if follows(pkg):  # another rank of a torchrun launch ran rank 0's steps
-            return 0
         runtime = Runtime(pkg)
-        if runtime.dispatch is not None:  # DP attention: every DP rank runs each timed step alongside
-            runtime.forward = MirroredForward(runtime.forward, runtime.dispatch)
-        timer = VerifyStepTimer(runtime, context_len=args.context_len)
-        tiers = runtime.tiers
-        # Rows around the tiers are grid points; a build without a grid measures none of them.
-        plan = ProfilePlan(batch_sizes=timer.batch_sizes(args.batch_sizes),
-                           num_draft_tokens=timer.cap, min_verify_len=timer.floor,
-                           grid_density=args.grid_density, repeats=args.repeats, warmup=args.warmup,
-                           m_bin=args.m_bin, max_rows=tiers[-1] if tiers else None,
-                           extra_rows=rows_around(tiers) if timer.packs_rows else ())
-    except (RequestError, ProfileError, LaunchError, ValueError) as err:
+    except (RequestError, LaunchError, ValueError) as err:
         raise CliError(str(err)) from None
     try:
+        if runtime.dispatch is not None:  # DP attention: every DP rank runs each timed step alongside
+            runtime.forward = MirroredForward(runtime.forward, runtime.dispatch)
+        try:
+            timer = VerifyStepTimer(runtime, context_len=context_len)
+            tiers = runtime.tiers
+            # Rows around the tiers are grid points; a build without a grid measures none of them.
+            plan = ProfilePlan(batch_sizes=timer.batch_sizes(args.batch_sizes),
+                               num_draft_tokens=timer.cap, min_verify_len=timer.floor,
+                               grid_density=args.grid_density, repeats=args.repeats, warmup=args.warmup,
+                               m_bin=args.m_bin, max_rows=tiers[-1] if tiers else None,
+                               extra_rows=rows_around(tiers) if timer.packs_rows else ())
+        except (RequestError, ProfileError, ValueError) as err:
+            raise CliError(str(err)) from None
         dep = pkg.deployment
         meta = {"deployment": dep.name, "backend": dep.backend, "device": dep.device,
                 "dtype": dep.model.dtype, "verify_mode": dep.verify_mode, "tiers": ",".join(map(str, tiers)),
-                "context_len": str(args.context_len)}
+                "context_len": str(context_len)}
         result = run_profile(timer, plan, progress=not args.no_progress, meta=meta)
         tables = fit_tables(result, tiers)
         probes = plan.batch_sizes
@@ -135,10 +174,43 @@ def profile_package(args: argparse.Namespace) -> int:
                               tables.sps.decode_seconds))
         if tables.tier_note:
             print(f"\n{tables.tier_note}")
-        fingerprint = fingerprint_of_deployment(dep, tiers).to_json()
-        return write_profile(args.out, tables, result, fingerprint)
+        return tables, result, tiers
     finally:
         runtime.close()  # release the follower ranks of a torchrun launch
+
+
+def with_context(base: FittedTables, lengths: list[int], others: list[FittedTables]) -> FittedTables:
+    """`base` (profiled at lengths[0]) with the additive table's context term from the tables profiled at
+    the other lengths, each read at the base table's probes (kept monotone)."""
+    import numpy as np
+
+    table = base.additive
+    if table is None:  # a static or cap-accept build: no (B, M) grid, no additive table
+        raise CliError("several --context-len values need the additive table, which only a compact build's "
+                       "(B, M) grid fits; profile one context")
+
+    def on(probes: tuple[int, ...], source_probes: tuple[int, ...], seconds: tuple[float, ...]
+           ) -> tuple[float, ...]:
+        values = np.maximum.accumulate(np.interp(probes, source_probes, seconds))
+        return tuple(float(v) for v in values)
+
+    rows: dict[str, list[Any]] = {key: [] for key in ("bias", "alpha", "theta", "draft", "decode")}
+    for other in others:
+        t = other.additive
+        assert t is not None
+        rows["bias"].append(t.bias_seconds)
+        rows["alpha"].append(on(table.bs_probes, t.bs_probes, t.alpha_seconds))
+        rows["theta"].append(on(table.m_probes, t.m_probes, t.theta_seconds))
+        if table.draft_seconds:
+            rows["draft"].append(on(table.draft_bs_probes, t.draft_bs_probes, t.draft_seconds))
+        if table.decode_seconds:
+            rows["decode"].append(on(table.decode_bs_probes, t.decode_bs_probes, t.decode_seconds))
+    additive = dataclasses.replace(
+        table, context_len=lengths[0], context_lens=tuple(lengths[1:]),
+        context_bias_seconds=tuple(rows["bias"]),
+        context_alpha_seconds=tuple(rows["alpha"]), context_theta_seconds=tuple(rows["theta"]),
+        context_draft_seconds=tuple(rows["draft"]), context_decode_seconds=tuple(rows["decode"]))
+    return dataclasses.replace(base, additive=additive)
 
 
 @dataclasses.dataclass(frozen=True)

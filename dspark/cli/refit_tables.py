@@ -67,18 +67,53 @@ def _carried(directory: Path) -> Carried:
 
 
 def refit_tables(args: argparse.Namespace) -> int:
-    from dspark.cli.profile import fit_tables, term_report, write_profile
-    from dspark.formats.json_io import FormatError
-    from dspark.formats.profile import ProfileResult
-    from dspark.measure.cost_fit import fit_draft_seconds
-    from dspark.measure.profiler import PROFILE_FILE
+    from dspark.cli.profile import write_profile
 
-    directory: Path = args.directory
+    tables, result, fingerprint = refitted(args.directory)
+    return write_profile(args.directory, tables, result, fingerprint)
+
+
+def refitted(directory: Path) -> tuple[Any, Any, dict[str, Any] | None]:
+    """The directory's tables fitted again from its samples (profile.json, and each further context's
+    `profile_context_L.json` where the additive table has a context term, with that context's draft and
+    decode times carried over from it), its profile.json's result, and the fingerprint."""
+    from dspark.cli.profile import with_context
+    from dspark.formats.json_io import FormatError, read_json_file
+    from dspark.formats.profile import ProfileResult
+    from dspark.measure.profiler import ADDITIVE_FILE, PROFILE_FILE, context_profile_file
+
     try:
         result = ProfileResult.load(directory / PROFILE_FILE)
     except FormatError as err:
         raise CliError(str(err)) from None
     fingerprint, terms = _carried(directory)
+    tables = _fit(result, terms, directory / PROFILE_FILE)
+    try:
+        additive = (read_json_file(directory / ADDITIVE_FILE, "cost table", "profile the deployment again")
+                    if (directory / ADDITIVE_FILE).is_file() else {})
+    except FormatError as err:
+        raise CliError(str(err)) from None
+    lengths = additive.get("context_lens", []) if isinstance(additive, dict) else []
+    if not lengths:
+        return tables, result, fingerprint
+    others = []
+    for j, length in enumerate(lengths):
+        path = directory / context_profile_file(length)
+        try:
+            other = ProfileResult.load(path)
+        except FormatError as err:
+            raise CliError(f"{err}; the additive table prices context {length} from it") from None
+        carried = {term: (probes, tuple(float(v) for v in additive[f"context_{term}_seconds"][j]))
+                   for term, (probes, _) in terms.items()}
+        others.append(_fit(other, carried, path))
+    return with_context(tables, [additive["context_len"], *lengths], others), result, fingerprint
+
+
+def _fit(result: Any, terms: dict[str, tuple[tuple[int, ...], tuple[float, ...]]], source: Path) -> Any:
+    """One context's tables from its samples, with the carried draft and decode times."""
+    from dspark.cli.profile import fit_tables, term_report
+    from dspark.measure.cost_fit import fit_draft_seconds
+
     try:
         tables = fit_tables(result, result.tiers)
         for term, (probes, seconds) in terms.items():
@@ -86,7 +121,7 @@ def refit_tables(args: argparse.Namespace) -> int:
             tables = tables.with_term(term, probes, fitted)
             print(term_report(f"{term} step (carried over; pooled where it dipped)", probes, seconds, fitted))
     except ValueError as err:
-        raise CliError(f"{directory / PROFILE_FILE}: {err}") from None
+        raise CliError(f"{source}: {err}") from None
     if tables.tier_note:
         print(f"\n{tables.tier_note}")
-    return write_profile(directory, tables, result, fingerprint)
+    return tables

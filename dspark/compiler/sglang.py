@@ -242,6 +242,9 @@ def _cost_model(resolved: ResolvedSpec, cwd: Path, out: _Builder) -> None:
         if table is not None and getattr(table, "draft_bs_probes", ()):
             out.notes.append("the cost table's draft term (draft_bs_probes, draft_seconds) is not read "
                              "by SGLang, whose sps-1d and additive tables have no draft fields")
+        if table is not None and getattr(table, "context_lens", ()):
+            out.notes.append("the cost table's context term (context_len, context_lens, context_*) is not "
+                             "read by SGLang, which prices every step at the table's own context")
         if table is not None and getattr(table, "bias_seconds", 1.0) <= 0:
             out.notes.append("SGLang rejects an additive table with bias_seconds <= 0; re-fit it")
         return

@@ -173,6 +173,23 @@ class AdditiveCostModel(_BatchTerms):
     m_probes: IntTuple = Field(
         min_length=1, description="Probed token counts M, strictly increasing.")
     theta_seconds: FloatTuple = Field(description="Seconds added per probed token count (≥ 0).")
+    context_len: int | None = Field(
+        default=None, ge=1,
+        description="Optional: the context (tokens cached per request) the fields above were profiled at; "
+                    "with context_lens the table prices other contexts.")
+    context_lens: IntTuple = Field(
+        default=(),
+        description="Optional: further contexts profiled, strictly increasing, above context_len.")
+    context_bias_seconds: FloatTuple = Field(
+        default=(), description="bias_seconds at each context_lens entry.")
+    context_alpha_seconds: FloatRows = Field(
+        default=(), description="alpha_seconds at each context_lens entry.")
+    context_theta_seconds: FloatRows = Field(
+        default=(), description="theta_seconds at each context_lens entry.")
+    context_draft_seconds: FloatRows = Field(
+        default=(), description="draft_seconds at each context_lens entry (with the draft term).")
+    context_decode_seconds: FloatRows = Field(
+        default=(), description="decode_seconds at each context_lens entry (with the decode term).")
 
     @field_validator("bs_probes", "m_probes")
     @classmethod
@@ -200,7 +217,42 @@ class AdditiveCostModel(_BatchTerms):
         if self.bias_seconds + min(self.alpha_seconds) + min(self.theta_seconds) <= 0:
             raise FieldValueError("bias_seconds + min(alpha_seconds) + min(theta_seconds) is 0, so some "
                                   "steps would be predicted to take no time", "re-fit the table")
+        self.at_contexts()  # every profiled context's table obeys the same rules
         return self
+
+    def at_contexts(self) -> tuple[AdditiveCostModel, ...]:
+        """The table at each `context_lens` entry (the context term), validated: empty without one."""
+        lengths = self.context_lens
+        if not lengths:
+            if self.context_len is None and any(getattr(self, key) for key in CONTEXT_KEYS):
+                raise FieldValueError("context_* lists are given without context_len and context_lens",
+                                      "profile with `dspark profile --context-len L1,L2,...`")
+            return ()
+        if self.context_len is None:
+            raise FieldValueError("context_lens needs context_len, the context of the table's own fields",
+                                  "profile with `dspark profile --context-len L1,L2,...`")
+        strictly_increasing((self.context_len, *lengths), "context_len, context_lens")
+        terms = {"context_bias_seconds": True, "context_alpha_seconds": True, "context_theta_seconds": True,
+                 "context_draft_seconds": bool(self.draft_seconds),
+                 "context_decode_seconds": bool(self.decode_seconds)}
+        for name, wanted in terms.items():
+            count = len(getattr(self, name))
+            if count != (len(lengths) if wanted else 0):
+                raise FieldValueError(f"{name} has {count} entries for {len(lengths)} context_lens",
+                                      "give one per context (draft and decode ones only with those terms)")
+        tables = []
+        for j, length in enumerate(lengths):
+            fields = {"bias_seconds": self.context_bias_seconds[j],
+                      "alpha_seconds": self.context_alpha_seconds[j],
+                      "theta_seconds": self.context_theta_seconds[j],
+                      "draft_seconds": self.context_draft_seconds[j] if self.draft_seconds else (),
+                      "decode_seconds": self.context_decode_seconds[j] if self.decode_seconds else ()}
+            try:
+                tables.append(AdditiveCostModel(**{**self.model_dump(include=set(_BASE_ADDITIVE)), **fields}))
+            except ValidationError as error:
+                raise FieldValueError(f"at context {length}: {validation_message(error)}",
+                                      "re-profile that context") from None
+        return tuple(tables)
 
     draft_bs_probes: IntTuple = _probes_field("draft's")
     draft_seconds: FloatTuple = _draft_seconds_field()
@@ -262,10 +314,16 @@ COST_TABLE_MODELS: dict[str, type[Sps1dCostModel] | type[AdditiveCostModel] | ty
 
 DRAFT_KEYS = ("draft_bs_probes", "draft_seconds")
 DECODE_KEYS = ("decode_bs_probes", "decode_seconds")
+# The additive table's context term (written only where it has one).
+CONTEXT_KEYS = ("context_len", "context_lens", "context_bias_seconds", "context_alpha_seconds",
+                "context_theta_seconds", "context_draft_seconds", "context_decode_seconds")
+# An additive table's fields without the context term: what each profiled context's table has.
+_BASE_ADDITIVE = ("type", "bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds",
+                  *DRAFT_KEYS, *DECODE_KEYS)
 # Each kind's own fields, in file order (the per-batch terms and the fingerprint follow them).
 TABLE_KEYS: dict[str, tuple[str, ...]] = {
     kind: tuple(name for name in model.model_fields
-                if name not in ("type", "fingerprint", *DRAFT_KEYS, *DECODE_KEYS))
+                if name not in ("type", "fingerprint", *DRAFT_KEYS, *DECODE_KEYS, *CONTEXT_KEYS))
     for kind, model in COST_TABLE_MODELS.items()
 }
 # A key two kinds share (bs_probes) says nothing about which kind a table is; only these do.
@@ -321,6 +379,8 @@ def cost_table_json(table: CostTable, fingerprint: Mapping[str, Any] | None = No
     for keys in (DRAFT_KEYS, DECODE_KEYS):
         if getattr(table, keys[0]):
             out.update({key: _as_json(getattr(table, key)) for key in keys})
+    if getattr(table, "context_len", None) is not None:
+        out.update({key: _as_json(getattr(table, key)) for key in CONTEXT_KEYS if getattr(table, key)})
     if fingerprint is not None:
         out["fingerprint"] = dict(fingerprint)
     return out

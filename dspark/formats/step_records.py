@@ -103,7 +103,8 @@ class RequestRecord:
 
 _STEP_KEYS = ("step", "num_reqs", "lag", "mode", "budget", "aligned_budget", "decision_tau", "planned_rows",
               "rows", "tier", "padding_rows", "tau", "committed", "predicted_step_seconds", "step_seconds",
-              "requests", "probe", "off_steps", "off_seconds", "offset_seconds", "temperatures")
+              "requests", "probe", "off_steps", "off_seconds", "offset_seconds", "temperatures",
+              "context_len")
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,9 @@ class StepRecord:
     offset_seconds: float = 0.0
     # The STS temperatures online calibration swapped into the plan before this step (absent: no swap).
     temperatures: tuple[float, ...] | None = None
+    # The batch's mean cached tokens a request, the context the step was priced at (absent in recordings
+    # made before the planner priced the context).
+    context_len: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         if self.step is None:
@@ -149,6 +153,7 @@ class StepRecord:
                 "requests": [r.to_json() for r in self.requests], "probe": self.probe,
                 "off_steps": self.off_steps, "off_seconds": self.off_seconds,
                 "offset_seconds": self.offset_seconds,
+                **({} if self.context_len is None else {"context_len": self.context_len}),
                 **({} if self.temperatures is None else {"temperatures": list(self.temperatures)})}
 
     @classmethod
@@ -176,7 +181,17 @@ class StepRecord:
             committed=int_field(data, "committed", where),
             predicted_step_seconds=number_field(data, "predicted_step_seconds", where, nullable=True),
             step_seconds=step_seconds, requests=requests, **_off_state(data, where),
-            offset_seconds=_offset(data, where), temperatures=_temperatures(data, gamma, where))
+            offset_seconds=_offset(data, where), temperatures=_temperatures(data, gamma, where),
+            context_len=_context_len(data, where))
+
+
+def _context_len(data: Mapping[str, Any], where: str) -> float | None:
+    if "context_len" not in data:
+        return None
+    value = number_field(data, "context_len", where)
+    if value < 0:
+        raise StepRecordError(f"{where}: context_len must be >= 0, got {value}")
+    return value
 
 
 def _temperatures(data: Mapping[str, Any], gamma: int, where: str) -> tuple[float, ...] | None:

@@ -28,6 +28,7 @@ from dspark.formats.sts_shards import StsData
 from dspark.measure.scores import confidence, survival
 from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, binned_ece, roc_auc
 from dspark.runtime.planner.sts import CalibrationError, check_grid, default_grid, fit_temperatures
+from dspark.runtime.planner.survival_map import SurvivalMap, fit_survival_map
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class StsFit:
     conditional_rows: tuple[int, ...]
     conditional_ece_before: tuple[float | None, ...]
     conditional_ece_after: tuple[float | None, ...]
+    survival_map: SurvivalMap | None = None  # fitted after the temperatures; "after" includes it
 
     def __post_init__(self) -> None:
         gamma = len(self.temperatures)
@@ -86,10 +88,14 @@ def _conditional_eces(conf: np.ndarray, mask: np.ndarray, num_bins: int) -> list
     return out
 
 
-def fit_sts(data: StsData, grid: Any = None, num_bins: int = DEFAULT_NUM_BINS) -> StsFit:
+def fit_sts(data: StsData, grid: Any = None, num_bins: int = DEFAULT_NUM_BINS, map_bins: int = 0) -> StsFit:
     """Fit `T_k` left to right, each minimising the ECE of the cumulative survival at k
-    (`dspark.runtime.planner.sts.fit_temperatures`, which the server's online calibration runs too), with the
-    fit's metrics before and after."""
+    (`dspark.runtime.planner.sts.fit_temperatures`, which the server's online calibration runs too), then with
+    `map_bins` > 0 the monotone survival map over them (`survival_map.fit_survival_map`, as online), with
+    the fit's metrics before and after (after: the planner's survival, map included)."""
+    if isinstance(map_bins, bool) or not isinstance(map_bins, int) or map_bins < 0:
+        raise CalibrationError(f"--survival-map must be 0 (none) or a positive number of groups, got "
+                               f"{map_bins!r}")
     if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
         raise CalibrationError(f"num_bins must be a positive integer, got {num_bins!r}")
     if data.num_samples == 0:
@@ -100,6 +106,12 @@ def fit_sts(data: StsData, grid: Any = None, num_bins: int = DEFAULT_NUM_BINS) -
 
     before = survival(z)
     after = survival(z, temps)
+    survival_map = fit_survival_map(after, mask, bins=map_bins) if map_bins else None
+    after_conf = confidence(z, temps)
+    if survival_map is not None:  # each position's confidence is then the mapped survival's step down
+        after = survival_map.apply(after)
+        reached = np.concatenate([np.ones((z.shape[0], 1)), after[:, :-1]], axis=1)
+        after_conf = np.divide(after, reached, out=np.zeros_like(after), where=reached > 0)
     m_before = _cumulative_metrics(before, mask, num_bins)
     m_after = _cumulative_metrics(after, mask, num_bins)
     reach_rows = [np.ones(z.shape[0], dtype=bool)] + [mask[:, k - 1] for k in range(1, data.gamma)]
@@ -113,7 +125,8 @@ def fit_sts(data: StsData, grid: Any = None, num_bins: int = DEFAULT_NUM_BINS) -
         reach_rate=tuple(float(mask[:, k].mean()) for k in range(data.gamma)),
         conditional_rows=tuple(int(r.sum()) for r in reach_rows),
         conditional_ece_before=tuple(_conditional_eces(confidence(z), mask, num_bins)),
-        conditional_ece_after=tuple(_conditional_eces(confidence(z, temps), mask, num_bins)),
+        conditional_ece_after=tuple(_conditional_eces(after_conf, mask, num_bins)),
+        survival_map=survival_map,
     )
 
 
@@ -133,7 +146,8 @@ def calibration_contents(fit: StsFit, dataset: str, policy: str | None = None,
             brier_after=fit.brier_after, auc_before=fit.auc_before, auc_after=fit.auc_after,
             mean_survival_before=fit.mean_survival_before, mean_survival_after=fit.mean_survival_after,
             reach_rate=fit.reach_rate, num_bins=fit.num_bins, grid=fit.grid, policy=policy,
-            fingerprint=None if fingerprint is None else dict(fingerprint))
+            fingerprint=None if fingerprint is None else dict(fingerprint),
+            survival_map=None if fit.survival_map is None else fit.survival_map.to_knots())
     except ValueError as err:  # pydantic's ValidationError: a metric that is not finite, say
         raise CalibrationError(f"the fit cannot be written as a calibration file: {err}") from None
 
@@ -191,6 +205,9 @@ def format_fit_report(fit: StsFit, policy: str | None = None) -> str:
             f"{_pair(fit.conditional_ece_before[k], fit.conditional_ece_after[k], 4):^17}")
     lines += ["", "columns show before (every T = 1) → after; cond. ECE scores sigmoid(z/T_k) on the rows "
               "that reached draft k-1"]
+    if fit.survival_map is not None:
+        lines.append(f"after: the temperatures, then a monotone survival map of {len(fit.survival_map.x[0])} "
+                     "knots a position (isotonic), as the planner computes its survival")
     ends = (fit.grid[0], fit.grid[-1])
     edge = [k for k, t in enumerate(fit.temperatures) if len(fit.grid) > 1 and t in ends]
     if edge:

@@ -50,6 +50,12 @@ TIER_FILE = "tier.json"
 PROFILE_FILE = "profile.json"
 
 
+def context_profile_file(context_len: int) -> str:
+    """The raw samples of a further context `dspark profile --context-len` measured (profile.json holds the
+    first), kept so that `dspark refit-tables` refits the additive table's context term too."""
+    return f"profile_context_{context_len}.json"
+
+
 def run_profile(timer: StepTimer, plan: ProfilePlan, progress: bool = True,
                 meta: Mapping[str, str] | None = None) -> ProfileResult:
     """Measure every point of `plan` with `timer` (warmup, then `repeats` timed calls per point)."""

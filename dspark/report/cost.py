@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -62,3 +63,40 @@ def cost_panels(samples: Sequence[Sample], models: Sequence[tuple[str, CostModel
         panels.append(CostPanel(b, np.array([m for m, _ in points]), np.array([s for _, s in points]),
                                 grid, predictions))
     return panels
+
+
+CONTEXT_BUCKET = 128  # tokens: the report groups recorded steps by mean context in buckets this wide
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """Recorded drafted steps whose batch's mean context fell in one bucket: the measured step time against
+    the planner's price (the table's, then with the measured step offset it added)."""
+
+    bucket: str
+    steps: int
+    measured_seconds: float
+    table_seconds: float  # predicted_step_seconds - offset_seconds
+    priced_seconds: float  # predicted_step_seconds: what the budget weighed
+
+    @property
+    def table_ratio(self) -> float:
+        return self.table_seconds / self.measured_seconds
+
+
+def step_time_by_context(steps: Sequence[Any]) -> list[ContextRow]:
+    """Per context bucket, the mean measured and predicted step time of the recorded steps that were priced
+    (a predicted step time) at a recorded context (recordings since the planner priced the context)."""
+    groups: dict[int, list[Any]] = {}
+    for step in steps:
+        if step.predicted_step_seconds is not None and step.context_len is not None:
+            groups.setdefault(int(step.context_len // CONTEXT_BUCKET), []).append(step)
+    rows = []
+    for bucket in sorted(groups):
+        group = groups[bucket]
+        measured = float(np.mean([s.step_seconds for s in group]))
+        priced = float(np.mean([s.predicted_step_seconds for s in group]))
+        table = float(np.mean([s.predicted_step_seconds - s.offset_seconds for s in group]))
+        low = bucket * CONTEXT_BUCKET
+        rows.append(ContextRow(f"{low}-{low + CONTEXT_BUCKET - 1}", len(group), measured, table, priced))
+    return rows

@@ -28,7 +28,7 @@ from typing import Any
 
 from dspark.atomic import atomic_write_text
 from dspark.measure.tiers import TIER_RADIUS
-from dspark.report.cost import ResidualRow, cost_panels, residual_table
+from dspark.report.cost import ResidualRow, cost_panels, residual_table, step_time_by_context
 from dspark.report.inputs import ReportInputs, unique_labels
 from dspark.report.oracle import oracle_rows
 from dspark.report.reliability import NUM_BINS, calibration_groups
@@ -97,7 +97,8 @@ class _Renderer:
         self.labels = unique_labels([r.path for r in inputs.runs])
 
     def render(self) -> str:
-        parts = [self.header(), self.runs(), self.calibration(), self.tau(), self.cost(), self.throughput()]
+        parts = [self.header(), self.runs(), self.calibration(), self.tau(), self.cost(), self.context(),
+                 self.throughput()]
         return "\n".join(line for part in parts for line in part).rstrip() + "\n"
 
     def image(self, file_name: str, alt: str) -> str:
@@ -147,7 +148,10 @@ class _Renderer:
         lines = ["## Calibration", ""]
         if cal is not None:
             lines += [f"STS file `{self.inputs.calibration_path}`: dataset {cal.dataset or '?'}, "
-                      f"{_fmt(cal.num_samples)} samples, temperatures {_series(cal.temperatures)}.", ""]
+                      f"{_fmt(cal.num_samples)} samples, temperatures {_series(cal.temperatures)}"
+                      + (f", then a survival map of {len(cal.survival_map.x[0])} knots a position (\"after\" "
+                         "scores both, as the planner computes its survival)" if cal.survival_map else "")
+                      + ".", ""]
             if cal.ece_before is not None or cal.ece_after is not None:
                 lines += ["ECE the fit reported: before " + _series(cal.ece_before or (), 4) + "; after "
                           + _series(cal.ece_after or (), 4) + ".", ""]
@@ -231,6 +235,18 @@ class _Renderer:
         name = "cost_model_vs_measured.png"
         self.plots.plot_cost_models(cost_panels(samples, models), tiers, self.out_dir / name)
         return lines + [self.image(name, "step time vs M: measured and predicted"), ""]
+
+    def context(self) -> list[str]:
+        rows = step_time_by_context([s for run in self.inputs.runs for s in run.steps])
+        if not rows:
+            return []
+        lines = ["## Step time by context length", "",
+                 "Drafted steps grouped by the batch's mean cached tokens a request (the context the "
+                 "planner priced them at). table = the cost table's price (draft included), priced = with "
+                 "the measured step offset the planner added; ratio = table / measured.", ""]
+        return lines + _table(["context", "steps", "measured ms", "table ms", "ratio", "priced ms"],
+                              [[r.bucket, r.steps, _ms(r.measured_seconds), _ms(r.table_seconds),
+                                f"{r.table_ratio:.3f}", _ms(r.priced_seconds)] for r in rows]) + [""]
 
     def throughput(self) -> list[str]:
         oracle = oracle_rows(self.inputs.runs, self.labels)

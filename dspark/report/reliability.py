@@ -14,6 +14,7 @@ from dspark.formats.sts_calibration import CalibrationFileContents
 from dspark.measure.scores import confidence, survival
 from dspark.report.inputs import ReportError, RunData, StsSamples, unique_labels
 from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, bin_index, brier, ece, roc_auc
+from dspark.runtime.planner.survival_map import SurvivalMap
 
 NUM_BINS = DEFAULT_NUM_BINS
 
@@ -72,10 +73,17 @@ class CalibrationGroup:
     cumulative: Mapping[str, tuple[Reliability, ...]]
 
 
-def _score(logits: np.ndarray, mask: np.ndarray,
-           temps: tuple[float, ...] | None) -> tuple[tuple[Reliability, ...], tuple[Reliability, ...]]:
+Scored = tuple[tuple["Reliability", ...], tuple["Reliability", ...]]
+
+
+def _score(logits: np.ndarray, mask: np.ndarray, temps: tuple[float, ...] | None,
+           survival_map: SurvivalMap | None = None) -> Scored:
     cond_conf = confidence(logits, temps)
     cum_survival = survival(logits, temps)
+    if survival_map is not None:  # the planner's survival; each position's confidence is its step down
+        cum_survival = survival_map.apply(cum_survival)
+        before = np.concatenate([np.ones((len(logits), 1)), cum_survival[:, :-1]], axis=1)
+        cond_conf = np.divide(cum_survival, before, out=np.zeros_like(cum_survival), where=before > 0)
     conditional, cumulative = [], []
     for k in range(logits.shape[1]):
         reached = np.ones(len(mask), dtype=bool) if k == 0 else mask[:, k - 1]
@@ -105,7 +113,9 @@ def calibration_groups(runs: Sequence[RunData], calibration: CalibrationFileCont
                                   f"the runs {[m for m, _ in members]} have gamma={gamma}; pass the "
                                   "calibration fitted for this deployment")
             temps = calibration.temperatures
-            scored["after"] = _score(logits, mask, temps)
+            knots = calibration.survival_map
+            scored["after"] = _score(logits, mask, temps,
+                                     None if knots is None else SurvivalMap.from_knots(knots))
         groups.append(CalibrationGroup(
             policy=policy, gamma=gamma, runs=tuple(m for m, _ in members), num_samples=len(logits),
             skipped_requests=sum(s.skipped_requests for _, s in members), temperatures=temps,

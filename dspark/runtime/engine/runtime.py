@@ -307,12 +307,14 @@ class Runtime:
         keys = [(r.handle.slot, r.handle.generation) for r in decoding]
         was = switch.speculating
         offset = self.speculative.offset
-        speculates = switch.speculates(self.sync.agree_prediction(switch.predict(keys, offset.seconds)))
+        context_len = sum(r.seq_len for r in decoding) / len(decoding) if decoding else None
+        speculates = switch.speculates(self.sync.agree_prediction(switch.predict(keys, offset.seconds,
+                                                                                 context_len)))
         stats.switches += int(switch.speculating != was)
         if not speculates:
             off = self.extend.decode(decoding, stats, with_draft=True)
             if off is not None:
-                offset.observe(switch.decode_time(off.num_reqs), off.seconds)
+                offset.observe(switch.decode_seconds(off.num_reqs, context_len), off.seconds)
             return off, False
         self.speculative.probe = switch.probing
         prefix = [r.seq_len for r in decoding]

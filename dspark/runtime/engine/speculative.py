@@ -110,8 +110,9 @@ class SpeculativeStep:
         # 2. Plan: the planner's verify_lens, then the step's layout, once.
         handles = [r.handle for r in running]
         offset = self.offset.seconds
+        context_len = sum(prefix_host) / num_reqs
         plan, tier, logit_rows = self._plan(proposal.conf_logits, handles, offset,
-                                            [not r.sampling.greedy for r in running])
+                                            [not r.sampling.greedy for r in running], context_len)
         self._check(tier, logit_rows)
 
         # 3. Verify: the step's layout, once, and the target's forward of its rows (packed when some
@@ -172,7 +173,7 @@ class SpeculativeStep:
                 accept_prob=None if accept_prob is None else accept_prob.tolist(),
                 lag_steps=self.plan.lag_steps, mode=self.plan.mode, probe=self.probe,
                 off_steps=self._off_steps, off_seconds=self._off_seconds, offset_seconds=offset,
-                temperatures=None if swapped is None else swapped.temperatures))
+                context_len=context_len, temperatures=None if swapped is None else swapped.temperatures))
         self._off_steps, self._off_seconds = 0, 0.0
         return StepInfo(num_reqs=num_reqs, committed=sum(correct) + num_reqs, rows=layout.total_rows,
                         planned_rows=sum(plan.verify_lens), padding_rows=layout.num_padding_rows,
@@ -185,14 +186,15 @@ class SpeculativeStep:
         self._off_seconds += seconds
 
     def _plan(self, conf_logits: torch.Tensor | None, handles: list[SlotHandle], offset: float,
-              sampled: list[bool]) -> tuple[StepPlan, int, int]:
-        """The step's plan, and the tier and logit rows every engine that runs it runs."""
+              sampled: list[bool], context_len: float) -> tuple[StepPlan, int, int]:
+        """The step's plan (priced at the batch's mean `context_len`), and the tier and logit rows every
+        engine that runs it runs."""
         num_reqs = len(handles)
         slots, generations = [h.slot for h in handles], [h.generation for h in handles]
         own: StepPlan | None
         try:
             own = self.plan.plan_step(conf_logits, num_reqs, slots, generations, self.history, offset,
-                                      sampled)
+                                      sampled, context_len)
             if self.online is not None and self.online.explores():
                 own = self.plan.uniform_step(num_reqs, self.plan.num_draft_tokens)  # labels for low scores
             rows = sum(own.run_lens)

@@ -38,6 +38,9 @@ from dspark.formats.cost_tables import (
 )
 from dspark.formats.json_io import validation_message
 
+# Contexts closer than this are priced alike (the interpolated tables are remembered per quantum).
+CONTEXT_QUANTUM = 16
+
 
 class CostModelError(ValueError):
     """A table was asked about a step it says nothing of (M beyond its range, a negative count)."""
@@ -85,6 +88,11 @@ class _FromFormat:
     def to_format(self) -> Any:
         """The table as its format model (what a table file holds)."""
         return self.format_model(type=self.kind, **self._fields())
+
+    def at_context(self, context_len: float) -> Any:
+        """The table at a mean context of `context_len` tokens a request: itself, unless it has a context
+        term (`AdditiveCostTable`)."""
+        return self
 
     def draft_time(self, num_reqs: int) -> float:
         """Seconds the draft model takes for `num_reqs` requests (0.0 without a draft term)."""
@@ -234,6 +242,13 @@ class AdditiveCostTable(_FromFormat):
     draft_seconds: tuple[float, ...] = ()
     decode_bs_probes: tuple[int, ...] = ()
     decode_seconds: tuple[float, ...] = ()
+    context_len: int | None = None
+    context_lens: tuple[int, ...] = ()
+    context_bias_seconds: tuple[float, ...] = ()
+    context_alpha_seconds: tuple[tuple[float, ...], ...] = ()
+    context_theta_seconds: tuple[tuple[float, ...], ...] = ()
+    context_draft_seconds: tuple[tuple[float, ...], ...] = ()
+    context_decode_seconds: tuple[tuple[float, ...], ...] = ()
 
     kind: ClassVar[str] = "additive"
     format_model: ClassVar[type[AdditiveCostModel]] = AdditiveCostModel
@@ -257,6 +272,41 @@ class AdditiveCostTable(_FromFormat):
     def max_rows(self) -> None:
         """No row limit: theta is held constant beyond the last probe."""
         return None
+
+    def at_context(self, context_len: float) -> AdditiveCostTable:
+        """The table at a mean context of `context_len` tokens a request: every field interpolated linearly
+        between the two profiled contexts around it; below the first, the first; beyond the last,
+        extrapolated from the last two (attention reads grow with the context), never cheaper than the last
+        and kept monotone. Remembered per CONTEXT_QUANTUM tokens: the planner asks every step."""
+        if not self.context_lens:
+            return self
+        key = int(round(max(context_len, 0.0) / CONTEXT_QUANTUM))
+        return self._per_batch("context", key, self._interpolated)  # type: ignore[no-any-return]
+
+    def _interpolated(self, key: int) -> AdditiveCostTable:
+        assert self.context_len is not None
+        lengths = np.array((self.context_len, *self.context_lens), np.float64)
+        at = min(max(key * CONTEXT_QUANTUM, lengths[0]), 2 * lengths[-1])
+        j = int(np.clip(np.searchsorted(lengths, at, side="right") - 1, 0, lengths.size - 2))
+        weight = (at - lengths[j]) / (lengths[j + 1] - lengths[j])
+
+        def blend(base: Any, rows: tuple[Any, ...]) -> Any:
+            values = (base, *rows)
+            a, b = np.asarray(values[j], np.float64), np.asarray(values[j + 1], np.float64)
+            mixed = a + weight * (b - a)
+            if weight > 1:  # extrapolated: never below the last profiled context, still monotone
+                mixed = np.maximum(mixed, b)
+                mixed = np.maximum.accumulate(mixed) if mixed.ndim else mixed
+            return float(mixed) if np.ndim(mixed) == 0 else tuple(float(v) for v in mixed)
+
+        terms = {"draft_seconds": blend(self.draft_seconds, self.context_draft_seconds) if self.draft_seconds
+                 else (), "decode_seconds": blend(self.decode_seconds, self.context_decode_seconds)
+                 if self.decode_seconds else ()}
+        return AdditiveCostTable(
+            bias_seconds=blend(self.bias_seconds, self.context_bias_seconds), bs_probes=self.bs_probes,
+            alpha_seconds=blend(self.alpha_seconds, self.context_alpha_seconds), m_probes=self.m_probes,
+            theta_seconds=blend(self.theta_seconds, self.context_theta_seconds),
+            draft_bs_probes=self.draft_bs_probes, decode_bs_probes=self.decode_bs_probes, **terms)
 
     def step_time(self, num_reqs: int, num_rows: int) -> float:
         """Predicted seconds of one verify step with B = `num_reqs` requests and M = `num_rows` rows."""

@@ -121,21 +121,30 @@ class SpeculationSwitch:
         total, steps = self._requests.get(key, (0.0, 0))
         return (total + PRIOR_STEPS * prior) / (steps + PRIOR_STEPS)
 
-    def predict(self, requests: Sequence[RequestKey], offset_seconds: float = 0.0) -> Prediction:
+    def decode_seconds(self, num_reqs: int, context_len: float | None = None) -> float:
+        """A target-only decode step's price: `decode_time`, or at the batch's mean `context_len` where the
+        table has a context term."""
+        if context_len is None:
+            return self.decode_time(num_reqs)
+        return float(self.table.at_context(context_len).decode_time(num_reqs))
+
+    def predict(self, requests: Sequence[RequestKey], offset_seconds: float = 0.0,
+                context_len: float | None = None) -> Prediction:
         """Both prices for a step of `requests`, from their drafted steps (the batch's for one not drafted
-        yet) at the last drafted step's rows per request; `offset_seconds` (the engine's measured
-        `StepOffset`) is added to both."""
+        yet) at the last drafted step's rows per request and the batch's mean `context_len` (None: the
+        table's own); `offset_seconds` (the engine's measured `StepOffset`) is added to both."""
         num_reqs = len(requests)
         if not num_reqs:
             return NO_PREDICTION
-        off = self.decode_time(num_reqs) + offset_seconds
+        off = self.decode_seconds(num_reqs, context_len) + offset_seconds
         if self._rows is None:  # nothing drafted yet: speculating is all there is to go by
             return Prediction(num_reqs, float("inf"), 1.0, off)
         rows = min(max(round(self._rows * num_reqs), num_reqs), num_reqs * self.cap)
         if self.max_rows is not None:
             rows = min(rows, self.max_rows)
         tokens = sum(self._expected_tokens(key) for key in requests)
-        on = self.table.step_time(num_reqs, rows) + self.table.draft_time(num_reqs) + offset_seconds
+        table = self.table if context_len is None else self.table.at_context(context_len)
+        on = table.step_time(num_reqs, rows) + table.draft_time(num_reqs) + offset_seconds
         return Prediction(num_reqs, tokens, on, off)
 
     def speculates(self, prediction: Prediction) -> bool:

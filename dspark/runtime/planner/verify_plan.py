@@ -75,7 +75,8 @@ class VerifyPlan(Protocol):
 
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
                   generations: Sequence[int], history: LaggedSurvival | None,
-                  offset_seconds: float = 0.0, sampled: Sequence[bool] = ()) -> StepPlan:
+                  offset_seconds: float = 0.0, sampled: Sequence[bool] = (),
+                  context_len: float | None = None) -> StepPlan:
         """The step's `verify_lens`; `offset_seconds` (the engine's measured `StepOffset`) is added to
         every price the budget weighs; `sampled[r]`: request r's drafts were sampled."""
         ...
@@ -138,7 +139,8 @@ class StaticVerifyPlan:
 
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int] = (),
                   generations: Sequence[int] = (), history: LaggedSurvival | None = None,
-                  offset_seconds: float = 0.0, sampled: Sequence[bool] = ()) -> StepPlan:
+                  offset_seconds: float = 0.0, sampled: Sequence[bool] = (),
+                  context_len: float | None = None) -> StepPlan:
         full = (self.num_draft_tokens,) * num_reqs
         survival = None
         if confidence_logits is not None:
@@ -271,8 +273,11 @@ class AdaptiveVerifyPlan:
 
     def plan_step(self, confidence_logits: torch.Tensor | None, num_reqs: int, slots: Sequence[int],
                   generations: Sequence[int], history: LaggedSurvival | None = None,
-                  offset_seconds: float = 0.0, sampled: Sequence[bool] = ()) -> StepPlan:
-        """`sampled[r]`: request r's drafts were sampled, not greedy (empty: none were). `history` (lag
+                  offset_seconds: float = 0.0, sampled: Sequence[bool] = (),
+                  context_len: float | None = None) -> StepPlan:
+        """`context_len`: the batch's mean cached tokens a request, which a table with a context term prices
+        (None: the table's own context). `sampled[r]`: request r's drafts were sampled, not greedy (empty:
+        none were). `history` (lag
         `history_lag()`) is needed with a lag and with any sampled request."""
         if confidence_logits is None:
             raise ValueError(f"{self.mode} planning needs the draft's confidence logits; use a draft "
@@ -308,8 +313,10 @@ class AdaptiveVerifyPlan:
         budget_ranking = Ranking.of(budget_survival, cfg)
         # Packed rows must fit the largest captured tier; a full-block step always runs B x N rows.
         max_rows = self.tier_row_limit
-        decision = decide_budget(budget_ranking, self.table, cfg, max_rows=max_rows,
-                                 offset_seconds=offset_seconds)
+        table = self.table
+        if table is not None and context_len is not None:
+            table = table.at_context(context_len)
+        decision = decide_budget(budget_ranking, table, cfg, max_rows=max_rows, offset_seconds=offset_seconds)
         ranking = budget_ranking if budget_survival is survival else Ranking.of(survival, cfg)
         budget = decision.budget
         if self.forced_budget_fraction is not None:  # in [0, 1]: checked by __post_init__
