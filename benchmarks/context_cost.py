@@ -5,13 +5,14 @@ Compiles the spec twice (its own `cost_model`, then `--table`), and for each con
 held-out prompts of L - max_new_tokens / 2 tokens each (so the batch's mean context over the decode is about
 L), recording every step. Prints, per table and context, the mean measured step time, the table's price of
 the same steps (the draft's included; the measured step offset the planner adds on top left out) and their
-ratio, and the price the planner weighed (with the measured step offset, `docs/planner.md` "Step offset")
-against the same; `dspark report` on such a recording shows the same by context bucket ("Step time by
-context length").
+ratio, the price the planner weighed (with the measured step offset, `docs/planner.md` "Step offset") and
+its whole online prediction (the offset's slope times that price) against the same, and the table levelled
+at the first context (below); `dspark report` on such a recording shows the same by context bucket ("Step
+time by context length").
 
-    .venv/bin/dspark profile generated/tiny_cpu_compact -o runs/ctx_tables --m-bin 16 --repeats 7 \\
-        --context-len 128,512,900
-    .venv/bin/python benchmarks/context_cost.py --table runs/ctx_tables/additive.json
+    .venv/bin/dspark profile generated/tiny_cpu_compact -o specs/tables/tiny_cpu_context --m-bin 16 \\
+        --repeats 21 --context-len 128,512,900
+    .venv/bin/python benchmarks/context_cost.py --table specs/tables/tiny_cpu_context/additive.json
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Measured:
     measured: np.ndarray
     table: np.ndarray
     priced: np.ndarray
+    online: np.ndarray  # offset_slope * priced: the planner's whole prediction
     context: float
 
 
@@ -78,6 +80,7 @@ def measure(package: Path, contexts: list[int], count: int, max_new: int, work: 
             out.append(Measured(np.array([s.step_seconds for s in steps]),
                                 np.array([s.predicted_step_seconds - s.offset_seconds for s in steps]),
                                 np.array([s.predicted_step_seconds for s in steps]),
+                                np.array([s.offset_slope * s.predicted_step_seconds for s in steps]),
                                 float(np.mean([s.context_len for s in steps]))))
     finally:
         runtime.close()
@@ -112,14 +115,14 @@ def main() -> None:
     print(f"{base['name']}, {args.prompts} prompts x {args.max_new_tokens} new tokens per context; "
           "table = the cost table's price of the same steps (draft included, measured offset left out)")
     print(f"{'table':<14} {'context':>7} {'mean ctx':>8} {'steps':>6} {'measured ms':>11} {'table ms':>9} "
-          f"{'table/measured':>14} {'priced/measured':>15} {'levelled/measured':>17}")
+          f"{'table/measured':>14} {'priced/measured':>15} {'online/measured':>15} {'levelled/measured':>17}")
     for name, rows in results.items():
         a, b = level(rows[0])
         for length, m in zip(contexts, rows, strict=True):
             measured, table = float(m.measured.mean()), float(m.table.mean())
             print(f"{name:<14} {length:>7} {m.context:>8.0f} {m.measured.size:>6} {measured * 1e3:>11.2f} "
                   f"{table * 1e3:>9.2f} {table / measured:>14.3f} {float(m.priced.mean()) / measured:>15.3f} "
-                  f"{(a * table + b) / measured:>17.3f}")
+                  f"{float(m.online.mean()) / measured:>15.3f} {(a * table + b) / measured:>17.3f}")
     print(f"levelled = a * table + b, a and b fitted on the first context's steps alone (measured ~ a * "
           f"table + b, Theil-Sen): the level learnt at {contexts[0]} tokens, the context term predicting "
           "the rest")

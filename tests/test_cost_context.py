@@ -89,10 +89,10 @@ def test_a_step_record_keeps_its_context(tmp_path: Path) -> None:
     from .test_formats_step_records import GAMMA, record
 
     ring = StepRing(capacity=4)
-    ring.append(dataclasses.replace(record(), context_len=517.5))
+    ring.append(dataclasses.replace(record(), context_len=517.5, offset_slope=1.25))
     ring.append(record())  # an older recording's step: no context
     steps = read_steps(ring.write(tmp_path / "steps.jsonl"), GAMMA)
-    assert [s.context_len for s in steps] == [517.5, None]
+    assert [s.context_len for s in steps] == [517.5, None] and steps[0].offset_slope == 1.25
     lines = (tmp_path / "steps.jsonl").read_text().splitlines()
     (tmp_path / "bad.jsonl").write_text(lines[0].replace("517.5", "-1") + "\n")
     with pytest.raises(StepRecordError, match="context_len must be >= 0"):
@@ -103,14 +103,14 @@ def test_the_report_groups_step_time_by_context() -> None:
     from .test_formats_step_records import record
 
     steps = [dataclasses.replace(record(), context_len=c, step_seconds=m, predicted_step_seconds=p,
-                                 offset_seconds=o)
+                                 offset_seconds=o, offset_slope=1.1)
              for c, m, p, o in ((100, 0.010, 0.009, 0.001), (120, 0.012, 0.011, 0.001),
                                 (600, 0.020, 0.016, 0.0))]
     steps.append(record())  # no context: left out
     rows = step_time_by_context(steps)
     assert [(r.bucket, r.steps) for r in rows] == [("0-127", 2), ("512-639", 1)]
     assert rows[0].measured_seconds == pytest.approx(0.011) and rows[0].table_seconds == pytest.approx(0.009)
-    assert rows[1].table_ratio == pytest.approx(0.8)
+    assert rows[1].table_ratio == pytest.approx(0.8) and rows[1].online_seconds == pytest.approx(0.0176)
 
 
 def test_profile_at_several_contexts_writes_a_table_with_their_term(tmp_path: Path, capsys) -> None:

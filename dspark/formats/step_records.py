@@ -104,7 +104,7 @@ class RequestRecord:
 _STEP_KEYS = ("step", "num_reqs", "lag", "mode", "budget", "aligned_budget", "decision_tau", "planned_rows",
               "rows", "tier", "padding_rows", "tau", "committed", "predicted_step_seconds", "step_seconds",
               "requests", "probe", "off_steps", "off_seconds", "offset_seconds", "temperatures",
-              "context_len")
+              "context_len", "offset_slope")
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,10 @@ class StepRecord:
     # The batch's mean cached tokens a request, the context the step was priced at (absent in recordings
     # made before the planner priced the context).
     context_len: float | None = None
+    # The step offset's slope `a` (measured ~ a * priced, the fixed part already in the price): the
+    # planner's whole prediction of the step's seconds is `offset_slope * predicted_step_seconds` (absent in
+    # older recordings: 1).
+    offset_slope: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         if self.step is None:
@@ -154,6 +158,7 @@ class StepRecord:
                 "off_steps": self.off_steps, "off_seconds": self.off_seconds,
                 "offset_seconds": self.offset_seconds,
                 **({} if self.context_len is None else {"context_len": self.context_len}),
+                "offset_slope": self.offset_slope,
                 **({} if self.temperatures is None else {"temperatures": list(self.temperatures)})}
 
     @classmethod
@@ -182,7 +187,16 @@ class StepRecord:
             predicted_step_seconds=number_field(data, "predicted_step_seconds", where, nullable=True),
             step_seconds=step_seconds, requests=requests, **_off_state(data, where),
             offset_seconds=_offset(data, where), temperatures=_temperatures(data, gamma, where),
-            context_len=_context_len(data, where))
+            context_len=_context_len(data, where), offset_slope=_offset_slope(data, where))
+
+
+def _offset_slope(data: Mapping[str, Any], where: str) -> float:
+    if "offset_slope" not in data:
+        return 1.0
+    value = number_field(data, "offset_slope", where)
+    if not value > 0:
+        raise StepRecordError(f"{where}: offset_slope must be > 0, got {value}")
+    return value
 
 
 def _context_len(data: Mapping[str, Any], where: str) -> float | None:

@@ -78,6 +78,7 @@ class ContextRow:
     measured_seconds: float
     table_seconds: float  # predicted_step_seconds - offset_seconds
     priced_seconds: float  # predicted_step_seconds: what the budget weighed
+    online_seconds: float  # offset_slope * predicted_step_seconds: the planner's whole prediction
 
     @property
     def table_ratio(self) -> float:
@@ -97,6 +98,8 @@ def step_time_by_context(steps: Sequence[Any]) -> list[ContextRow]:
         measured = float(np.mean([s.step_seconds for s in group]))
         priced = float(np.mean([s.predicted_step_seconds for s in group]))
         table = float(np.mean([s.predicted_step_seconds - s.offset_seconds for s in group]))
+        online = float(np.mean([s.offset_slope * s.predicted_step_seconds for s in group]))
         low = bucket * CONTEXT_BUCKET
-        rows.append(ContextRow(f"{low}-{low + CONTEXT_BUCKET - 1}", len(group), measured, table, priced))
+        rows.append(ContextRow(f"{low}-{low + CONTEXT_BUCKET - 1}", len(group), measured, table, priced,
+                               online))
     return rows

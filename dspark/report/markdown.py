@@ -243,10 +243,13 @@ class _Renderer:
         lines = ["## Step time by context length", "",
                  "Drafted steps grouped by the batch's mean cached tokens a request (the context the "
                  "planner priced them at). table = the cost table's price (draft included), priced = with "
-                 "the measured step offset the planner added; ratio = table / measured.", ""]
-        return lines + _table(["context", "steps", "measured ms", "table ms", "ratio", "priced ms"],
+                 "the measured step offset the planner added; ratio = table / measured; online = the "
+                 "offset's whole fit, slope x priced (measured ~ a x table + b).", ""]
+        headers = ["context", "steps", "measured ms", "table ms", "ratio", "priced ms", "online ms"]
+        return lines + _table(headers,
                               [[r.bucket, r.steps, _ms(r.measured_seconds), _ms(r.table_seconds),
-                                f"{r.table_ratio:.3f}", _ms(r.priced_seconds)] for r in rows]) + [""]
+                                f"{r.table_ratio:.3f}", _ms(r.priced_seconds), _ms(r.online_seconds)]
+                               for r in rows]) + [""]
 
     def throughput(self) -> list[str]:
         oracle = oracle_rows(self.inputs.runs, self.labels)

@@ -173,6 +173,7 @@ class SpeculativeStep:
                 accept_prob=None if accept_prob is None else accept_prob.tolist(),
                 lag_steps=self.plan.lag_steps, mode=self.plan.mode, probe=self.probe,
                 off_steps=self._off_steps, off_seconds=self._off_seconds, offset_seconds=offset,
+                offset_slope=self.offset.slope,
                 context_len=context_len, temperatures=None if swapped is None else swapped.temperatures))
         self._off_steps, self._off_seconds = 0, 0.0
         return StepInfo(num_reqs=num_reqs, committed=sum(correct) + num_reqs, rows=layout.total_rows,

@@ -20,13 +20,14 @@ from dspark.runtime.planner.verify_plan import StepPlan
 def step_record(handles: Sequence[SlotHandle], *, step: StepPlan, layout: VerifyLayout, lens: Sequence[int],
                 correct: Sequence[int], raw: Sequence[int], conf_logits: torch.Tensor | None, seconds: float,
                 lag_steps: int, mode: VerifyMode, probe: bool = False, off_steps: int = 0,
-                off_seconds: float = 0.0, offset_seconds: float = 0.0,
+                off_seconds: float = 0.0, offset_seconds: float = 0.0, offset_slope: float = 1.0,
                 accept_prob: Sequence[Sequence[float]] | None = None, context_len: float | None = None,
                 temperatures: Sequence[float] | None = None) -> StepRecord:
     """The step's record: `lens` the planned verify_lens, `correct` the accepted drafts, `raw` the uncapped
     match, `conf_logits` the draft's confidence logits (None without a confidence head); `probe`, `off_steps`
     and `off_seconds` the planner's off state (a drafted step while off, the target-only steps since the
-    previous drafted one); `offset_seconds` the measured step offset the planner priced with;
+    previous drafted one); `offset_seconds` the measured step offset the planner priced with, and
+    `offset_slope` its fit's slope;
     `accept_prob` each draft's acceptance probability given its prefix (rows that did not run are
     recorded as they were computed, so only a fully verified request's are exact); `context_len` the
     batch's mean cached tokens a request, which the step was priced at; `temperatures` those online
@@ -52,5 +53,5 @@ def step_record(handles: Sequence[SlotHandle], *, step: StepPlan, layout: Verify
         committed=int(sum(correct)) + num_reqs,
         predicted_step_seconds=decision.predicted_step_seconds if decision else None,
         step_seconds=seconds, requests=requests, probe=probe, off_steps=off_steps, off_seconds=off_seconds,
-        offset_seconds=offset_seconds, context_len=context_len,
+        offset_seconds=offset_seconds, offset_slope=offset_slope, context_len=context_len,
         temperatures=None if temperatures is None else tuple(temperatures))
