@@ -31,7 +31,8 @@ from dspark.measure.recording import RunRecorder
 from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
-from dspark.runtime.planner.online_calibration import LiveCalibration, draws_ece, step_labels, windowed_ece
+from dspark.runtime.planner.calibration_metrics import binned_eces
+from dspark.runtime.planner.online_calibration import LiveCalibration, step_labels, windowed_ece
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
 from dspark.runtime.planner.survival_map import fit_survival_map
 
@@ -86,7 +87,7 @@ def noise_floor(phase: Phase, calibration: LiveCalibration, num_bins: int, seed:
     out = []
     for k in range(s.shape[1]):
         p = s[phase.known[:, k], k]
-        out.append(float(np.median(draws_ece(p, gen.random((NOISE_DRAWS, p.shape[0])) < p, num_bins))))
+        out.append(float(np.median(binned_eces(p, gen.random((NOISE_DRAWS, p.shape[0])) < p, num_bins))))
     return out
 
 

@@ -18,6 +18,7 @@ import json
 import random
 import sysconfig
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 HELD_OUT_MODULUS = 20  # every file whose path hashes to 0 mod this is held out
@@ -57,15 +58,20 @@ def held_out_prompts(count: int, length: int = DEFAULT_PROMPT_CHARS, phase: int 
     when the held-out text runs out (about 400 at the default length and phase)."""
     prompts: list[str] = []
     for text in held_out_text(HELD_OUT_TEXT_BYTES):
-        lines = text.splitlines(keepends=True)
-        offset = 0
-        for i, line in enumerate(lines):
-            if i % HELD_OUT_LINE_STRIDE == phase and text[offset:offset + length].strip():
-                prompts.append(text[offset:offset + length])
-            offset += len(line)
-            if len(prompts) == count:
-                return prompts
+        prompts += _cut(text, length, lambda i: i % HELD_OUT_LINE_STRIDE == phase)
+        if len(prompts) >= count:
+            return prompts[:count]
     return prompts
+
+
+def _cut(text: str, length: int, keep: Callable[[int], bool]) -> list[str]:
+    """Prompts of `length` characters starting at the lines `keep(line index)` picks (blank ones left out)."""
+    out, offset = [], 0
+    for i, line in enumerate(text.splitlines(keepends=True)):
+        if keep(i) and text[offset:offset + length].strip():
+            out.append(text[offset:offset + length])
+        offset += len(line)
+    return out
 
 
 # Installed with dspark (numpy and networkx are its dependencies, sympy torch's), and the three on which the
@@ -103,21 +109,11 @@ def package_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS, p
     per_package = []
     for name, files in package_files(part, packages).items():
         prompts = [p for path in files
-                   for p in _cut(path.read_text(encoding="utf-8", errors="replace"), length, phase,
-                                 HELD_OUT_LINE_STRIDE)]
+                   for p in _cut(path.read_text(encoding="utf-8", errors="replace"), length,
+                                 lambda i: i % HELD_OUT_LINE_STRIDE == phase)]
         random.Random(f"{name}:{part}").shuffle(prompts)
         per_package.append(prompts)
     return _in_turn(per_package)[:count]
-
-
-def _cut(text: str, length: int, phase: int, stride: int) -> list[str]:
-    """Prompts of `length` characters starting at every `stride`-th line from line `phase`."""
-    out, offset = [], 0
-    for i, line in enumerate(text.splitlines(keepends=True)):
-        if i % stride == phase and text[offset:offset + length].strip():
-            out.append(text[offset:offset + length])
-        offset += len(line)
-    return out
 
 
 def _in_turn(lists: list[list[str]]) -> list[str]:
@@ -144,12 +140,8 @@ def distribution_prose(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS
             text = importlib.metadata.distribution(name).read_text("METADATA") or ""
         except importlib.metadata.PackageNotFoundError:
             continue
-        prompts, offset = [], 0
-        for i, line in enumerate(text.splitlines(keepends=True)):
-            if (i % PROSE_LINE_STRIDE == 3 and zlib.crc32(f"{name}:{i}".encode()) % 2 == part
-                    and text[offset:offset + length].strip()):
-                prompts.append(text[offset:offset + length])
-            offset += len(line)
+        prompts = _cut(text, length, lambda i, name=name: (
+            i % PROSE_LINE_STRIDE == 3 and zlib.crc32(f"{name}:{i}".encode()) % 2 == part))
         random.Random(f"{name}:{part}").shuffle(prompts)
         per_distribution.append(prompts)
     return _in_turn(per_distribution)[:count]

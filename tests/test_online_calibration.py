@@ -17,12 +17,11 @@ import pytest
 import torch
 
 from dspark.corpus import package_files, package_prompts
-from dspark.runtime.planner.calibration_metrics import binned_ece
+from dspark.runtime.planner.calibration_metrics import binned_ece, binned_eces
 from dspark.runtime.planner.online_calibration import (
     OnlineCalibrationSettings,
     OnlineCalibrator,
     calibrated_ece_quantile,
-    draws_ece,
     step_labels,
 )
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, grid_eces
@@ -115,14 +114,14 @@ def test_the_vectorised_fit_scores_every_temperature_as_the_naive_loop_does() ->
     naive = [binned_ece(cumulative_survival(z, [0.7, 1.3, t])[:, 2], y, 15) for t in grid]
     assert grid_eces(prefix, np.ascontiguousarray(z[:, 2]), y, grid, 15).tolist() == naive
     draws = gen.random((5, 700)) < prefix
-    assert draws_ece(prefix, draws, 15).tolist() == [binned_ece(prefix, d, 15) for d in draws]
+    assert binned_eces(prefix, draws, 15).tolist() == [binned_ece(prefix, d, 15) for d in draws]
 
 
 def test_the_drift_checks_noise_quantile_is_the_monte_carlo_one() -> None:
     gen = np.random.default_rng(5)
     for n in (200, 400, 2000):
         p = 1 / (1 + np.exp(-gen.normal(0.8, 1.5, n)))
-        monte_carlo = float(np.quantile(draws_ece(p, gen.random((4000, n)) < p, 15), 0.99))
+        monte_carlo = float(np.quantile(binned_eces(p, gen.random((4000, n)) < p, 15), 0.99))
         assert abs(calibrated_ece_quantile(p, 15) / monte_carlo - 1) < 0.08, (n, monte_carlo)
 
 

@@ -186,25 +186,20 @@ class StepRecord:
             committed=int_field(data, "committed", where),
             predicted_step_seconds=number_field(data, "predicted_step_seconds", where, nullable=True),
             step_seconds=step_seconds, requests=requests, **_off_state(data, where),
-            offset_seconds=_offset(data, where), temperatures=_temperatures(data, gamma, where),
-            context_len=_context_len(data, where), offset_slope=_offset_slope(data, where))
+            offset_seconds=_optional_number(data, "offset_seconds", where, 0.0),
+            temperatures=_temperatures(data, gamma, where),
+            context_len=_optional_number(data, "context_len", where, None),
+            offset_slope=_optional_number(data, "offset_slope", where, 1.0, positive=True))
 
 
-def _offset_slope(data: Mapping[str, Any], where: str) -> float:
-    if "offset_slope" not in data:
-        return 1.0
-    value = number_field(data, "offset_slope", where)
-    if not value > 0:
-        raise StepRecordError(f"{where}: offset_slope must be > 0, got {value}")
-    return value
-
-
-def _context_len(data: Mapping[str, Any], where: str) -> float | None:
-    if "context_len" not in data:
-        return None
-    value = number_field(data, "context_len", where)
-    if value < 0:
-        raise StepRecordError(f"{where}: context_len must be >= 0, got {value}")
+def _optional_number(data: Mapping[str, Any], key: str, where: str, absent: float | None,
+                     positive: bool = False) -> Any:
+    """A number >= 0 (> 0 when `positive`) older recordings lack: `absent` there."""
+    if key not in data:
+        return absent
+    value = number_field(data, key, where)
+    if value < 0 or (positive and value == 0):
+        raise StepRecordError(f"{where}: {key} must be {'> 0' if positive else '>= 0'}, got {value}")
     return value
 
 
@@ -219,23 +214,14 @@ def _temperatures(data: Mapping[str, Any], gamma: int, where: str) -> tuple[floa
     return values
 
 
-def _offset(data: Mapping[str, Any], where: str) -> float:
-    offset = number_field(data, "offset_seconds", where) if "offset_seconds" in data else 0.0
-    if offset < 0:
-        raise StepRecordError(f"{where}: offset_seconds must be >= 0, got {offset}")
-    return offset
-
-
 def _off_state(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     """The off-state fields, absent from recordings made before the planner could switch speculation off."""
     probe = data.get("probe", False)
     if not isinstance(probe, bool):
         raise StepRecordError(f"{where}: probe must be true or false, got {probe!r}")
     off_steps = int_field(data, "off_steps", where, minimum=0) if "off_steps" in data else 0
-    off_seconds = number_field(data, "off_seconds", where) if "off_seconds" in data else 0.0
-    if off_seconds < 0:
-        raise StepRecordError(f"{where}: off_seconds must be >= 0, got {off_seconds}")
-    return {"probe": probe, "off_steps": off_steps, "off_seconds": off_seconds}
+    return {"probe": probe, "off_steps": off_steps,
+            "off_seconds": _optional_number(data, "off_seconds", where, 0.0)}
 
 
 class StepRing:

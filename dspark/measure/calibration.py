@@ -25,7 +25,7 @@ import numpy as np
 
 from dspark.formats.sts_calibration import CalibrationFileContents, calibration_json, write_calibration
 from dspark.formats.sts_shards import StsData
-from dspark.measure.scores import confidence, survival
+from dspark.measure.scores import confidence, mapped_scores, survival
 from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, binned_ece, roc_auc
 from dspark.runtime.planner.sts import CalibrationError, check_grid, default_grid, fit_temperatures
 from dspark.runtime.planner.survival_map import SurvivalMap, fit_survival_map
@@ -107,11 +107,8 @@ def fit_sts(data: StsData, grid: Any = None, num_bins: int = DEFAULT_NUM_BINS, m
     before = survival(z)
     after = survival(z, temps)
     survival_map = fit_survival_map(after, mask, bins=map_bins) if map_bins else None
-    after_conf = confidence(z, temps)
-    if survival_map is not None:  # each position's confidence is then the mapped survival's step down
-        after = survival_map.apply(after)
-        reached = np.concatenate([np.ones((z.shape[0], 1)), after[:, :-1]], axis=1)
-        after_conf = np.divide(after, reached, out=np.zeros_like(after), where=reached > 0)
+    after, after_conf = (mapped_scores(survival_map, after) if survival_map is not None
+                         else (after, confidence(z, temps)))
     m_before = _cumulative_metrics(before, mask, num_bins)
     m_after = _cumulative_metrics(after, mask, num_bins)
     reach_rows = [np.ones(z.shape[0], dtype=bool)] + [mask[:, k - 1] for k in range(1, data.gamma)]

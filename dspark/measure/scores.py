@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from dspark.runtime.planner.survival import survival_from_logits
+from dspark.runtime.planner.survival_map import SurvivalMap
 
 Temperatures = Sequence[float] | np.ndarray | None
 
@@ -39,3 +40,12 @@ def confidence(logits: np.ndarray, temperatures: Temperatures = None) -> np.ndar
     columns = [survival(z[:, k:k + 1], None if temps is None else temps[k:k + 1])
                for k in range(z.shape[1])]
     return np.concatenate(columns, axis=1) if columns else np.zeros_like(z)
+
+
+def mapped_scores(survival_map: SurvivalMap, unmapped: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(survival, confidence) with the calibration's survival map after the temperatures' `unmapped`
+    survival: the planner's survival, and each position's step down along it (s_k / s_{k-1}, 0 where the
+    prefix cannot be reached), which is P(draft k accepted | the prefix reached it) there."""
+    mapped = survival_map.apply(unmapped)
+    reached = np.concatenate([np.ones((mapped.shape[0], 1)), mapped[:, :-1]], axis=1)
+    return mapped, np.divide(mapped, reached, out=np.zeros_like(mapped), where=reached > 0)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.formats.sts_calibration import CalibrationFileContents
-from dspark.measure.scores import confidence, survival
+from dspark.measure.scores import confidence, mapped_scores, survival
 from dspark.report.inputs import ReportError, RunData, StsSamples, unique_labels
 from dspark.runtime.planner.calibration_metrics import DEFAULT_NUM_BINS, bin_index, brier, ece, roc_auc
 from dspark.runtime.planner.survival_map import SurvivalMap
@@ -78,12 +78,9 @@ Scored = tuple[tuple["Reliability", ...], tuple["Reliability", ...]]
 
 def _score(logits: np.ndarray, mask: np.ndarray, temps: tuple[float, ...] | None,
            survival_map: SurvivalMap | None = None) -> Scored:
-    cond_conf = confidence(logits, temps)
     cum_survival = survival(logits, temps)
-    if survival_map is not None:  # the planner's survival; each position's confidence is its step down
-        cum_survival = survival_map.apply(cum_survival)
-        before = np.concatenate([np.ones((len(logits), 1)), cum_survival[:, :-1]], axis=1)
-        cond_conf = np.divide(cum_survival, before, out=np.zeros_like(cum_survival), where=before > 0)
+    cum_survival, cond_conf = (mapped_scores(survival_map, cum_survival) if survival_map is not None
+                               else (cum_survival, confidence(logits, temps)))
     conditional, cumulative = [], []
     for k in range(logits.shape[1]):
         reached = np.ones(len(mask), dtype=bool) if k == 0 else mask[:, k - 1]

@@ -59,6 +59,17 @@ def binned_ece(p: np.ndarray, y: np.ndarray, num_bins: int) -> float:
     return float(np.abs(sum_y - sum_p).sum() / p.shape[0])
 
 
+def binned_eces(p: np.ndarray, y: np.ndarray, num_bins: int) -> np.ndarray:
+    """`binned_ece(p[d], y[d], num_bins)` for every row `d` of `p` and `y` (`[D, n]` each, or broadcast to
+    it), in one pass: `[D]`, each the bits `binned_ece` gives (the same per-bin accumulation order)."""
+    p, y = np.broadcast_arrays(p, y)
+    rows, n = p.shape
+    cells = (bin_index(p, num_bins) + np.arange(rows)[:, None] * num_bins).ravel()  # (row, bin)
+    sum_p = np.bincount(cells, weights=p.ravel(), minlength=rows * num_bins).reshape(rows, num_bins)
+    sum_y = np.bincount(cells, weights=y.ravel().astype(np.float64), minlength=rows * num_bins)
+    return np.abs(sum_y.reshape(rows, num_bins) - sum_p).sum(axis=1) / n
+
+
 def ece(probs: Any, labels: Any, num_bins: int = DEFAULT_NUM_BINS) -> float:
     """Expected calibration error: equal-width bins over [0, 1], count-weighted |mean label − mean prob|."""
     if isinstance(num_bins, bool) or not isinstance(num_bins, (int, np.integer)) or num_bins < 1:

@@ -276,8 +276,9 @@ class AdditiveCostTable(_FromFormat):
     def at_context(self, context_len: float) -> AdditiveCostTable:
         """The table at a mean context of `context_len` tokens a request: every field interpolated linearly
         between the two profiled contexts around it; below the first, the first; beyond the last,
-        extrapolated from the last two (attention reads grow with the context), never cheaper than the last
-        and kept monotone. Remembered per CONTEXT_QUANTUM tokens: the planner asks every step."""
+        extrapolated from the last two (attention reads grow with the context) up to twice the last context
+        and held there, never cheaper than the last and kept monotone. Remembered per CONTEXT_QUANTUM tokens:
+        the planner asks every step."""
         if not self.context_lens:
             return self
         key = int(round(max(context_len, 0.0) / CONTEXT_QUANTUM))

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark.runtime.planner.calibration_metrics import bin_index
+from dspark.runtime.planner.calibration_metrics import binned_eces
 from dspark.runtime.planner.survival_map import SurvivalMap
 
 DEFAULT_GRID_POINTS = 41
@@ -78,14 +78,8 @@ def grid_eces(prefix: np.ndarray | None, z: np.ndarray, y: np.ndarray, grid: np.
 
     Each column is the bits `binned_ece(cumulative_survival(...)[:, k], y)` computes for that T (the same
     division, sigmoid, product and per-bin accumulation order): the fit does not depend on the vectorising."""
-    q = sigmoid(z[:, None] / grid[None, :])  # [n, G]
-    s = prefix[:, None] * q if prefix is not None else q
-    g = grid.shape[0]
-    idx = bin_index(s, num_bins) + np.arange(g)[None, :] * num_bins  # [n, G]: (T, bin) cells
-    sum_p = np.bincount(idx.T.ravel(), weights=s.T.ravel(), minlength=g * num_bins).reshape(g, num_bins)
-    sum_y = np.bincount(idx.T.ravel(), weights=np.broadcast_to(y.astype(np.float64)[None, :], (g, y.shape[0])
-                                                               ).ravel(), minlength=g * num_bins)
-    return np.abs(sum_y.reshape(g, num_bins) - sum_p).sum(axis=1) / s.shape[0]
+    q = sigmoid(z[None, :] / grid[:, None])  # [G, n]
+    return binned_eces(prefix[None, :] * q if prefix is not None else q, y[None, :], num_bins)
 
 
 def fit_temperatures(logits: np.ndarray, labels: np.ndarray, grid: np.ndarray, num_bins: int,

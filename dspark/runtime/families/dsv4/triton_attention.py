@@ -307,6 +307,16 @@ def _online_update(q, k, ok, m_i, l_i, acc, qk_scale_log2, PRECISION: tl.constex
 
 
 @jit
+def _paged_keys(kv_ptr, kv_s_page, kv_s_off, kv_s_dim, bt_ptr, bt_s_slot, bt_s_col, slot, col, off, ok,
+                d, d_ok):
+    """The key tile of cache entries (`col` a block-table column, `off` the offset in its page) where `ok`:
+    the page from the slot's block-table row, then the entries' `d` dims (zeros elsewhere)."""
+    page = tl.load(bt_ptr + slot * bt_s_slot + col * bt_s_col, mask=ok, other=0).to(tl.int64)
+    return tl.load(kv_ptr + page[:, None] * kv_s_page + off[:, None] * kv_s_off + d[None, :] * kv_s_dim,
+                   mask=ok[:, None] & d_ok[None, :], other=0.0)
+
+
+@jit
 def _dsv4_attention_kernel(q_ptr, q_s_row, q_s_head, q_s_dim,
                            swa_ptr, swa_s_page, swa_s_off, swa_s_dim,
                            cmp_ptr, cmp_s_page, cmp_s_off, cmp_s_dim,
@@ -348,9 +358,8 @@ def _dsv4_attention_kernel(q_ptr, q_s_row, q_s_head, q_s_dim,
         ring_slot = (first + n) % ring  # first + n >= 0 wherever n < wl
         col = ring_slot // swa_ps
         ok = (n < wl) & (col < ori_cols)
-        page = tl.load(ori_ptr + slot * ori_s_slot + col * ori_s_col, mask=ok, other=0).to(tl.int64)
-        k = tl.load(swa_ptr + page[:, None] * swa_s_page + (ring_slot % swa_ps)[:, None] * swa_s_off
-                    + d[None, :] * swa_s_dim, mask=ok[:, None] & d_ok[None, :], other=0.0)
+        k = _paged_keys(swa_ptr, swa_s_page, swa_s_off, swa_s_dim, ori_ptr, ori_s_slot, ori_s_col, slot, col,
+                        ring_slot % swa_ps, ok, d, d_ok)
         m_i, l_i, acc = _online_update(q, k, ok, m_i, l_i, acc, qk_scale_log2, PRECISION)
 
     if HAS_CMP:
@@ -368,9 +377,8 @@ def _dsv4_attention_kernel(q_ptr, q_s_row, q_s_head, q_s_dim,
                 e = ids.to(tl.int64)
                 col = e // cmp_ps
                 ok = (j < stop) & (ids >= 0) & (ids < visible) & (col < cbt_cols)
-                page = tl.load(cbt_ptr + slot * cbt_s_slot + col * cbt_s_col, mask=ok, other=0).to(tl.int64)
-                k = tl.load(cmp_ptr + page[:, None] * cmp_s_page + (e % cmp_ps)[:, None] * cmp_s_off
-                            + d[None, :] * cmp_s_dim, mask=ok[:, None] & d_ok[None, :], other=0.0)
+                k = _paged_keys(cmp_ptr, cmp_s_page, cmp_s_off, cmp_s_dim, cbt_ptr, cbt_s_slot, cbt_s_col,
+                                slot, col, e % cmp_ps, ok, d, d_ok)
                 m_i, l_i, acc = _online_update(q, k, ok, m_i, l_i, acc, qk_scale_log2, PRECISION)
         else:
             # C128-kind: entries 0 .. visible - 1, nothing past them.
@@ -378,9 +386,8 @@ def _dsv4_attention_kernel(q_ptr, q_s_row, q_s_head, q_s_dim,
                 e = (n0 + n_offs).to(tl.int64)
                 col = e // cmp_ps
                 ok = (e < visible) & (col < cbt_cols)
-                page = tl.load(cbt_ptr + slot * cbt_s_slot + col * cbt_s_col, mask=ok, other=0).to(tl.int64)
-                k = tl.load(cmp_ptr + page[:, None] * cmp_s_page + (e % cmp_ps)[:, None] * cmp_s_off
-                            + d[None, :] * cmp_s_dim, mask=ok[:, None] & d_ok[None, :], other=0.0)
+                k = _paged_keys(cmp_ptr, cmp_s_page, cmp_s_off, cmp_s_dim, cbt_ptr, cbt_s_slot, cbt_s_col,
+                                slot, col, e % cmp_ps, ok, d, d_ok)
                 m_i, l_i, acc = _online_update(q, k, ok, m_i, l_i, acc, qk_scale_log2, PRECISION)
 
     if HAS_SINK:
