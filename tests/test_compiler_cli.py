@@ -352,7 +352,8 @@ def test_export_sglang_accounts_for_every_spec_field(write_spec, tmp_path, monke
         write_spec({"verify": {"mode": "cap-accept", "align_to_graph_tier": True, "lag_steps": 2},
                     "cost_model": additive, "calibration": {"temperatures": [1.0, 1.0, 1.0]},
                     "graph": {"enabled": True, "capture_batch_sizes": [1, 2, 4, 8, 16, 32]},
-                    "serving": {"record_steps": 5}, "backend": {"kind": "cuda", "device": "h100"}},
+                    "serving": {"record_steps": 5}, "backend": {"kind": "cuda", "device": "h100"},
+                    "online_cost": {"window": 256, "refit_every": 32, "ridge": 2.0, "outlier_mads": 3.0}},
                    name="inline.yaml"),
         write_spec({"verify": {"mode": "compact"}, "cost_model": tier_table}, name="tier.yaml"),
         write_spec({"model": {"geometry": {

@@ -334,7 +334,7 @@ def test_schema_lists_every_section(capsys):
     schema = json.loads(capsys.readouterr().out)
     assert set(schema["properties"]) == {"name", "model", "draft", "parallelism", "backend",
                                          "verify", "graph", "cost_model", "calibration", "online_calibration",
-                                         "serving"}
+                                         "online_cost", "serving"}
     assert schema["additionalProperties"] is False
 
 

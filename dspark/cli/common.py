@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from dspark.runtime.config import OnlineCostSettings
     from dspark.runtime.package import GeneratedPackage
 
 EXIT_USAGE = 2
@@ -98,3 +99,23 @@ def read_prompts_file(path: Path) -> list[str]:
     if not prompts:
         raise CliError(f"prompts file {path} holds no prompts")
     return prompts
+
+
+def add_online_cost_args(p: argparse.ArgumentParser) -> None:
+    """`--online-cost` / `--no-online-cost`, shared by `dspark run` and `dspark serve`."""
+    cost = p.add_mutually_exclusive_group()
+    cost.add_argument("--online-cost", dest="online_cost", action="store_true", default=None,
+                      help="refit the additive cost table's knots from the decode steps' measured seconds "
+                           "and swap the refitted table in between steps (the spec's online_cost settings, "
+                           "else their defaults; default: as the spec's online_cost section says)")
+    cost.add_argument("--no-online-cost", dest="online_cost", action="store_false",
+                      help="keep the compiled cost table (and the step offset alone), whatever the spec says")
+
+
+def online_cost_of(pkg: GeneratedPackage, flag: bool | None) -> OnlineCostSettings | None:
+    """The online cost settings a run uses: the spec's, overridden by `--online-cost` (on, with the spec's
+    settings or the defaults) or `--no-online-cost` (off)."""
+    from dspark.runtime.config import OnlineCostSettings
+
+    compiled = pkg.deployment.online_cost
+    return {None: compiled, True: compiled or OnlineCostSettings(), False: None}[flag]

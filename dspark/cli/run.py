@@ -12,7 +12,9 @@ from typing import Any
 
 from dspark.cli.common import (
     CliError,
+    add_online_cost_args,
     load_package_or_fail,
+    online_cost_of,
     read_prompts_file,
     require_positive,
     warn_if_dummy_weights,
@@ -75,6 +77,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "step path, and swap them in between steps (cap-accept and compact builds with a "
                         "confidence head; the spec's online_calibration settings, else their defaults; "
                         "a spec that turns it on needs no flag)")
+    add_online_cost_args(p)
+
 
 
 def check_run_args(args: argparse.Namespace) -> None:
@@ -182,7 +186,8 @@ def run_package(package_dir: Path, args: argparse.Namespace) -> int:
     options = {"forced_budget_fraction": args.budget_fraction, "sampling": sampling_of(pkg, args),
                "seed": args.seed,
                "online_calibration": (pkg.deployment.online_calibration or OnlineCalibrationSettings())
-               if args.online_calibration else pkg.deployment.online_calibration}
+               if args.online_calibration else pkg.deployment.online_calibration,
+               "online_cost": online_cost_of(pkg, args.online_cost)}
     try:
         if follows(pkg, **options):  # another rank of a torchrun launch ran rank 0's steps
             return 0

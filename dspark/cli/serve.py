@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dspark.cli.common import CliError, load_package_or_fail, warn_if_dummy_weights
+from dspark.cli.common import (
+    CliError,
+    add_online_cost_args,
+    load_package_or_fail,
+    online_cost_of,
+    warn_if_dummy_weights,
+)
 
 if TYPE_CHECKING:
     from dspark.runtime.package import GeneratedPackage
@@ -85,6 +91,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                                                 "as the spec's online_calibration says)")
     calibration.add_argument("--no-online-calibration", dest="online_calibration", action="store_false",
                              help="keep the compiled temperatures, whatever the spec says")
+    add_online_cost_args(p)
     p.add_argument("--save-calibration", type=Path, default=None, metavar="PATH",
                    help="with online calibration on: on shutdown, write the live calibration to PATH as a "
                         "calibration file (name it in the spec's calibration.file to start from it)")
@@ -148,7 +155,8 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
         compiled = pkg.deployment.online_calibration  # the spec's setting, which the flags override
         online = {None: compiled, True: compiled or OnlineCalibrationSettings(), False: None}
         options = {"seed": args.seed, "fixed_verify_len": args.fixed_verify_len,
-                   "online_calibration": online[args.online_calibration]}
+                   "online_calibration": online[args.online_calibration],
+                   "online_cost": online_cost_of(pkg, args.online_cost)}
         if args.save_calibration is not None and options["online_calibration"] is None:
             raise CliError("--save-calibration needs online calibration (--online-calibration, or the "
                            "spec's online_calibration section)")

@@ -362,7 +362,9 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "serving": spec.serving,
         "config_imports": _config_imports(resolved),
         "draft_architecture": _draft_architecture(spec),
-        "online_calibration": _online_calibration(spec),
+        # deployment.py's slot after token_tiers holds every optional online refit of DeploymentConfig, so
+        # one more leaves the template, and every package's manifest, unchanged
+        "online_calibration": _online_calibration(spec) + _online_cost(spec),
         "model_checkpoint": stored_checkpoint(resolved.model_checkpoint, package_dir),
         "draft_checkpoint": stored_checkpoint(resolved.draft_checkpoint, package_dir),
         "model_digest": resolved.model_digest,
@@ -408,6 +410,8 @@ def _config_imports(resolved: ResolvedSpec) -> str:
     """deployment.py's names from dspark.runtime.config, one a line in the import sorter's order."""
     geometry = _geometry_class(resolved)
     online = ["OnlineCalibrationSettings"] if _online(resolved.spec) else []
+    if _online_cost_on(resolved.spec):
+        online.append("OnlineCostSettings")
     names = ["DeploymentConfig", "DraftRef", geometry, "ModelRef", *online, "ParallelPlan", "ServingConfig"]
     return "".join(f"    {name},\n" for name in names)
 
@@ -449,6 +453,21 @@ def _online_calibration(spec: DeploymentSpec) -> str:
     fields = spec.online_calibration.model_dump(exclude={"enabled"})
     body = "".join(f"        {name}={py_literal(value)},\n" for name, value in fields.items())
     return f"\n    online_calibration=OnlineCalibrationSettings(\n{body}    ),"
+
+
+def _online_cost_on(spec: DeploymentSpec) -> bool:
+    return spec.online_cost is not None and spec.online_cost.enabled
+
+
+def _online_cost(spec: DeploymentSpec) -> str:
+    """The DeploymentConfig's `online_cost` field where the spec turns it on: the settings the server
+    refits its cost table with."""
+    if not _online_cost_on(spec):
+        return ""
+    assert spec.online_cost is not None
+    fields = spec.online_cost.model_dump(exclude={"enabled"})
+    body = "".join(f"        {name}={py_literal(value)},\n" for name, value in fields.items())
+    return f"\n    online_cost=OnlineCostSettings(\n{body}    ),"
 
 
 # The dense geometry's fields, in ModelGeometry's order (rope_scaling written as its fields' dict).

@@ -51,6 +51,8 @@ NO_SGLANG_EQUIVALENT: dict[str, str] = {
     "model.geometry.*": _CHECKPOINT_CONFIG,
     "online_calibration": "SGLang keeps the temperatures it was launched with: it has no online refit",
     "online_calibration.*": "SGLang keeps the temperatures it was launched with: it has no online refit",
+    "online_cost": "SGLang prices steps with the table it was launched with: it has no online refit",
+    "online_cost.*": "SGLang prices steps with the table it was launched with: it has no online refit",
     "draft.architecture": "SGLang tells a DSpark block draft from a V4 checkpoint's stages by the draft "
                           "checkpoint's config.json",
     "draft.confidence_head": "SGLang reads the draft's heads from its checkpoint",

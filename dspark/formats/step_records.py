@@ -104,7 +104,7 @@ class RequestRecord:
 _STEP_KEYS = ("step", "num_reqs", "lag", "mode", "budget", "aligned_budget", "decision_tau", "planned_rows",
               "rows", "tier", "padding_rows", "tau", "committed", "predicted_step_seconds", "step_seconds",
               "requests", "probe", "off_steps", "off_seconds", "offset_seconds", "temperatures",
-              "context_len", "offset_slope")
+              "context_len", "offset_slope", "cost_refit")
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,9 @@ class StepRecord:
     # planner's whole prediction of the step's seconds is `offset_slope * predicted_step_seconds` (absent in
     # older recordings: 1).
     offset_slope: float = 1.0
+    # The number (1, 2, ...) of the online cost refit whose table was swapped into the plan before this step
+    # (absent: no swap since the previous drafted step).
+    cost_refit: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         if self.step is None:
@@ -159,7 +162,8 @@ class StepRecord:
                 "offset_seconds": self.offset_seconds,
                 **({} if self.context_len is None else {"context_len": self.context_len}),
                 "offset_slope": self.offset_slope,
-                **({} if self.temperatures is None else {"temperatures": list(self.temperatures)})}
+                **({} if self.temperatures is None else {"temperatures": list(self.temperatures)}),
+                **({} if self.cost_refit is None else {"cost_refit": self.cost_refit})}
 
     @classmethod
     @errors_as(StepRecordError)
@@ -189,7 +193,8 @@ class StepRecord:
             offset_seconds=_optional_number(data, "offset_seconds", where, 0.0),
             temperatures=_temperatures(data, gamma, where),
             context_len=_optional_number(data, "context_len", where, None),
-            offset_slope=_optional_number(data, "offset_slope", where, 1.0, positive=True))
+            offset_slope=_optional_number(data, "offset_slope", where, 1.0, positive=True),
+            cost_refit=int_field(data, "cost_refit", where, minimum=1) if "cost_refit" in data else None)
 
 
 def _optional_number(data: Mapping[str, Any], key: str, where: str, absent: float | None,

@@ -226,6 +226,32 @@ class OnlineCalibrationSettings:
 
 
 @dataclass(frozen=True)
+class OnlineCostSettings:
+    """How the runtime refits its additive cost table's knots from its own steps' measured seconds
+    (`dspark.runtime.planner.online_cost`; the spec's `online_cost` section)."""
+
+    window: int = 512  # decode steps (drafted and without speculation) the refit reads
+    refit_every: int = 64  # new steps between refits
+    # Each knot's correction is pulled towards zero as if this many steps there had measured the table's own
+    # price: a knot the traffic never visits keeps the table's value, one visited by hundreds follows them.
+    ridge: float = 4.0
+    outlier_mads: float = 3.5  # a step this many robust deviations off the first fit is left out of the refit
+
+    def __post_init__(self) -> None:
+        for name in ("window", "refit_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"online cost {name} must be a positive integer, got {value!r}")
+        if self.refit_every > self.window:
+            raise ValueError(f"online cost refit_every {self.refit_every} exceeds window {self.window}")
+        for name in ("ridge", "outlier_mads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"online cost {name} must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
 class DeploymentConfig:
     """Everything the runtime needs to know about one compiled deployment."""
 
@@ -243,6 +269,7 @@ class DeploymentConfig:
     serving: ServingConfig
     token_tiers: tuple[int, ...] = ()  # rows a verify step is padded to; () without graph capture
     online_calibration: OnlineCalibrationSettings | None = None  # None: the compiled temperatures stay
+    online_cost: OnlineCostSettings | None = None  # None: the compiled cost table stays
 
     def __post_init__(self) -> None:
         _require(self.backend in ("cpu", "cuda", "ascend"), f"unknown backend {self.backend!r}")

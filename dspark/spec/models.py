@@ -579,6 +579,40 @@ class OnlineCalibrationSpec(Section):
         return value
 
 
+class OnlineCostSpec(Section):
+    """Refit the additive cost table's knots from the served decode steps' measured seconds and swap the
+    refitted table in between steps (docs/planner.md, "Online cost refit"); needs an additive cost_model.
+    `dspark serve --online-cost` / `--no-online-cost` override `enabled`."""
+
+    enabled: bool = Field(default=True, description="Refit while serving (writing the section turns it on).")
+    window: int = Field(
+        default=512, ge=1, description="Decode steps (drafted and without speculation) the refit reads.")
+    refit_every: int = Field(
+        default=64, ge=1, description="New decode steps between refits (at most window).")
+    ridge: float = Field(
+        default=4.0, gt=0,
+        description="Pseudo-steps at the table's own price that pull each knot's correction towards zero: a "
+                    "knot the traffic never visits keeps the table's value.")
+    outlier_mads: float = Field(
+        default=3.5, gt=0,
+        description="A step further than this many robust deviations from the first fit is left out of it.")
+
+    @model_validator(mode="after")
+    def _refits_inside_window(self) -> OnlineCostSpec:
+        # After the model, not on the field: a refit_every left at its default must fit a small window too.
+        if self.refit_every <= self.window:
+            return self
+        if "refit_every" in self.model_fields_set:
+            field, error = "refit_every", FieldValueError(
+                f"{self.refit_every} is more than window ({self.window})", f"use at most {self.window}")
+        else:
+            field, error = "window", FieldValueError(
+                f"{self.window} is less than refit_every ({self.refit_every})",
+                f"use at least {self.refit_every}, or set refit_every to at most {self.window}")
+        raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
+            type="value_error", loc=(field,), input=getattr(self, field), ctx={"error": error})])
+
+
 class DeploymentSpec(Section):
     """A DSpark adaptive-verify speculative decoding deployment."""
 
@@ -603,6 +637,11 @@ class DeploymentSpec(Section):
         default=None,
         description="Refit the STS temperatures while serving (cap-accept and compact with a confidence "
                     "head); left out: the compiled temperatures stay.")
+    online_cost: OnlineCostSpec | None = Field(
+        default=None,
+        description="Refit the additive cost table's knots from the served steps' measured seconds "
+                    "(cap-accept and compact with an additive cost_model); left out: the compiled table "
+                    "stays.")
     serving: ServingSpec = Field(default_factory=ServingSpec, description="Serving limits.")
 
     @field_validator("name")

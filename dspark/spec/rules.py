@@ -84,6 +84,26 @@ def check_online_calibration(facts: SpecFacts) -> Iterator[SpecIssue]:
                         "that has a confidence head")
 
 
+def check_online_cost(facts: SpecFacts) -> Iterator[SpecIssue]:
+    spec = facts.spec
+    online = spec.online_cost
+    if online is None or not online.enabled:
+        return
+    if not spec.verify.mode.plans:
+        yield SpecIssue(("online_cost", "enabled"),
+                        f"the online cost refit corrects the table the planner prices steps with, but "
+                        f"{spec.verify.mode} mode has no planner",
+                        "remove online_cost, or use verify.mode: cap-accept or compact with an additive "
+                        "cost_model")
+    elif spec.cost_model is None or spec.cost_model.type != "additive":
+        kind = "no cost_model" if spec.cost_model is None else f"a {spec.cost_model.type} cost_model"
+        yield SpecIssue(("online_cost", "enabled"),
+                        f"the online cost refit corrects an additive table's knots (bias, alpha, theta, "
+                        f"decode), but the spec has {kind}",
+                        "remove online_cost, or set cost_model to an additive table (`dspark profile` writes "
+                        "additive.json: cost_model: {type: additive, file: .../additive.json})")
+
+
 def check_tensor_parallel(facts: SpecFacts) -> Iterator[SpecIssue]:
     geometry, parallelism = facts.geometry, facts.spec.parallelism
     tp = parallelism.tp
@@ -303,6 +323,7 @@ RULES: tuple[Rule, ...] = (
     check_confidence_head,
     check_calibration_count,
     check_online_calibration,
+    check_online_cost,
     check_tiers_need_graphs,
     check_tier_lists,
     check_tier_coverage,

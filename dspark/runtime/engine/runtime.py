@@ -24,6 +24,7 @@ from dspark.modes import SpeculationOff
 from dspark.runtime.attention.metadata import AttentionBackend
 from dspark.runtime.attention.torch_paged import TorchPagedAttention
 from dspark.runtime.attention.triton_paged import TritonPagedAttention
+from dspark.runtime.config import OnlineCostSettings
 from dspark.runtime.distributed.dp_engine import DPDispatch, RequestSpec, serve_engine
 from dspark.runtime.distributed.dp_sync import DPStepSync
 from dspark.runtime.distributed.launch import Launch, Ranks, join, leave
@@ -50,7 +51,9 @@ from dspark.runtime.models.checkpoint import load_draft_model, target_embeddings
 from dspark.runtime.models.dummy import draft_config
 from dspark.runtime.models.families import ServingTarget
 from dspark.runtime.package import GeneratedPackage, VerifyRunner
+from dspark.runtime.planner.cost_models import AdditiveCostTable
 from dspark.runtime.planner.online_calibration import OnlineCalibrationSettings, OnlineCalibrator
+from dspark.runtime.planner.online_cost import OnlineCostRefit
 from dspark.runtime.planner.switch import SpeculationSwitch
 from dspark.runtime.planner.verify_plan import AdaptiveVerifyPlan, VerifyPlan
 from dspark.runtime.sampling import SamplingParams
@@ -60,10 +63,12 @@ class Runtime:
     def __init__(self, package: GeneratedPackage, forced_budget_fraction: float | None = None,
                  recorder: StepRecorder | None = None, sampling: SamplingParams | None = None,
                  seed: int = 0, ranks: Ranks | None = None, fixed_verify_len: int | None = None,
-                 online_calibration: OnlineCalibrationSettings | None = None) -> None:
+                 online_calibration: OnlineCalibrationSettings | None = None,
+                 online_cost: OnlineCostSettings | None = None) -> None:
         """`ranks`: this process's places when `follows` joined the process group already;
         `fixed_verify_len`: every request verifies exactly this many rows each step (benchmarks);
-        `online_calibration`: refit the planner's temperatures from the served steps (a planning mode)."""
+        `online_calibration`: refit the planner's temperatures from the served steps (a planning mode);
+        `online_cost`: refit the additive cost table's knots from the steps' measured seconds."""
         dep = package.deployment
         self.package = package
         self.deployment = dep
@@ -134,6 +139,14 @@ class Runtime:
             self.speculative.online = OnlineCalibrator(self.plan.gamma, self.plan.temperatures,
                                                        online_calibration,
                                                        survival_map=self.plan.survival_map)
+        if online_cost is not None:
+            table = self.plan.table if isinstance(self.plan, AdaptiveVerifyPlan) else None
+            if not isinstance(table, AdditiveCostTable):
+                kind = "no cost model" if table is None else f"a {table.kind} cost table"
+                raise RequestError(f"the online cost refit corrects an additive cost table's knots, but this "
+                                   f"deployment plans with {kind}: run it without --online-cost, or compile "
+                                   "it with an additive table (`dspark profile` writes additive.json)")
+            self.speculative.cost_refit = OnlineCostRefit(table, online_cost)
         # the planner's off state: whether the next decode step speculates (None: every step does)
         self.switch: SpeculationSwitch | None = self.plan.speculation_switch()
         self.stats = RunStats(gamma=self.plan.gamma)
@@ -296,8 +309,26 @@ class Runtime:
         self.target_only = target_only
 
     def reset_switch(self) -> None:
-        """Start the off state afresh (a new `generate` run: speculating, nothing observed yet)."""
-        self.switch = self.plan.speculation_switch()
+        """Start the off state afresh (a new `generate` run: speculating, nothing observed yet), priced by the
+        table the steps plan with (an online cost refit's, once one is swapped in)."""
+        self.switch = self.speculative.plan.speculation_switch()
+
+    def _swap_cost_table(self, decoding: list[Request]) -> None:
+        """Between steps: the online cost refit's new table, when one is ready, into the plan and the off
+        state alike (both must weigh one table), with the plan's table at the coming step's context made
+        here rather than inside the step's measured time."""
+        refit = self.speculative.cost_refit
+        table = refit.poll() if refit is not None else None
+        if table is None:
+            return
+        assert refit is not None
+        self.speculative.use_cost_table(table, refit.refits)
+        live = self.speculative.plan.table  # type: ignore[attr-defined]
+        assert isinstance(live, AdditiveCostTable)
+        if self.switch is not None:
+            self.switch.use_table(live)
+        if decoding:
+            live.at_context(sum(r.seq_len for r in decoding) / len(decoding))
 
     def _switched_step(self, switch: SpeculationSwitch, decoding: list[Request], stats: RunStats
                        ) -> tuple[StepInfo | None, bool]:
@@ -315,6 +346,8 @@ class Runtime:
             off = self.extend.decode(decoding, stats, with_draft=True)
             if off is not None:
                 offset.observe(switch.decode_seconds(off.num_reqs, context_len), off.seconds)
+                if self.speculative.cost_refit is not None and context_len is not None:
+                    self.speculative.cost_refit.observe_off(off.num_reqs, context_len, off.seconds)
             return off, False
         self.speculative.probe = switch.probing
         prefix = [r.seq_len for r in decoding]
@@ -339,8 +372,10 @@ class Runtime:
             touched.extend(ready)
         finished = sched.retire()
         if sched.running or dp:
-            t0 = time.perf_counter()
             decoding = list(sched.running)
+            if not self.target_only:
+                self._swap_cost_table(decoding)
+            t0 = time.perf_counter()
             drafted: bool | None = None  # where the planner may switch speculation off: the state it ran
             if self.target_only:
                 self.last_step = self.extend.decode(decoding, stats)

@@ -29,7 +29,9 @@ from dspark.runtime.engine.step_sync import GlobalVerify, StepSync, VerifyReport
 from dspark.runtime.kernels.accept import AcceptResult, greedy_accept
 from dspark.runtime.kv_cache import SlotHandle
 from dspark.runtime.layout import tier_for
+from dspark.runtime.planner.cost_models import AdditiveCostTable
 from dspark.runtime.planner.online_calibration import OnlineCalibrator
+from dspark.runtime.planner.online_cost import OnlineCostRefit, plan_cost_model
 from dspark.runtime.planner.step_offset import StepOffset
 from dspark.runtime.planner.survival import LaggedSurvival
 from dspark.runtime.planner.verify_plan import StepPlan, VerifyPlan
@@ -76,6 +78,10 @@ class SpeculativeStep:
         # Online calibration (`planner.online_calibration`): the labels of every drafted step, and the
         # temperatures it refits, swapped into this step's plan between steps.
         self.online: OnlineCalibrator | None = None
+        # Online cost refit (`planner.online_cost`): every step's measured seconds, and the refitted table the
+        # runtime swaps in between steps (`use_cost_table`); the next record carries the swap's number.
+        self.cost_refit: OnlineCostRefit | None = None
+        self._cost_swap: int | None = None
         # the planner's off state, for the next step's record: is it a probe, and the steps without
         # speculation since the last drafted one (`note_off_step`)
         self.probe = False
@@ -156,8 +162,10 @@ class SpeculativeStep:
         if decision is not None and decision.predicted_step_seconds is not None:
             self.offset.observe(decision.predicted_step_seconds - offset, seconds)
 
-        # 6. Learn and record: online calibration's labels; with `dspark run --record`, the calibration
-        #    shards' labels and the step's record.
+        # 6. Learn and record: the step's seconds for the cost refit, online calibration's labels; with
+        #    `dspark run --record`, the calibration shards' labels and the step's record.
+        if self.cost_refit is not None:
+            self.cost_refit.observe_drafted(num_reqs, sum(plan.verify_lens), context_len, seconds)
         if self.online is not None and proposal.conf_logits is not None and raw_correct is not None:
             self.online.observe(proposal.conf_logits, raw_correct.tolist(), plan.run_lens,
                                 [r.sampling == self.policy for r in running])
@@ -174,12 +182,21 @@ class SpeculativeStep:
                 lag_steps=self.plan.lag_steps, mode=self.plan.mode, probe=self.probe,
                 off_steps=self._off_steps, off_seconds=self._off_seconds, offset_seconds=offset,
                 offset_slope=self.offset.slope,
-                context_len=context_len, temperatures=None if swapped is None else swapped.temperatures))
-        self._off_steps, self._off_seconds = 0, 0.0
+                context_len=context_len, temperatures=None if swapped is None else swapped.temperatures,
+                cost_refit=self._cost_swap))
+        self._off_steps, self._off_seconds, self._cost_swap = 0, 0.0, None
         return StepInfo(num_reqs=num_reqs, committed=sum(correct) + num_reqs, rows=layout.total_rows,
                         planned_rows=sum(plan.verify_lens), padding_rows=layout.num_padding_rows,
                         tier=layout.tier, budget=decision.budget if decision else None, tau=plan.tau,
                         seconds=seconds)
+
+    def use_cost_table(self, table: AdditiveCostTable, refit: int) -> None:
+        """Between steps: plan with the online cost refit's table `refit` (its number) from the next step on.
+        The step offset starts afresh: its fit measured the excess over the old table, most of which the
+        refit has moved into the table itself, and what it holds would be counted twice."""
+        self.plan = self.plan.with_overrides(cost_model=plan_cost_model(table))  # type: ignore[attr-defined]
+        self.offset = StepOffset(self.plan.step_offset_window)
+        self._cost_swap = refit
 
     def note_off_step(self, seconds: float) -> None:
         """A decode step without speculation ran (the planner's off state): the next record counts it."""

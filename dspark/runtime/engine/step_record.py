@@ -22,7 +22,7 @@ def step_record(handles: Sequence[SlotHandle], *, step: StepPlan, layout: Verify
                 lag_steps: int, mode: VerifyMode, probe: bool = False, off_steps: int = 0,
                 off_seconds: float = 0.0, offset_seconds: float = 0.0, offset_slope: float = 1.0,
                 accept_prob: Sequence[Sequence[float]] | None = None, context_len: float | None = None,
-                temperatures: Sequence[float] | None = None) -> StepRecord:
+                temperatures: Sequence[float] | None = None, cost_refit: int | None = None) -> StepRecord:
     """The step's record: `lens` the planned verify_lens, `correct` the accepted drafts, `raw` the uncapped
     match, `conf_logits` the draft's confidence logits (None without a confidence head); `probe`, `off_steps`
     and `off_seconds` the planner's off state (a drafted step while off, the target-only steps since the
@@ -31,7 +31,8 @@ def step_record(handles: Sequence[SlotHandle], *, step: StepPlan, layout: Verify
     `accept_prob` each draft's acceptance probability given its prefix (rows that did not run are
     recorded as they were computed, so only a fully verified request's are exact); `context_len` the
     batch's mean cached tokens a request, which the step was priced at; `temperatures` those online
-    calibration swapped in before the step."""
+    calibration swapped in before the step; `cost_refit` the number of the online cost refit swapped in
+    before it."""
     decision = step.decision
     num_reqs = len(lens)
     survival = step.survival.tolist() if step.survival is not None else [None] * num_reqs
@@ -54,4 +55,4 @@ def step_record(handles: Sequence[SlotHandle], *, step: StepPlan, layout: Verify
         predicted_step_seconds=decision.predicted_step_seconds if decision else None,
         step_seconds=seconds, requests=requests, probe=probe, off_steps=off_steps, off_seconds=off_seconds,
         offset_seconds=offset_seconds, offset_slope=offset_slope, context_len=context_len,
-        temperatures=None if temperatures is None else tuple(temperatures))
+        temperatures=None if temperatures is None else tuple(temperatures), cost_refit=cost_refit)

@@ -17,7 +17,8 @@ table says) is clipped at zero, where the table's own choice stands.
 While the window's prices hardly differ (every step the same shape) a fixed excess cannot be told from a
 proportional one, and the estimate keeps its last value: a fallback to zero would let the planner trim,
 and one to the median excess would lock it into full-width verifies that never show what rows cost.
-Refitting the table itself from the measured steps replaces this where it is done.
+The online cost refit (`online_cost.py`) moves the table's own shape to the measured steps; where it runs,
+the offset restarts at each swap and measures what the refitted table leaves.
 """
 
 from __future__ import annotations

@@ -102,6 +102,12 @@ class SpeculationSwitch:
         self._rows: float | None = None
         self.probing = False  # the coming step is a probe (drafted while off)
 
+    def use_table(self, table: CostModel) -> None:
+        """Price both states by `table` from now on (an online cost refit's), keeping what was observed: the
+        committed tokens are the traffic's, not the table's."""
+        self.table = table
+        self.decode_time = table.decode_time
+
     def observe(self, requests: Sequence[RequestKey], committed: Sequence[int], rows: int) -> None:
         """A drafted step: its requests, the tokens each committed, and the rows its plan ran."""
         if not requests:

@@ -97,6 +97,16 @@ class ServingMetrics:
                                          "with the temperatures in use, by draft position", by_position,
                                          registry=r)
             self._labels = values
+        # online cost refit (`dspark serve --online-cost`): read from the refit when scraped
+        self.cost_refit = runtime.speculative.cost_refit
+        if self.cost_refit is not None:
+            self.cost_samples = gauge("dspark_cost_refit_samples", "decode steps measured for the online "
+                                      "cost refit since start")
+            self.cost_refits = gauge("dspark_cost_refits", "refitted cost tables swapped in")
+            self.cost_rejected = gauge("dspark_cost_refits_rejected", "refitted cost tables that failed "
+                                       "validation (the table in use stayed)")
+            self.cost_intercept = gauge("dspark_cost_refit_intercept_seconds", "the last refit's correction "
+                                        "every step's price shares (the bias's)")
         self._committed = 0
         self._request_steps = 0
         self._tau = 0.0
@@ -156,6 +166,13 @@ class ServingMetrics:
             for k, (t, e) in enumerate(zip(state["temperatures"], state["window_ece"], strict=True)):
                 self.calibration_temperature.labels(*self._labels, str(k)).set(t)
                 self.calibration_ece.labels(*self._labels, str(k)).set(float("nan") if e is None else e)
+        if self.cost_refit is not None:
+            cost = self.cost_refit.state()
+            self.cost_samples.set(cost["samples"])
+            self.cost_refits.set(cost["refits"])
+            self.cost_rejected.set(cost["rejected"])
+            intercept = cost["intercept_seconds"]
+            self.cost_intercept.set(float("nan") if intercept is None else intercept)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -29,7 +29,8 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from dspark.fingerprint import sampling_policy
+from dspark.fingerprint import fingerprint_of_deployment, sampling_policy
+from dspark.formats.cost_tables import cost_table_json
 from dspark.runtime.chat_template import ChatTemplateError
 from dspark.runtime.engine.requests import Request, RequestError
 from dspark.runtime.engine.runtime import Runtime
@@ -60,7 +61,7 @@ from dspark.runtime.tokenizer import TokenizerError
 log = logging.getLogger("uvicorn.error")
 
 ROUTES = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/dspark/calibration, "
-          "GET /health and GET /metrics")
+          "GET /v1/dspark/cost-table, GET /health and GET /metrics")
 # A temperature this small samples the argmax anyway, and in float32 it overflows the scaled logits
 # (a NaN distribution): such a request decodes greedily, as vLLM does below the same bound.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -351,12 +352,33 @@ class CompletionServer:
             policy = sampling_policy(sampling.temperature, sampling.top_p, sampling.top_k)
             return JSONResponse(online.calibration_file(f"online: {self.model_name} served traffic", policy))
 
+        @app.get("/v1/dspark/cost-table")
+        async def cost_table() -> JSONResponse:
+            return JSONResponse(self._cost_table())
+
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
             body, content_type = self.metrics.render()
             return PlainTextResponse(body, media_type=content_type)
 
         return app
+
+    def _cost_table(self) -> dict[str, Any]:
+        """The live additive table as a cost-table file (`dspark profile`'s format, with the deployment's
+        fingerprint, so it can be saved and named in a spec), with the online refit's figures beside it."""
+        refit = self.runtime.speculative.cost_refit
+        if refit is None:
+            table = getattr(self.runtime.plan, "table", None)
+            if table is not None and table.kind == "additive":
+                what = ("start the server with --online-cost to refit it (the compiled table is in the "
+                        "package's planner_config.py)")
+            else:
+                kind = "no cost model" if table is None else f"a {table.kind} cost table"
+                what = f"this deployment plans with {kind}, and the refit corrects an additive table's knots"
+            raise ApiError(404, f"online cost refit is off: {what}", code="online_cost_off")
+        table, state = refit.table, refit.state()
+        fingerprint = fingerprint_of_deployment(self.runtime.deployment, self.runtime.tiers).to_json()
+        return {**cost_table_json(table.to_format(), fingerprint), **state}
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
