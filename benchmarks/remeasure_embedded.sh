@@ -2,19 +2,21 @@
 # Re-measure everything fingerprinted to the embedded pair (dspark/checkpoints/tiny) after it is retrained
 # (`dspark train-tiny`), on this CPU, in dependency order:
 #   1. the prompt sets (benchmarks/held_out_prompts.py);
-#   2. calibrations: the greedy STS file, the T 0.8 draft's confidence-head refit and its STS file, each
-#      scored on the held-out set;
-#   3. the cost tables of every tiny CPU spec (tiny_cpu, _tiers, _sampled, _dp_attention), then every spec
-#      recompiled against them;
-#   4. the simulator's traces and the simulations over the CPU and the H200 8B tables.
+#   2. the embedded draft's confidence head refitted for greedy decoding (in place: the published head is
+#      trained against 1 - TV(q, p), the sampling event) and its STS file, scored on the held-out set;
+#   3. the T 0.8 draft's confidence-head refit (from the embedded draft) and its STS file, scored likewise;
+#   4. the cost tables of the greedy tiny CPU specs (tiny_cpu with its context term, _tiers,
+#      _dp_attention), then every spec recompiled against them;
+#   5. the T 0.8 spec's cost table (tiny_cpu_sampled), then every spec recompiled;
+#   6. the simulator's traces and the simulations over the CPU and the H200 8B tables.
 # Intermediate builds compile with --allow-stale-tables (they only record or profile; the tables they
 # name are the ones being replaced). The figures (`dspark run --compare-target-only`, bench_modes, the
 # serving sweep) are measured after this, as docs/results.md says.
 #   benchmarks/remeasure_embedded.sh                 # all phases
-#   PHASES="3 4" benchmarks/remeasure_embedded.sh    # some
+#   PHASES="2 4 6" benchmarks/remeasure_embedded.sh  # some (here: what the embedded draft's head changes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PHASES=${PHASES:-1 2 3 4}
+PHASES=${PHASES:-1 2 3 4 5 6}
 want() { [[ " $PHASES " == *" $1 "* ]]; }
 PY=${PY:-.venv/bin/python}
 W=${W:-runs/remeasure}
@@ -59,14 +61,32 @@ $P --phases 70,78,86,94 --exclude "$W/prompts_fit.json" "$W/prompts_cal2.json" -
 fi
 
 T08="--temperature 0.8 --top-p 0.95"
-if want 2; then
-echo "== 2. calibrations"
 # recordings speculate every step (verify.off: never): the labels are then every step's, not those of the
 # steps the planner chose to speculate on
+if want 2; then
+echo "== 2. the embedded draft's greedy confidence head, its STS file"
 variant specs/tiny_cpu_cap_accept.yaml cap_accept 's["verify"]["off"] = "never"'
+# the features depend on every draft weight but the head's, so a rerun after the refit records the same ones
+record "$W/pkgs/cap_accept" fit_greedy --prompts-file "$W/prompts_fit.json" --max-new-tokens 128 --record-features
+rm -rf "$W/draft_greedy"
+{ echo "\$ .venv/bin/dspark fit-confidence runs/fit_greedy/sts --draft dspark/checkpoints/tiny/draft -o runs/draft_greedy   # runs/fit_greedy: dspark run <tiny_cpu_cap_accept with verify.off: never> --prompts-file runs/prompts_fit.json --max-new-tokens 128 --record runs/fit_greedy --record-features; then the head copied into dspark/checkpoints/tiny/draft"
+  $DSPARK fit-confidence "$W/fit_greedy/sts" --draft dspark/checkpoints/tiny/draft -o "$W/draft_greedy"; } \
+  2>&1 | tee "$RES/cpu_tiny_confidence_fit_greedy.txt"
+cp "$W/draft_greedy/model.safetensors" "$W/draft_greedy/confidence_fit.json" dspark/checkpoints/tiny/draft/
+build "$W/cap_accept.yaml" "$W/pkgs/cap_accept"  # the package records the draft's digest
 record "$W/pkgs/cap_accept" cal2 --prompts-file "$W/prompts_cal2.json" --max-new-tokens 128
 { echo "\$ .venv/bin/dspark calibrate runs/cal2/sts -o specs/tables/tiny_cpu/sts.json   # runs/cal2: dspark run <tiny_cpu_cap_accept with verify.off: never> --prompts-file runs/prompts_cal2.json --max-new-tokens 128 --record runs/cal2"
   $DSPARK calibrate "$W/cal2/sts" -o specs/tables/tiny_cpu/sts.json; } 2>&1 | tee "$RES/cpu_tiny_sts_fit.txt"
+record "$W/pkgs/cap_accept" eval2 --prompts-file "$W/prompts_eval2.json" --max-new-tokens 128
+{ echo "\$ .venv/bin/dspark report runs/eval2 --calibration specs/tables/tiny_cpu/sts.json   # runs/eval2: dspark run <tiny_cpu_cap_accept with verify.off: never> --prompts-file runs/prompts_eval2.json --max-new-tokens 128 --record runs/eval2"
+  $DSPARK report "$W/eval2" --calibration specs/tables/tiny_cpu/sts.json -o "$W/report_eval2"; } \
+  2>&1 | tee "$RES/cpu_tiny_sts_held_out.txt"
+grep -A10 "^| position" "$W/report_eval2/report.md" | tee -a "$RES/cpu_tiny_sts_held_out.txt"
+fi
+
+if want 3; then
+echo "== 3. the T 0.8 draft's confidence head, its STS file"
+variant specs/tiny_cpu_cap_accept.yaml cap_accept 's["verify"]["off"] = "never"'
 record "$W/pkgs/cap_accept" fit_t08 --prompts-file "$W/prompts_fit1200.json" --max-new-tokens 128 $T08 --record-features
 rm -rf specs/checkpoints/tiny_draft_t08
 { echo "\$ .venv/bin/dspark fit-confidence runs/fit_t08/sts --draft dspark/checkpoints/tiny/draft -o specs/checkpoints/tiny_draft_t08   # runs/fit_t08: dspark run <tiny_cpu_cap_accept with verify.off: never> --prompts-file <first 1200 of runs/prompts_fit.json> --max-new-tokens 128 $T08 --record runs/fit_t08 --record-features"
@@ -77,30 +97,23 @@ variant specs/tiny_cpu_cap_accept.yaml cap_accept_t08 \
 record "$W/pkgs/cap_accept_t08" cal2_t08 --prompts-file "$W/prompts_cal2.json" --max-new-tokens 128 $T08
 { echo "\$ .venv/bin/dspark calibrate runs/cal2_t08/sts -o specs/tables/tiny_cpu/sts_sample_t08_p095.json   # runs/cal2_t08: dspark run <tiny_cpu_cap_accept with draft specs/checkpoints/tiny_draft_t08, verify.off: never> --prompts-file runs/prompts_cal2.json --max-new-tokens 128 $T08 --record runs/cal2_t08"
   $DSPARK calibrate "$W/cal2_t08/sts" -o specs/tables/tiny_cpu/sts_sample_t08_p095.json; } 2>&1 | tee "$RES/cpu_tiny_sts_fit_t08.txt"
-# held out: the disjoint eval set, scored with each file
-record "$W/pkgs/cap_accept" eval2 --prompts-file "$W/prompts_eval2.json" --max-new-tokens 128
 record "$W/pkgs/cap_accept_t08" eval2_t08 --prompts-file "$W/prompts_eval2.json" --max-new-tokens 128 $T08
-{ echo "\$ .venv/bin/dspark report runs/eval2 --calibration specs/tables/tiny_cpu/sts.json   # runs/eval2: dspark run <tiny_cpu_cap_accept with verify.off: never> --prompts-file runs/prompts_eval2.json --max-new-tokens 128 --record runs/eval2"
-  $DSPARK report "$W/eval2" --calibration specs/tables/tiny_cpu/sts.json -o "$W/report_eval2"
-  echo "\$ .venv/bin/dspark report runs/eval2_t08 --calibration specs/tables/tiny_cpu/sts_sample_t08_p095.json   # the same prompts, $T08, the T 0.8 draft"
+{ echo "\$ .venv/bin/dspark report runs/eval2_t08 --calibration specs/tables/tiny_cpu/sts_sample_t08_p095.json   # the same prompts, $T08, the T 0.8 draft"
   $DSPARK report "$W/eval2_t08" --calibration specs/tables/tiny_cpu/sts_sample_t08_p095.json -o "$W/report_eval2_t08"; } \
-  2>&1 | tee "$RES/cpu_tiny_sts_held_out.txt"
+  2>&1 | tee "$RES/cpu_tiny_sts_held_out_t08.txt"
+grep -A10 "^| position" "$W/report_eval2_t08/report.md" | tee -a "$RES/cpu_tiny_sts_held_out_t08.txt"
 fi
 
-if want 3; then
-echo "== 3. cost tables, then every spec recompiled"
+if want 4; then
+echo "== 4. the greedy specs' cost tables, then every spec recompiled"
 build specs/tiny_cpu_compact.yaml "$W/pkgs/compact"
-{ echo "\$ .venv/bin/dspark profile generated/tiny_cpu_compact -o specs/tables/tiny_cpu --m-bin 16 --repeats 21"
-  $DSPARK profile "$W/pkgs/compact" -o specs/tables/tiny_cpu --m-bin 16 --repeats 21 --no-progress; } 2>&1 \
-  | tee "$RES/cpu_tiny_profile.txt"
+{ echo "\$ .venv/bin/dspark profile generated/tiny_cpu_compact -o specs/tables/tiny_cpu --m-bin 16 --repeats 21 --context-len 128,512,900"
+  $DSPARK profile "$W/pkgs/compact" -o specs/tables/tiny_cpu --m-bin 16 --repeats 21 --context-len 128,512,900 \
+    --no-progress; } 2>&1 | tee "$RES/cpu_tiny_profile.txt"
 build specs/tiny_cpu_compact_tiers.yaml "$W/pkgs/compact_tiers"
 { echo "\$ .venv/bin/dspark profile generated/tiny_cpu_compact_tiers -o specs/tables/tiny_cpu_tiers --m-bin 16 --repeats 21"
   $DSPARK profile "$W/pkgs/compact_tiers" -o specs/tables/tiny_cpu_tiers --m-bin 16 --repeats 21 --no-progress; } 2>&1 \
   | tee "$RES/cpu_tiny_tiers_profile.txt"
-build specs/tiny_cpu_compact_sampled.yaml "$W/pkgs/compact_sampled"
-{ echo "\$ .venv/bin/dspark profile generated/tiny_cpu_compact_sampled -o specs/tables/tiny_cpu_sampled --m-bin 16 --repeats 21"
-  $DSPARK profile "$W/pkgs/compact_sampled" -o specs/tables/tiny_cpu_sampled --m-bin 16 --repeats 21 --no-progress; } 2>&1 \
-  | tee "$RES/cpu_tiny_sampled_profile.txt"
 build specs/tiny_cpu_compact_dp_attention.yaml "$W/pkgs/dp_attention"
 { echo "\$ torchrun --nproc-per-node 2 -m dspark.cli.main profile generated/tiny_cpu_compact_dp_attention -o specs/tables/tiny_cpu_dp_attention --repeats 9 --m-bin 16"
   PYTHONPATH=$PWD .venv/bin/torchrun --nproc-per-node 2 -m dspark.cli.main profile "$W/pkgs/dp_attention" \
@@ -109,8 +122,17 @@ build specs/tiny_cpu_compact_dp_attention.yaml "$W/pkgs/dp_attention"
 for f in specs/*.yaml; do "$PY" -m dspark.cli.compile build "$f" >/dev/null; done
 fi
 
-if want 4; then
-echo "== 4. traces and simulations"
+if want 5; then
+echo "== 5. the T 0.8 spec's cost table, then every spec recompiled"
+build specs/tiny_cpu_compact_sampled.yaml "$W/pkgs/compact_sampled"
+{ echo "\$ .venv/bin/dspark profile generated/tiny_cpu_compact_sampled -o specs/tables/tiny_cpu_sampled --m-bin 16 --repeats 21"
+  $DSPARK profile "$W/pkgs/compact_sampled" -o specs/tables/tiny_cpu_sampled --m-bin 16 --repeats 21 --no-progress; } 2>&1 \
+  | tee "$RES/cpu_tiny_sampled_profile.txt"
+for f in specs/*.yaml; do "$PY" -m dspark.cli.compile build "$f" >/dev/null; done
+fi
+
+if want 6; then
+echo "== 6. traces and simulations"
 rm -rf "$RES/cpu_tiny_simulate_trace_greedy" "$RES/cpu_tiny_simulate_trace_t08"
 record generated/tiny_cpu_static trace_greedy --prompts-file "$W/prompts_sim.json" --max-new-tokens 128
 variant specs/tiny_cpu_compact_sampled.yaml tiny_cpu_static_sampled \

@@ -362,9 +362,7 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "serving": spec.serving,
         "config_imports": _config_imports(resolved),
         "draft_architecture": _draft_architecture(spec),
-        # deployment.py's slot after token_tiers holds every optional online refit of DeploymentConfig, so
-        # one more leaves the template, and every package's manifest, unchanged
-        "online_calibration": _online_calibration(spec) + _online_cost(spec),
+        "online_refits": _online_calibration(spec) + _online_cost(spec),  # DeploymentConfig's optional fields
         "model_checkpoint": stored_checkpoint(resolved.model_checkpoint, package_dir),
         "draft_checkpoint": stored_checkpoint(resolved.draft_checkpoint, package_dir),
         "model_digest": resolved.model_digest,

@@ -11,8 +11,8 @@ SURVIVAL_EPS = 1e-06  # survival below this is never planned
 ALIGN_TO_GRAPH_TIER = False  # fill the chosen tier's padding rows with drafts
 LAG_STEPS = 0  # steps between the confidence the budget uses and the step it plans
 STS_TEMPERATURES = (
-    1.1220184543019636, 0.707945784384138, 0.707945784384138, 0.6309573444801932, 0.707945784384138,
-    0.7943282347242815, 0.707945784384138,
+    1.1220184543019636, 1.1220184543019636, 0.8912509381337457, 1.1220184543019636,
+    0.7943282347242815, 1.0, 1.0,
 )  # STS temperatures from tables/tiny_cpu/sts.json
 COST_MODEL = None  # no cost model: every candidate is verified
 # Every step speculates: without a cost model nothing prices a step without speculation.
