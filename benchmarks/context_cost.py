@@ -15,10 +15,9 @@ prediction (the offset's slope times that price) against the same, and the table
 context (below); `dspark report` on such a recording shows the same by context bucket ("Step time by
 context length").
 
-    .venv/bin/dspark profile generated/tiny_cpu_compact -o specs/tables/tiny_cpu_context --m-bin 16 \\
-        --repeats 21 --context-len 128,512,900
-    .venv/bin/python benchmarks/context_cost.py --table specs/tables/tiny_cpu_context/additive.json
     .venv/bin/python benchmarks/context_cost.py --online-cost   # the spec's own table, compiled and refitted
+    .venv/bin/python benchmarks/context_cost.py --table DIR/additive.json   # beside another table, e.g. one
+        # profiled with `dspark profile generated/tiny_cpu_compact -o DIR --context-len 128,512,900`
 """
 
 from __future__ import annotations

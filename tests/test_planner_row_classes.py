@@ -75,3 +75,24 @@ def test_the_cpu_runtime_plans_with_the_attentions_classes_and_the_simulation_wi
     assert package.plan.row_classes == ()  # the generated plan itself is backend-neutral
     # a table prices rows alone, so a simulation could not see what the rule saves
     assert simulation_setup(package, None).plan.row_classes == ()
+
+
+def test_a_step_raised_into_one_class_is_priced_at_the_rows_it_runs() -> None:
+    """The step's price (what the measured step time is compared with: the step offset, the online cost refit,
+    the step records) is the table's price of the rows that run, not of the budget before the raise."""
+    table = {"type": "additive", "bias_seconds": 0.01, "bs_probes": [1, 8], "alpha_seconds": [0.0, 0.004],
+             "m_probes": [1, 64], "theta_seconds": [0.0, 0.0315]}
+    plan = AdaptiveVerifyPlan(gamma=7, mode=VerifyMode.COMPACT, row_classes=(4, 8), cost_model=table,
+                              survival_eps=0.01)
+    sure, unsure = torch.full((1, 7), 6.0), torch.full((1, 7), -6.0)
+    step = plan.plan_step(torch.cat((sure, sure, unsure, unsure)), 4, [0, 1, 2, 3], [0] * 4,
+                          LaggedSurvival(plan.history_lag(), plan.gamma), offset_seconds=0.002)
+    assert step.decision is not None and step.step_seconds is not None
+    assert step.verify_lens == (8, 8, 5, 5) and step.decision.num_rows == 18
+    assert step.step_seconds == pytest.approx(plan.table.step_time(4, 26) + 0.002)
+    assert step.decision.predicted_step_seconds == pytest.approx(plan.table.step_time(4, 18) + 0.002)
+    unraised = AdaptiveVerifyPlan(gamma=7, mode=VerifyMode.COMPACT, cost_model=table, survival_eps=0.01)
+    same = unraised.plan_step(torch.cat((sure, sure, unsure, unsure)), 4, [0, 1, 2, 3], [0] * 4,
+                              LaggedSurvival(plan.history_lag(), plan.gamma), offset_seconds=0.002)
+    assert same.verify_lens == (8, 8, 1, 1)
+    assert same.step_seconds == same.decision.predicted_step_seconds  # type: ignore[union-attr]

@@ -115,13 +115,15 @@ def test_knots_the_traffic_never_visits_keep_the_tables_values() -> None:
     assert live is not None and refit.last is not None
     # B = 8 and 16, M = 64 and 128 and the decode term at 16 requests were never seen: no correction there
     assert not refit.last.alpha[3:].any() and not refit.last.theta[4:].any() and refit.last.decode[2] == 0
-    for m in (8, 32, 100):  # B beyond the traffic: the table's own increments between its knots
+    k = 1.0 + refit.last.scale
+    for m in (8, 32, 100):  # B beyond the traffic: the table's own increments between its knots, scaled
         assert live.step_time(16, m) - live.step_time(8, m) == pytest.approx(
-            compiled.step_time(16, m) - compiled.step_time(8, m), rel=1e-9, abs=1e-12)
+            k * (compiled.step_time(16, m) - compiled.step_time(8, m)), rel=1e-9, abs=1e-12)
     assert live.step_time(2, 128) - live.step_time(2, 64) == pytest.approx(
-        compiled.step_time(2, 128) - compiled.step_time(2, 64), rel=1e-9)
-    # the intercept is the correction every step shares: an unvisited step moves by it alone
-    assert live.decode_time(16) == pytest.approx(compiled.decode_time(16) + refit.last.intercept, rel=1e-9)
+        k * (compiled.step_time(2, 128) - compiled.step_time(2, 64)), rel=1e-9)
+    # the scale and the intercept are the correction every step shares: an unvisited step moves by them alone
+    shared = k * compiled.decode_time(16) + refit.last.intercept
+    assert live.decode_time(16) == pytest.approx(shared, rel=1e-9)
 
 
 def test_the_context_shape_is_kept() -> None:
@@ -129,13 +131,14 @@ def test_the_context_shape_is_kept() -> None:
     refit = OnlineCostRefit(compiled, OnlineCostSettings())
     dearer_stream(refit, compiled, 512, context=130.0)
     live = refit.poll()
-    assert live is not None
+    assert live is not None and refit.last is not None
     valid(live)
     # every profiled context's fields moved by the same correction: the price difference between two
-    # contexts is the compiled table's
+    # contexts is the compiled table's, scaled as every price is
+    k = 1.0 + refit.last.scale
     for b, m in ((1, 4), (3, 20), (4, 32)):
         assert price(live, b, m, 900) - price(live, b, m, 128) == pytest.approx(
-            price(compiled, b, m, 900) - price(compiled, b, m, 128), rel=1e-6)
+            k * (price(compiled, b, m, 900) - price(compiled, b, m, 128)), rel=1e-6)
 
 
 def test_steps_at_every_context_are_priced_there() -> None:
@@ -449,8 +452,8 @@ def test_the_server_reports_its_live_cost_table() -> None:
             assert r.status_code == 200, r.text
         live = httpx.get(f"{url}/v1/dspark/cost-table", timeout=30).json()
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    figures = ("samples", "ignored", "window", "refits", "rejected", "intercept_seconds", "fitted_steps",
-               "outliers")
+    figures = ("samples", "ignored", "window", "refits", "rejected", "scale", "intercept_seconds",
+               "fitted_steps", "outliers")
     assert live["refits"] >= 1 and live["samples"] >= 8 and live["rejected"] == 0
     saved = cost_table_from_json({k: v for k, v in live.items() if k not in figures}, "the live table")
     assert saved.type == "additive"

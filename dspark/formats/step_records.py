@@ -123,7 +123,7 @@ class StepRecord:
     padding_rows: int
     tau: float | None  # predicted committed tokens of the rows allocated
     committed: int  # tokens committed
-    predicted_step_seconds: float | None
+    predicted_step_seconds: float | None  # the table's price of the rows that ran (offset included)
     step_seconds: float  # measured wall time of the step
     requests: tuple[RequestRecord, ...]
     step: int | None = None  # index among the run's decode steps, given by the ring that records it

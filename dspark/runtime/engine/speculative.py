@@ -159,8 +159,8 @@ class SpeculativeStep:
         stats.record_step(correct, list(plan.verify_lens), layout, plan)
         seconds = time.perf_counter() - start  # the step's wall time, before any recording work
         decision = plan.decision
-        if decision is not None and decision.predicted_step_seconds is not None:
-            self.offset.observe(decision.predicted_step_seconds - offset, seconds)
+        if plan.step_seconds is not None:  # the price of the rows that ran, against what they took
+            self.offset.observe(plan.step_seconds - offset, seconds)
 
         # 6. Learn and record: the step's seconds for the cost refit, online calibration's labels; with
         #    `dspark run --record`, the calibration shards' labels and the step's record.

@@ -52,7 +52,7 @@ def step_record(handles: Sequence[SlotHandle], *, step: StepPlan, layout: Verify
         planned_rows=int(sum(lens)), rows=layout.total_rows, tier=layout.tier,
         padding_rows=layout.num_padding_rows, tau=step.tau,
         committed=int(sum(correct)) + num_reqs,
-        predicted_step_seconds=decision.predicted_step_seconds if decision else None,
+        predicted_step_seconds=step.step_seconds,  # the price of the rows that ran
         step_seconds=seconds, requests=requests, probe=probe, off_steps=off_steps, off_seconds=off_seconds,
         offset_seconds=offset_seconds, offset_slope=offset_slope, context_len=context_len,
         temperatures=None if temperatures is None else tuple(temperatures), cost_refit=cost_refit)

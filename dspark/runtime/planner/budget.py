@@ -309,6 +309,15 @@ def decide_budget(ranking: Ranking, cost_model: CostModel | None, cfg: ScheduleC
     return BudgetDecision(budget, base_rows + budget, float(tau[budget]), seconds, float(objective[budget]))
 
 
+def price_of_rows(cost_model: CostModel, num_reqs: int, num_rows: int, offset_seconds: float = 0.0) -> float:
+    """`decide_budget`'s price of one step of `num_reqs` requests and `num_rows` rows: the verify step, the
+    draft term and the step offset."""
+    extra = cost_model.draft_time(num_reqs) + offset_seconds
+    if isinstance(cost_model, SpsTable):
+        return 1.0 / float(cost_model.rates_for_rows(num_rows, 1)[0]) + extra
+    return float(cost_model.step_time_for_rows(num_reqs, num_rows, 1)[0]) + extra
+
+
 def allocate_verify_lens_host(survival: torch.Tensor, budget: int, cfg: ScheduleConfig) -> np.ndarray:
     """`verify_lens` [B] as a host int array: the floor f plus, per request, how many of the `budget`
     best candidates it holds (all candidates when the budget exceeds their number)."""

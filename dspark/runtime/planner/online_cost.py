@@ -7,25 +7,30 @@ move the table's shape, and the shape is what the planner weighs when it chooses
 every decode step, so the table's own knots can follow the load: each refit fits the residual of the
 window's steps, measured − the compiled table's price of that step at its context, as
 
-    r = c + sum_j a_j · hat_j(B) + sum_k t_k · hat_k(M)         (drafted steps: B requests, M verified rows)
-    r = c + sum_j d_j · hat_j(B)                                (steps without speculation)
+    r = s · price + c + sum_j a_j · hat_j(B) + sum_k t_k · hat_k(M)   (drafted: B requests, M verified rows)
+    r = s · price + c + sum_j d_j · hat_j(B)                          (steps without speculation)
 
 with hat functions at the table's own probes (`bs_probes`, `m_probes`, `decode_bs_probes`): piecewise-linear
 interpolation weights, so adding a_j to alpha at `bs_probes[j]` is exactly what the correction says between
-the knots too. The intercept c is the bias's correction and shifts every price, the decode step's included,
-as the step offset does; the knot corrections are ridge-penalised towards zero (`ridge` pseudo-steps at the
-table's own value), so a knot the traffic never visits keeps the table's value. The fit is robust: one
-weighted least-squares solve, the steps beyond `outlier_mads` robust deviations of its residuals left out,
-solved again until the set holds (a step that waited on a page fault or a garbage collection is not the
-table's business).
+the knots too. The scale s multiplies every field of the table, the context term's included: what grows with
+the price grows with the context too (a served step's attention reads cost more than the profile's, in
+proportion), which a correction shared by every context could not follow when the traffic moves between
+contexts. The intercept c is the bias's correction and shifts every price, the decode step's included,
+as the step offset does, and is left almost free; the scale is penalised as a knot is (`ridge` pseudo-steps
+at the window's median price: a few steps of one shape cannot tell a scale from an intercept, and a free one
+swings to its limits on their noise), and the knot corrections are ridge-penalised towards zero (`ridge`
+pseudo-steps at the table's own value), so a knot the traffic never visits keeps the table's value. The fit
+is robust: one weighted least-squares solve, the steps beyond `outlier_mads` robust deviations of its
+residuals left out, solved again until the set holds (a step that waited on a page fault or a garbage
+collection is not the table's business).
 
 The residual is always taken against the compiled table, never against the last refit, so corrections do not
 compound and a knot the window no longer visits returns to the compiled value. The corrected table is every
-context's fields (the context term's too, shifted by the same correction so the context shape is kept) made
-non-decreasing along the probes as table files must be (pooled adjacent violators, each knot weighted by its
-steps plus the ridge), negative parts moved into the bias (which leaves every price as it was), the smallest
-step held above a hundredth of the compiled one, and validated by constructing the `AdditiveCostTable`: the
-planner never sees a table a file could not hold.
+context's fields (the context term's too, scaled and shifted by the same correction so the context shape is
+kept) made non-decreasing along the probes as table files must be (pooled adjacent violators, each knot
+weighted by its steps plus the ridge), negative parts moved into the bias (which leaves every price as it
+was), the smallest step held above a hundredth of the compiled one, and validated by constructing the
+`AdditiveCostTable`: the planner never sees a table a file could not hold.
 
 Steps that cannot be priced or measured (non-finite or non-positive seconds, no request, a table without the
 decode term for a step without speculation) are ignored. Appending a step costs a few array stores; a refit
@@ -59,6 +64,8 @@ OUTLIER_FLOOR = 1e-3
 # The intercept is the level the hats cannot tell apart from it (their weights sum to one); it is left
 # almost free, this little penalty only keeps the solve defined on a window of one step.
 INTERCEPT_RIDGE = 1e-9
+# The refitted table is the compiled one times 1 + s: held to this range, as the step offset's slope is.
+SCALE_RANGE = (0.1, 10.0)
 
 
 def hats(x: np.ndarray, knots: np.ndarray) -> np.ndarray:
@@ -90,9 +97,11 @@ def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Correction:
-    """One refit: the intercept (seconds added to every price), each knot's correction, each knot's steps
-    (the sum of its hat weights over the steps kept) and how many steps were fitted and left out."""
+    """One refit: the scale (every price times 1 + scale), the intercept (seconds added to every price),
+    each knot's correction, each knot's steps (the sum of its hat weights over the steps kept) and how many
+    steps were fitted and left out."""
 
+    scale: float
     intercept: float
     alpha: np.ndarray
     theta: np.ndarray
@@ -124,8 +133,8 @@ class OnlineCostRefit:
         self._bs = np.asarray(table.bs_probes, np.float64)
         self._ms = np.asarray(table.m_probes, np.float64)
         self._ds = np.asarray(table.decode_bs_probes, np.float64)
-        # each step's row of the fit's design (intercept, B hats, M hats, decode B hats), with its price
-        self._design = np.zeros((size, 1 + self._bs.size + self._ms.size + self._ds.size))
+        # each step's row of the fit's design (price, intercept, B hats, M hats, decode B hats)
+        self._design = np.zeros((size, 2 + self._bs.size + self._ms.size + self._ds.size))
         self._next = 0
         self.size = 0  # steps in the window
         self.samples = 0  # steps observed since start
@@ -204,11 +213,11 @@ class OnlineCostRefit:
         drafted = (self._kind[steps] == DRAFTED)[:, None]
         reqs, nb, nm = self._reqs[steps], self._bs.size, self._ms.size
         design = self._design
-        design[steps, 0] = 1.0
-        design[steps, 1:1 + nb] = hats(reqs, self._bs) * drafted
-        design[steps, 1 + nb:1 + nb + nm] = hats(self._rows[steps], self._ms) * drafted
+        design[steps, 1] = 1.0
+        design[steps, 2:2 + nb] = hats(reqs, self._bs) * drafted
+        design[steps, 2 + nb:2 + nb + nm] = hats(self._rows[steps], self._ms) * drafted
         if self._ds.size:
-            design[steps, 1 + nb + nm:] = hats(reqs, self._ds) * ~drafted
+            design[steps, 2 + nb + nm:] = hats(reqs, self._ds) * ~drafted
         # one price per context quantum, as the planner asks (one group where the table has no context term)
         keys = np.zeros(steps.size, np.int64)
         if self.compiled.context_lens:
@@ -224,6 +233,7 @@ class OnlineCostRefit:
             off = np.interp(reqs, table.decode_bs_probes, table.decode_seconds) if table.decode_seconds \
                 else np.full(group.size, np.nan)
             self._price[group] = np.where(self._kind[group] == DRAFTED, drafted, off)
+        design[steps, 0] = self._price[steps]
 
     def fit(self, steps: np.ndarray) -> Correction:
         """The robust ridge fit of the residuals of `steps` (module docstring)."""
@@ -233,7 +243,8 @@ class OnlineCostRefit:
         measured = self._measured[steps]
         residual = measured - self._price[steps]
         penalty = np.full(design.shape[1], s.ridge)
-        penalty[0] = INTERCEPT_RIDGE
+        penalty[0] = s.ridge * float(np.median(self._price[steps])) ** 2 + INTERCEPT_RIDGE
+        penalty[1] = INTERCEPT_RIDGE
         floor = OUTLIER_FLOOR * float(np.median(measured))
         keep = np.ones(steps.size, dtype=bool)
         for _ in range(4):  # refit without the outliers until the set holds (it rarely moves twice)
@@ -247,24 +258,30 @@ class OnlineCostRefit:
                 break
             keep = kept
         support = design[keep].sum(axis=0)
-        cut = np.cumsum((1, nb, nm, nd))
-        return Correction(intercept=float(beta[0]), alpha=beta[1:cut[1]], theta=beta[cut[1]:cut[2]],
-                          decode=beta[cut[2]:cut[3]], alpha_support=support[1:cut[1]],
-                          theta_support=support[cut[1]:cut[2]], decode_support=support[cut[2]:cut[3]],
-                          steps=int(keep.sum()), outliers=int((~keep).sum()))
+        cut = np.cumsum((2, nb, nm, nd))
+        scale = float(np.clip(1.0 + beta[0], *SCALE_RANGE)) - 1.0
+        return Correction(scale=scale, intercept=float(beta[1]), alpha=beta[2:cut[1]],
+                          theta=beta[cut[1]:cut[2]], decode=beta[cut[2]:cut[3]],
+                          alpha_support=support[2:cut[1]], theta_support=support[cut[1]:cut[2]],
+                          decode_support=support[cut[2]:cut[3]], steps=int(keep.sum()),
+                          outliers=int((~keep).sum()))
 
     def corrected(self, c: Correction) -> AdditiveCostTable:
         """The compiled table with `c` added at every context, made a valid table (module docstring)."""
         base, ridge = self.compiled, self.settings.ridge
-        if not all(np.isfinite(v).all() for v in (c.intercept, c.alpha, c.theta, c.decode)):
+        if not all(np.isfinite(v).all() for v in (c.scale, c.intercept, c.alpha, c.theta, c.decode)):
             raise ValueError("the fit is not finite")
+        k = 1.0 + c.scale
+
+        def scaled(values: tuple[float, ...]) -> np.ndarray:
+            return k * np.asarray(values, np.float64)
 
         def one(bias: float, alpha: tuple[float, ...], theta: tuple[float, ...], decode: tuple[float, ...]
                 ) -> tuple[float, tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
             lowest = bias + alpha[0] + theta[0]  # the compiled smallest step here (> 0: the table is valid)
-            new_bias = bias + c.intercept
-            new_alpha = isotonic(np.asarray(alpha) + c.alpha, c.alpha_support + ridge)
-            new_theta = isotonic(np.asarray(theta) + c.theta, c.theta_support + ridge)
+            new_bias = k * bias + c.intercept
+            new_alpha = isotonic(scaled(alpha) + c.alpha, c.alpha_support + ridge)
+            new_theta = isotonic(scaled(theta) + c.theta, c.theta_support + ridge)
             # Negative parts go into the bias, then a negative bias back out of alpha and theta: every price
             # stays what the fit says wherever it can.
             for values in (new_alpha, new_theta):
@@ -280,7 +297,7 @@ class OnlineCostRefit:
             new_bias += max(0.0, MIN_STEP_SHARE * lowest - (new_bias + new_alpha[0] + new_theta[0]))
             new_decode: tuple[float, ...] = ()
             if decode:
-                pooled = isotonic(np.asarray(decode) + c.intercept + c.decode, c.decode_support + ridge)
+                pooled = isotonic(scaled(decode) + c.intercept + c.decode, c.decode_support + ridge)
                 new_decode = tuple(np.maximum(pooled, MIN_STEP_SHARE * decode[0]).tolist())
             return float(new_bias), tuple(new_alpha.tolist()), tuple(new_theta.tolist()), new_decode
 
@@ -291,12 +308,13 @@ class OnlineCostRefit:
             base.context_decode_seconds or ((),) * len(base.context_lens), strict=True)]
         return AdditiveCostTable(
             bias_seconds=bias, bs_probes=base.bs_probes, alpha_seconds=alpha, m_probes=base.m_probes,
-            theta_seconds=theta, draft_bs_probes=base.draft_bs_probes, draft_seconds=base.draft_seconds,
+            theta_seconds=theta, draft_bs_probes=base.draft_bs_probes,
+            draft_seconds=tuple(scaled(base.draft_seconds).tolist()),
             decode_bs_probes=base.decode_bs_probes, decode_seconds=decode, context_len=base.context_len,
             context_lens=base.context_lens, context_bias_seconds=tuple(b for b, _, _, _ in contexts),
             context_alpha_seconds=tuple(a for _, a, _, _ in contexts),
             context_theta_seconds=tuple(t for _, _, t, _ in contexts),
-            context_draft_seconds=base.context_draft_seconds,
+            context_draft_seconds=tuple(tuple(scaled(d).tolist()) for d in base.context_draft_seconds),
             context_decode_seconds=tuple(d for _, _, _, d in contexts) if base.decode_seconds else ())
 
     def state(self) -> dict[str, Any]:
@@ -304,7 +322,7 @@ class OnlineCostRefit:
         and rejected, and the last fit's intercept, steps and outliers (None before the first)."""
         last = self.last
         return {"samples": self.samples, "ignored": self.ignored, "window": self.size, "refits": self.refits,
-                "rejected": self.rejected,
+                "rejected": self.rejected, "scale": None if last is None else 1.0 + last.scale,
                 "intercept_seconds": None if last is None else last.intercept,
                 "fitted_steps": None if last is None else last.steps,
                 "outliers": None if last is None else last.outliers}

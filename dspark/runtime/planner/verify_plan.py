@@ -23,6 +23,7 @@ from dspark.runtime.planner.budget import (
     ScheduleConfig,
     decide_budget,
     fraction_of,
+    price_of_rows,
     tier_aligned_budget,
 )
 from dspark.runtime.planner.cost_models import CostModel, cost_model_from_dict
@@ -40,6 +41,9 @@ class StepPlan:
     survival: torch.Tensor | None = None  # float32 [B, gamma] on the device: what the rows were allocated by
     decision: BudgetDecision | None = None
     aligned_budget: int | None = None  # the budget after graph-tier alignment, when it applied
+    # The table's price of the rows that run (the step offset included): the decision's, unless a rule applied
+    # after it (`one_row_class`) changed the rows. What the step's measured time is compared with.
+    step_seconds: float | None = None
 
     @functools.cached_property  # read by the run's counters and again by the step recorder
     def tau(self) -> float | None:
@@ -331,8 +335,11 @@ class AdaptiveVerifyPlan:
         if self.row_classes and self.mode.packs_rows and not self.token_tiers:
             # (a step padded to a graph tier pays for the tier's rows, which alignment may fill)
             verify_lens = one_row_class(verify_lens, self.row_classes, sampled, cfg.cap)
+        step_seconds = decision.predicted_step_seconds
+        if table is not None and sum(verify_lens) != decision.num_rows:  # forced, aligned or one row class
+            step_seconds = price_of_rows(table, num_reqs, sum(verify_lens), offset_seconds)
         run_lens = verify_lens if self.mode.packs_rows else (self.num_draft_tokens,) * num_reqs
-        return StepPlan(verify_lens, run_lens, survival, decision, aligned)
+        return StepPlan(verify_lens, run_lens, survival, decision, aligned, step_seconds)
 
     @property
     def fills_tier(self) -> bool:
