@@ -4,7 +4,8 @@ runtime with online calibration on (docs/planner.md, "Online calibration").
 Three phases through the same runtime, each a batch of prompts stepped to completion:
   1. in distribution: held-out standard-library prompts (`dspark.corpus.held_out_prompts`);
   2. out of distribution, served: part 0 of `dspark.corpus.out_of_distribution_prompts` (other packages'
-     sources and installed distributions' descriptions, in turn);
+     sources and installed distributions' descriptions, in turn; `--out-of-distribution` picks one of them,
+     or torch's C++ headers);
   3. out of distribution, scored: part 1 (no text in common with part 2).
 It prints when drift was detected (labelled request-steps into the phase), then, on phase 3's labels, the
 per-position cumulative ECE of the compiled temperatures, of the live calibration as it stood after phase 2
@@ -26,7 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.corpus import distribution_prose, held_out_prompts, out_of_distribution_prompts, package_prompts
+from dspark.corpus import (
+    distribution_prose,
+    header_prompts,
+    held_out_prompts,
+    out_of_distribution_prompts,
+    package_prompts,
+)
 from dspark.measure.recording import RunRecorder
 from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.engine.runtime import Runtime
@@ -37,7 +44,8 @@ from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_te
 from dspark.runtime.planner.survival_map import fit_survival_map
 
 NOISE_DRAWS = 200
-SOURCES = {"mixed": out_of_distribution_prompts, "code": package_prompts, "prose": distribution_prose}
+SOURCES = {"mixed": out_of_distribution_prompts, "code": package_prompts, "prose": distribution_prose,
+           "headers": header_prompts}
 
 
 @dataclass
@@ -143,8 +151,8 @@ def main() -> None:
                              "alike)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out-of-distribution", choices=sorted(SOURCES), default="mixed",
-                        help="phases 2 and 3: other packages' code, installed distributions' prose, or "
-                             "both in turn (default)")
+                        help="phases 2 and 3: other packages' code, installed distributions' prose, torch's "
+                             "C++ headers, or code and prose in turn (default)")
     parser.add_argument("--save-rows", type=Path, default=None,
                         help="also write every phase's logits, labels and known masks here (.npz)")
     args = parser.parse_args()

@@ -5,7 +5,8 @@ The held-out split is the embedded tiny model pair's (`train_tiny` trains on the
 these prompts measure acceptance on code the model never saw. `out_of_distribution_prompts` is text the pair,
 trained on the standard library, never saw, from what every install of dspark has: third-party packages'
 sources (`package_prompts`) and the prose of installed distributions' descriptions (`distribution_prose`),
-each in two disjoint parts (one to serve, one to score). Importing this module does not import torch:
+each in two disjoint parts (one to serve, one to score); `header_prompts` is a language it never saw (the C++
+headers torch ships). Importing this module does not import torch:
 `dspark bench` is a plain HTTP client and must stay light.
 """
 
@@ -114,6 +115,27 @@ def package_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS, p
         random.Random(f"{name}:{part}").shuffle(prompts)
         per_package.append(prompts)
     return _in_turn(per_package)[:count]
+
+
+def header_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS, phase: int = DEFAULT_PHASE,
+                   package: str = "torch") -> list[str]:
+    """`count` prompts cut as `held_out_prompts` cuts them from the C and C++ headers an installed package
+    ships (torch's `include/`: every install of dspark's runtime has them; found without importing it): a
+    language the pair never saw. Part 0 or 1 by the header's path hashed (no file in both), in a fixed
+    shuffled order; fewer when they run out, none without the package."""
+    if part not in (0, 1):
+        raise ValueError(f"part must be 0 or 1, got {part!r}")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    root = Path(next(iter(spec.submodule_search_locations))) / "include"
+    files = [h for h in sorted(root.rglob("*.h"))
+             if zlib.crc32(str(h.relative_to(root)).encode()) % 2 == part]
+    prompts = [p for path in files
+               for p in _cut(path.read_text(encoding="utf-8", errors="replace"), length,
+                             lambda i: i % HELD_OUT_LINE_STRIDE == phase)]
+    random.Random(f"{package}-headers:{part}").shuffle(prompts)
+    return prompts[:count]
 
 
 def _in_turn(lists: list[list[str]]) -> list[str]:

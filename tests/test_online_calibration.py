@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.corpus import package_files, package_prompts
+from dspark.corpus import header_prompts, package_files, package_prompts
 from dspark.runtime.planner.calibration_metrics import binned_ece, binned_eces
 from dspark.runtime.planner.online_calibration import (
     OnlineCalibrationSettings,
@@ -136,6 +136,17 @@ def test_the_out_of_distribution_prompts_come_in_two_parts_with_no_file_in_commo
         package_files(2)
     with pytest.raises(ValueError, match="json is part of the standard library"):
         package_files(0, ("json",))
+
+
+def test_the_header_prompts_come_in_two_parts_from_different_headers() -> None:
+    parts = [header_prompts(60, part) for part in (0, 1)]
+    assert all(len(part) == 60 and all(0 < len(p) <= 200 for p in part) for part in parts)
+    # parts split the headers, not the prompts: a few lines (licence text) repeat across files
+    assert len(set(parts[0]) & set(parts[1])) <= 3
+    assert header_prompts(60, 0) == parts[0]  # a fixed order
+    assert header_prompts(5, 0, package="no_such_package") == []
+    with pytest.raises(ValueError, match="part"):
+        header_prompts(5, 2)
 
 
 @pytest.mark.parametrize("case", ["all_accepted", "all_rejected", "nothing_known", "non_finite"])
