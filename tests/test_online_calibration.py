@@ -294,6 +294,8 @@ def test_the_spec_turns_online_calibration_on_with_its_settings(tmp_path) -> Non
     ("tiny_cpu_static", {}, "online_calibration.enabled", "static mode has no planner"),
     ("tiny_cpu_compact", {"window": 100, "drift_window": 200}, "online_calibration.drift_window",
      "more than window"),
+    # a drift_window left at its default (384) must fit the window the spec wrote too
+    ("tiny_cpu_compact", {"window": 200}, "online_calibration.window", "less than drift_window (384)"),
 ])
 def test_a_spec_that_cannot_calibrate_online_is_refused_at_its_line(tmp_path, capsys, build, section, where,
                                                                      message) -> None:

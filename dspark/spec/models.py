@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import keyword
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     Discriminator,
@@ -541,6 +541,26 @@ class ServingSpec(Section):
         return value
 
 
+_Windowed = TypeVar("_Windowed", bound=Section)
+
+
+def _inside_window(section: _Windowed, name: str) -> _Windowed:
+    """`section.name` must be at most `section.window`. Checked after the model, not on the field: a value
+    left at its default must fit a small window too, and the error then names the field the spec did write."""
+    value, window = getattr(section, name), section.window  # type: ignore[attr-defined]
+    if value <= window:
+        return section
+    if name in section.model_fields_set:
+        field, error = name, FieldValueError(f"{value} is more than window ({window})",
+                                             f"use at most {window}")
+    else:
+        field, error = "window", FieldValueError(
+            f"{window} is less than {name} ({value})",
+            f"use at least {value}, or set {name} to at most {window}")
+    raise ValidationError.from_exception_data(type(section).__name__, [InitErrorDetails(
+        type="value_error", loc=(field,), input=getattr(section, field), ctx={"error": error})])
+
+
 class OnlineCalibrationSpec(Section):
     """Refit the planner's STS temperatures from the served steps' own verified drafts, off the step path,
     swapped in between steps (docs/planner.md, "Online calibration"). `dspark serve --online-calibration` /
@@ -570,13 +590,9 @@ class OnlineCalibrationSpec(Section):
         description="Groups of the monotone survival map (isotonic) refitted after the temperatures; 0: "
                     "the temperatures alone.")
 
-    @field_validator("drift_window")
-    @classmethod
-    def _inside_window(cls, value: int, info: ValidationInfo) -> int:
-        window = info.data.get("window")
-        if window is not None and value > window:
-            raise FieldValueError(f"{value} is more than window ({window})", f"use at most {window}")
-        return value
+    @model_validator(mode="after")
+    def _drift_window_inside_window(self) -> OnlineCalibrationSpec:
+        return _inside_window(self, "drift_window")
 
 
 class OnlineCostSpec(Section):
@@ -599,18 +615,7 @@ class OnlineCostSpec(Section):
 
     @model_validator(mode="after")
     def _refits_inside_window(self) -> OnlineCostSpec:
-        # After the model, not on the field: a refit_every left at its default must fit a small window too.
-        if self.refit_every <= self.window:
-            return self
-        if "refit_every" in self.model_fields_set:
-            field, error = "refit_every", FieldValueError(
-                f"{self.refit_every} is more than window ({self.window})", f"use at most {self.window}")
-        else:
-            field, error = "window", FieldValueError(
-                f"{self.window} is less than refit_every ({self.refit_every})",
-                f"use at least {self.refit_every}, or set refit_every to at most {self.window}")
-        raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(
-            type="value_error", loc=(field,), input=getattr(self, field), ctx={"error": error})])
+        return _inside_window(self, "refit_every")
 
 
 class DeploymentSpec(Section):
