@@ -468,3 +468,40 @@ def test_the_server_reports_its_live_cost_table() -> None:
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert off.status_code == 404 and off.json()["error"]["code"] == "online_cost_off"
     assert "--online-cost" in off.json()["error"]["message"] and "dspark_cost_refits" not in metrics
+
+
+def test_the_live_cost_table_is_saved_as_a_file_a_spec_can_name(tmp_path: Path) -> None:
+    import yaml
+
+    from dspark.cli.serve import save_live_cost_table
+    from dspark.compiler.api import build
+    from dspark.corpus import held_out_prompts
+    from dspark.runtime.engine.runtime import Runtime
+    from dspark.runtime.package import load_package
+    from dspark.runtime.planner.cost_models import load_cost_model
+
+    package = load_package(REPO / "generated" / "tiny_cpu_compact")
+    runtime = Runtime(package, online_cost=OnlineCostSettings(window=64, refit_every=8))
+    runtime.generate([package.tokenizer.encode(p) for p in held_out_prompts(4)], 32)
+    refit = runtime.speculative.cost_refit
+    assert refit is not None and refit.refits >= 1
+    save_live_cost_table(runtime, tmp_path / "live.json")
+    assert load_cost_model(tmp_path / "live.json") == refit.table
+
+    # named in the spec, it passes the fingerprint check and becomes the plan's table
+    spec = _spec_with(tmp_path, "tiny_cpu_compact", None)
+    data = yaml.safe_load(spec.read_text())
+    del data["online_cost"]
+    data["cost_model"] = {"type": "additive", "file": str(tmp_path / "live.json")}
+    spec.write_text(yaml.safe_dump(data, sort_keys=False))
+    build(spec, tmp_path / "pkg")
+    assert load_package(tmp_path / "pkg").plan.table == refit.table
+
+
+def test_saving_the_cost_table_without_the_refit_says_what_to_do(tmp_path: Path, capsys) -> None:
+    from dspark.cli.main import main as dspark_main
+
+    assert dspark_main(["serve", str(REPO / "generated" / "tiny_cpu_compact"), "--no-online-cost",
+                        "--save-cost-table", str(tmp_path / "t.json")]) == 2
+    assert "--save-cost-table needs the online cost refit" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()

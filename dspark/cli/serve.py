@@ -95,6 +95,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-calibration", type=Path, default=None, metavar="PATH",
                    help="with online calibration on: on shutdown, write the live calibration to PATH as a "
                         "calibration file (name it in the spec's calibration.file to start from it)")
+    p.add_argument("--save-cost-table", type=Path, default=None, metavar="PATH",
+                   help="with the online cost refit on: on shutdown, write the live additive table to PATH "
+                        "as a cost-table file (name it in the spec's cost_model.file to start from it)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -160,6 +163,9 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
         if args.save_calibration is not None and options["online_calibration"] is None:
             raise CliError("--save-calibration needs online calibration (--online-calibration, or the "
                            "spec's online_calibration section)")
+        if args.save_cost_table is not None and options["online_cost"] is None:
+            raise CliError("--save-cost-table needs the online cost refit (--online-cost, or the spec's "
+                           "online_cost section)")
         if follows(pkg, **options):
             return 0
     except LaunchError as err:
@@ -182,6 +188,8 @@ def serve_package(package_dir: Path, args: argparse.Namespace) -> int:
             runtime.close()
             if args.save_calibration is not None:
                 save_live_calibration(runtime, args.save_calibration)
+            if args.save_cost_table is not None:
+                save_live_cost_table(runtime, args.save_cost_table)
         if failed and runtime.ranks.world.size > 1:
             raise CliError("a rank of the launch failed and the server shut down; restart the launch")
     finally:
@@ -203,3 +211,18 @@ def save_live_calibration(runtime: Any, path: Path) -> None:
     contents = online.calibration_contents(f"online: {runtime.deployment.name} served traffic", policy)
     print(f"wrote {write_calibration(path, contents)} ({online.refits} refits on {online.samples} "
           "request-steps)", file=sys.stderr)
+
+
+def save_live_cost_table(runtime: Any, path: Path) -> None:
+    """The live additive table of a server that ran with the online cost refit, written as a cost-table file
+    with the deployment's fingerprint (as `dspark profile` writes one)."""
+    from dspark.fingerprint import fingerprint_of_deployment
+    from dspark.formats.cost_tables import write_cost_table
+
+    refit = runtime.speculative.cost_refit
+    if refit is None:
+        raise CliError("--save-cost-table needs the online cost refit (--online-cost, or the spec's "
+                       "online_cost section)")
+    fingerprint = fingerprint_of_deployment(runtime.deployment, runtime.tiers).to_json()
+    written = write_cost_table(path, refit.table.to_format(), fingerprint)
+    print(f"wrote {written} ({refit.refits} refits on {refit.samples} decode steps)", file=sys.stderr)
