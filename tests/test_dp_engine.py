@@ -166,3 +166,19 @@ def test_one_engine_alone_agrees_with_itself() -> None:
     prediction = Prediction(4, 12.0, 0.01, 0.004)
     assert local.agree_prediction(prediction) is prediction
     local.check("verify step", 1, 2)  # nothing to compare with
+
+
+def test_a_step_filled_to_the_global_tier_is_priced_at_the_rows_it_runs() -> None:
+    table = {"type": "additive", "bias_seconds": 0.01, "bs_probes": [1, 8], "alpha_seconds": [0.0, 0.004],
+             "m_probes": [1, 64], "theta_seconds": [0.0, 0.0315], "draft_bs_probes": [1, 8],
+             "draft_seconds": [0.002, 0.003]}
+    plan = _compact(align_to_graph_tier=True, cost_model=table)
+    logits = torch.tensor([[4.0, 3, 2, -1, -2, -3, -4], [4.0, -1, -2, -3, -4, -5, -6],
+                           [1.0, 0, 0, 0, 0, 0, 0]])
+    step = plan.plan_step(logits, 3, [0, 1, 2], [0, 0, 0], offset_seconds=0.001)
+    assert step.step_seconds == pytest.approx(plan.table.step_time(3, sum(step.verify_lens))
+                                              + plan.table.draft_time(3) + 0.001)
+    filled = plan.align_to_tier(step, 32)
+    assert sum(filled.verify_lens) > sum(step.verify_lens)
+    assert filled.step_seconds == pytest.approx(plan.table.step_time(3, sum(filled.verify_lens))
+                                                + plan.table.draft_time(3) + 0.001)

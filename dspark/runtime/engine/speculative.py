@@ -223,7 +223,7 @@ class SpeculativeStep:
         if agreed.uniform_rows is not None:
             return self.plan.uniform_step(num_reqs, agreed.uniform_rows), agreed.tier, agreed.logit_rows
         assert own is not None  # every engine planned
-        return self.plan.align_to_tier(own, agreed.tier), agreed.tier, agreed.logit_rows
+        return self.plan.align_to_tier(own, agreed.tier, context_len), agreed.tier, agreed.logit_rows
 
     def _tier_of(self, rows: int) -> int:
         tiers = self.forward.runner.shape.tiers

@@ -99,8 +99,9 @@ class VerifyPlan(Protocol):
         """Whether a step's rows grow to fill the graph tier it runs (graph-tier alignment)."""
         ...
 
-    def align_to_tier(self, step: StepPlan, tier: int) -> StepPlan:
-        """`step` refilled for the (DP-global) `tier` it runs, where `fills_tier`; else `step`."""
+    def align_to_tier(self, step: StepPlan, tier: int, context_len: float | None = None) -> StepPlan:
+        """`step` refilled for the (DP-global) `tier` it runs, where `fills_tier` (its price, at the batch's
+        mean `context_len`, then that of the rows it runs); else `step`."""
         ...
 
     def uniform_rows(self, max_reqs: int) -> int:
@@ -156,7 +157,7 @@ class StaticVerifyPlan:
 
     fills_tier = False
 
-    def align_to_tier(self, step: StepPlan, tier: int) -> StepPlan:
+    def align_to_tier(self, step: StepPlan, tier: int, context_len: float | None = None) -> StepPlan:
         return step
 
     def uniform_rows(self, max_reqs: int) -> int:
@@ -345,10 +346,11 @@ class AdaptiveVerifyPlan:
     def fills_tier(self) -> bool:
         return self.align_to_graph_tier and self.mode.packs_rows
 
-    def align_to_tier(self, step: StepPlan, tier: int) -> StepPlan:
+    def align_to_tier(self, step: StepPlan, tier: int, context_len: float | None = None) -> StepPlan:
         """Under DP attention every DP rank runs the largest tier any needs: with graph-tier alignment a
         DP rank's padding rows there are paid for too, so its budget grows to fill that tier (never
-        past `B * cap`, never below survival_eps: it may stay short)."""
+        past `B * cap`, never below survival_eps: it may stay short); the step's price grows by what the
+        table says the rows it adds cost."""
         if not self.fills_tier or step.survival is None:
             return step
         cfg, num_reqs = self.schedule, len(step.verify_lens)
@@ -357,7 +359,14 @@ class AdaptiveVerifyPlan:
         if filled == budget:
             return step
         verify_lens = tuple(Ranking.of(step.survival, cfg).verify_lens(filled).tolist())
-        return dataclasses.replace(step, verify_lens=verify_lens, run_lens=verify_lens, aligned_budget=filled)
+        seconds, table = step.step_seconds, self.table
+        if seconds is not None and table is not None:
+            if context_len is not None:
+                table = table.at_context(context_len)
+            seconds += (price_of_rows(table, num_reqs, sum(verify_lens))
+                        - price_of_rows(table, num_reqs, sum(step.verify_lens)))
+        return dataclasses.replace(step, verify_lens=verify_lens, run_lens=verify_lens, aligned_budget=filled,
+                                   step_seconds=seconds)
 
     def uniform_rows(self, max_reqs: int) -> int:
         if not self.mode.packs_rows:
