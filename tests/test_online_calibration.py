@@ -24,7 +24,13 @@ from dspark.runtime.planner.online_calibration import (
     calibrated_ece_quantile,
     step_labels,
 )
-from dspark.runtime.planner.sts import cumulative_survival, default_grid, grid_eces
+from dspark.runtime.planner.sts import (
+    cumulative_survival,
+    default_grid,
+    fit_temperatures,
+    grid_eces,
+    grid_nlls,
+)
 
 GAMMA = 4
 
@@ -95,9 +101,9 @@ def test_refits_back_off_while_the_traffic_holds_still_and_resume_on_drift() -> 
     settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150, drift_window=256)
     cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False)
     stream(cal, 8000, 2.0, gen, planned=False)
-    # checks every 128 request-steps (62 of them); refits at 128, 384, 896, 1920 and 3968 (256, 512, ...
-    # 2048 apart; the next 4096 later)
-    assert cal.refits == 5, cal.refits
+    # checks every 128 request-steps (62 of them); refits at 128, 384, 896 and 1920 (256, 512, 1024 apart),
+    # then every 1024 (a quarter of the window: 2944 ... 7040)
+    assert cal.refits == 9, cal.refits
     before = cal.refits
     stream(cal, 2000, 0.4, gen, planned=False)
     assert cal.drift_at is not None and cal.drift_at - 8000 < 500
@@ -115,6 +121,26 @@ def test_the_vectorised_fit_scores_every_temperature_as_the_naive_loop_does() ->
     assert grid_eces(prefix, np.ascontiguousarray(z[:, 2]), y, grid, 15).tolist() == naive
     draws = gen.random((5, 700)) < prefix
     assert binned_eces(prefix, draws, 15).tolist() == [binned_ece(prefix, d, 15) for d in draws]
+
+
+def test_the_log_loss_fit_scores_every_temperature_as_the_naive_loop_and_finds_the_generating_one() -> None:
+    gen = np.random.default_rng(6)
+    z = gen.normal(0.5, 2.0, size=(4000, 2))
+    prefix = cumulative_survival(z[:, :1], [1.0])[:, 0]
+    grid = default_grid()
+    y = gen.random(z.shape[0]) < 0.4
+    ours = grid_nlls(prefix, np.ascontiguousarray(z[:, 1]), y, grid)
+    naive = [-np.mean(np.where(y, np.log(s), np.log1p(-s)))
+             for s in (np.clip(cumulative_survival(z, [1.0, t])[:, 1], 1e-12, 1 - 1e-12) for t in grid)]
+    assert np.allclose(ours, naive, rtol=1e-12, atol=0)
+    # labels drawn from temperatures (1.0, 2.0): the log-loss fit finds them, also where only the rows the
+    # planner would verify (high scores) are known at the second position
+    labels = gen.random(z.shape) < cumulative_survival(z, [1.0, 2.0])
+    labels[:, 1] &= labels[:, 0]
+    known = np.ones_like(labels)
+    known[:, 1] = z[:, 0] > 0.0
+    temps = fit_temperatures(z, labels, grid, 15, known=known, objective="nll")
+    assert close_on_grid(temps[0], 1.0) and close_on_grid(temps[1], 2.0), temps
 
 
 def test_the_drift_checks_noise_quantile_is_the_monte_carlo_one() -> None:

@@ -571,7 +571,7 @@ class OnlineCalibrationSpec(Section):
     refit_every: int = Field(
         default=128, ge=1,
         description="New labelled request-steps between drift checks; refits at the first, on drift, and at "
-                    "intervals doubling up to window between drifts.")
+                    "intervals doubling up to a quarter of window between drifts.")
     min_known: int = Field(
         default=200, ge=1,
         description="Known labels a draft position needs before its temperature is refitted.")

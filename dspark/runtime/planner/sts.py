@@ -7,13 +7,19 @@ cumulative survival `s[:, k] = prod_{i<=k} sigmoid(z[:, i] / T_i)` against the l
 reached draft k" over the rows whose label is known, keeping the temperatures already fitted for positions
 < k: the survival the planner will compute is what was calibrated. Ties (within `ECE_TIE_TOLERANCE`) keep the
 smaller T. A position with fewer than `min_known` known labels keeps its previous temperature.
+
+`objective="nll"` minimises the log loss of the same survival instead (the online refit's): a proper score,
+smooth in T. On a window of a few thousand request-steps whose later positions are labelled only where the
+planner verified them (compact: the high scores), the binned ECE sees a few bins, and its minimum can sit at
+the grid's edge (T 0.11: every score a near-certainty), which the log loss of the few misses among them
+forbids. `dspark calibrate` fits what the ECE targets measure, on recordings of every row.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -26,6 +32,7 @@ DEFAULT_T_MAX = 10.0
 # ECE values closer than this are the same number up to summation order; the smaller T wins such ties so
 # that the fit does not depend on floating-point noise.
 ECE_TIE_TOLERANCE = 1e-15
+NLL_EPS = 1e-12  # the survival is clipped this far from 0 and 1 in the log loss: a certain miss costs 27.6
 
 
 class CalibrationError(ValueError):
@@ -72,6 +79,13 @@ def cumulative_survival(logits: np.ndarray, temperatures: Sequence[float],
     return survival if survival_map is None else survival_map.apply(survival)
 
 
+def grid_nlls(prefix: np.ndarray | None, z: np.ndarray, y: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """The mean log loss of `prefix * sigmoid(z / T)` against `y` for every T of `grid`: `[G]`."""
+    q = sigmoid(z[None, :] / grid[:, None])  # [G, n]
+    s = np.clip(prefix[None, :] * q if prefix is not None else q, NLL_EPS, 1.0 - NLL_EPS)
+    return -np.where(y[None, :], np.log(s), np.log1p(-s)).mean(axis=1)
+
+
 def grid_eces(prefix: np.ndarray | None, z: np.ndarray, y: np.ndarray, grid: np.ndarray,
               num_bins: int) -> np.ndarray:
     """The binned ECE of `prefix * sigmoid(z / T)` against `y` for every T of `grid`, in one pass: `[G]`.
@@ -84,9 +98,10 @@ def grid_eces(prefix: np.ndarray | None, z: np.ndarray, y: np.ndarray, grid: np.
 
 def fit_temperatures(logits: np.ndarray, labels: np.ndarray, grid: np.ndarray, num_bins: int,
                      known: np.ndarray | None = None, previous: Sequence[float] | None = None,
-                     min_known: int = 1) -> tuple[float, ...]:
+                     min_known: int = 1, objective: Literal["ece", "nll"] = "ece") -> tuple[float, ...]:
     """Temperatures for `logits [n, gamma]` (finite) and `labels [n, gamma]` (bool: the prefix reached draft
-    k), over the rows `known [n, gamma]` marks at each position (all when None); see the module docstring."""
+    k), over the rows `known [n, gamma]` marks at each position (all when None), minimising `objective`; see
+    the module docstring."""
     n, gamma = logits.shape
     temps: list[float] = []
     for k in range(gamma):
@@ -96,6 +111,8 @@ def fit_temperatures(logits: np.ndarray, labels: np.ndarray, grid: np.ndarray, n
             continue
         z = logits[rows, :k + 1]
         prefix = cumulative_survival(z[:, :k], temps)[:, k - 1] if k else None
-        eces = grid_eces(prefix, np.ascontiguousarray(z[:, k]), labels[rows, k], grid, num_bins)
-        temps.append(float(grid[int(np.flatnonzero(eces <= eces.min() + ECE_TIE_TOLERANCE)[0])]))
+        zk, yk = np.ascontiguousarray(z[:, k]), labels[rows, k]
+        scores = grid_nlls(prefix, zk, yk, grid) if objective == "nll" else grid_eces(prefix, zk, yk, grid,
+                                                                                      num_bins)
+        temps.append(float(grid[int(np.flatnonzero(scores <= scores.min() + ECE_TIE_TOLERANCE)[0])]))
     return tuple(temps)
