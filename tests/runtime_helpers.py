@@ -18,6 +18,19 @@ from .conftest import merged
 REPO = Path(__file__).resolve().parents[1]
 
 
+def spec_with(tmp_path: Path, build: str, name: str, sections: dict[str, Any]) -> Path:
+    """`specs/<build>.yaml` with its table files made absolute, named `name` and `sections` set (a value of
+    None writes the section empty), written into `tmp_path`; returns the spec's path (not compiled)."""
+    data = yaml.safe_load((REPO / "specs" / f"{build}.yaml").read_text())
+    for key in ("cost_model", "calibration"):  # their files, relative to specs/
+        if isinstance(data.get(key), dict) and "file" in data[key]:
+            data[key]["file"] = str(REPO / "specs" / data[key]["file"])
+    data.update(name=name, **sections)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def compile_variant(tmp_path: Path, spec: str, overrides: dict[str, Any], name: str) -> Path:
     """Compile `specs/<spec>` with `overrides` deep-merged in; returns the package directory."""
     data = yaml.safe_load((REPO / "specs" / spec).read_text())

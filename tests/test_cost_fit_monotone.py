@@ -19,7 +19,7 @@ from dspark.cli.main import main as dspark_main
 from dspark.formats.cost_tables import CostTableError, cost_table_from_json, read_cost_table
 from dspark.formats.profile import ProfileResult
 from dspark.measure.cost_fit import fit_additive, fit_draft_seconds, fit_sps_table, fit_tier_table
-from dspark.measure.monotone import isotonic
+from dspark.runtime.planner.isotonic import isotonic
 
 REPO = Path(__file__).resolve().parents[1]
 TABLES = REPO / "specs" / "tables"

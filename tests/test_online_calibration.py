@@ -32,6 +32,8 @@ from dspark.runtime.planner.sts import (
     grid_nlls,
 )
 
+from .runtime_helpers import spec_with
+
 GAMMA = 4
 
 
@@ -284,18 +286,7 @@ def test_the_server_reports_its_live_calibration() -> None:
 
 
 def _spec_with(tmp_path, build: str, section: dict | None) -> Path:
-    import yaml
-
-    repo = Path(__file__).resolve().parents[1]
-    data = yaml.safe_load((repo / "specs" / f"{build}.yaml").read_text())
-    for key in ("cost_model", "calibration"):  # their files, relative to specs/
-        if isinstance(data.get(key), dict) and "file" in data[key]:
-            data[key]["file"] = str(repo / "specs" / data[key]["file"])
-    data["name"] = f"{build}_online"
-    data["online_calibration"] = section
-    path = tmp_path / f"{data['name']}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    return spec_with(tmp_path, build, f"{build}_online", {"online_calibration": section})
 
 
 def test_the_spec_turns_online_calibration_on_with_its_settings(tmp_path) -> None:

@@ -21,7 +21,8 @@ from dspark.runtime.config import OnlineCostSettings
 from dspark.runtime.planner.cost_models import AdditiveCostTable
 from dspark.runtime.planner.online_cost import OnlineCostRefit, hats, plan_cost_model
 
-REPO = Path(__file__).resolve().parents[1]
+from .runtime_helpers import REPO, spec_with
+
 MS = 1e-3
 
 
@@ -329,19 +330,10 @@ def test_the_flags_override_the_spec() -> None:
 
 
 def _spec_with(tmp_path: Path, build: str, section: dict | None, cost_model: dict | None = None) -> Path:
-    import yaml
-
-    data = yaml.safe_load((REPO / "specs" / f"{build}.yaml").read_text())
-    for key in ("cost_model", "calibration"):  # their files, relative to specs/
-        if isinstance(data.get(key), dict) and "file" in data[key]:
-            data[key]["file"] = str(REPO / "specs" / data[key]["file"])
+    sections: dict = {"online_cost": section}
     if cost_model is not None:
-        data["cost_model"] = cost_model
-    data["name"] = f"{build}_online_cost"
-    data["online_cost"] = section
-    path = tmp_path / f"{data['name']}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+        sections["cost_model"] = cost_model
+    return spec_with(tmp_path, build, f"{build}_online_cost", sections)
 
 
 def test_the_spec_turns_online_cost_on_and_a_recording_keeps_every_swap(tmp_path: Path) -> None:

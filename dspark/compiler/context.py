@@ -362,7 +362,7 @@ def template_context(resolved: ResolvedSpec, package_dir: Path) -> dict[str, Any
         "serving": spec.serving,
         "config_imports": _config_imports(resolved),
         "draft_architecture": _draft_architecture(spec),
-        "online_refits": _online_calibration(spec) + _online_cost(spec),  # DeploymentConfig's optional fields
+        "online_refits": _online_refits(spec),
         "model_checkpoint": stored_checkpoint(resolved.model_checkpoint, package_dir),
         "draft_checkpoint": stored_checkpoint(resolved.draft_checkpoint, package_dir),
         "model_digest": resolved.model_digest,
@@ -400,16 +400,20 @@ def _geometry_class(resolved: ResolvedSpec) -> str:
     return "Dsv4Geometry" if isinstance(resolved.geometry, Dsv4Geometry) else "ModelGeometry"
 
 
-def _online(spec: DeploymentSpec) -> bool:
-    return spec.online_calibration is not None and spec.online_calibration.enabled
+# The spec's optional online refits: section, and the DeploymentConfig field's settings class.
+ONLINE_REFITS = (("online_calibration", "OnlineCalibrationSettings"), ("online_cost", "OnlineCostSettings"))
+
+
+def _online_refits_on(spec: DeploymentSpec) -> list[tuple[str, str]]:
+    """The online refits the spec turns on (a section written and enabled), in DeploymentConfig's order."""
+    return [(name, cls) for name, cls in ONLINE_REFITS
+            if getattr(spec, name) is not None and getattr(spec, name).enabled]
 
 
 def _config_imports(resolved: ResolvedSpec) -> str:
     """deployment.py's names from dspark.runtime.config, one a line in the import sorter's order."""
     geometry = _geometry_class(resolved)
-    online = ["OnlineCalibrationSettings"] if _online(resolved.spec) else []
-    if _online_cost_on(resolved.spec):
-        online.append("OnlineCostSettings")
+    online = [cls for _, cls in _online_refits_on(resolved.spec)]
     names = ["DeploymentConfig", "DraftRef", geometry, "ModelRef", *online, "ParallelPlan", "ServingConfig"]
     return "".join(f"    {name},\n" for name in names)
 
@@ -442,30 +446,15 @@ def _survival_map(resolved: ResolvedSpec, calibration_file: str | None, plans: b
                                       else ", survival_map=SURVIVAL_MAP")}
 
 
-def _online_calibration(spec: DeploymentSpec) -> str:
-    """The DeploymentConfig's `online_calibration` field where the spec turns it on: the settings the
-    server refits with."""
-    if not _online(spec):
-        return ""
-    assert spec.online_calibration is not None
-    fields = spec.online_calibration.model_dump(exclude={"enabled"})
-    body = "".join(f"        {name}={py_literal(value)},\n" for name, value in fields.items())
-    return f"\n    online_calibration=OnlineCalibrationSettings(\n{body}    ),"
-
-
-def _online_cost_on(spec: DeploymentSpec) -> bool:
-    return spec.online_cost is not None and spec.online_cost.enabled
-
-
-def _online_cost(spec: DeploymentSpec) -> str:
-    """The DeploymentConfig's `online_cost` field where the spec turns it on: the settings the server
-    refits its cost table with."""
-    if not _online_cost_on(spec):
-        return ""
-    assert spec.online_cost is not None
-    fields = spec.online_cost.model_dump(exclude={"enabled"})
-    body = "".join(f"        {name}={py_literal(value)},\n" for name, value in fields.items())
-    return f"\n    online_cost=OnlineCostSettings(\n{body}    ),"
+def _online_refits(spec: DeploymentSpec) -> str:
+    """The DeploymentConfig's fields of the online refits the spec turns on: the settings the server refits
+    with."""
+    out = ""
+    for name, cls in _online_refits_on(spec):
+        fields = getattr(spec, name).model_dump(exclude={"enabled"})
+        body = "".join(f"        {field}={py_literal(value)},\n" for field, value in fields.items())
+        out += f"\n    {name}={cls}(\n{body}    ),"
+    return out
 
 
 # The dense geometry's fields, in ModelGeometry's order (rope_scaling written as its fields' dict).

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dspark.formats.profile import DEFAULT_M_BIN, ProfileResult, Sample
-from dspark.measure.monotone import cumulative_design, isotonic
+from dspark.measure.monotone import cumulative_design
 from dspark.measure.residuals import FitResidual, fit_quality
 from dspark.runtime.planner.cost_models import AdditiveCostTable, SpsTable, TierCostTable
+from dspark.runtime.planner.isotonic import isotonic
 
 
 def nnls(a: np.ndarray, b: np.ndarray, *, tol: float | None = None,

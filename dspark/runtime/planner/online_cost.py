@@ -51,6 +51,7 @@ import numpy as np
 from dspark.formats.cost_tables import CostTableError
 from dspark.runtime.config import OnlineCostSettings
 from dspark.runtime.planner.cost_models import CONTEXT_QUANTUM, AdditiveCostTable
+from dspark.runtime.planner.isotonic import isotonic
 
 LOG = logging.getLogger("dspark.cost")
 
@@ -81,18 +82,6 @@ def hats(x: np.ndarray, knots: np.ndarray) -> np.ndarray:
     out[rows, left] = 1.0 - weight
     out[rows, left + 1] += weight
     return out
-
-
-def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, w in zip(values.tolist(), weights.tolist(), strict=True):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            b, a = blocks.pop(), blocks.pop()
-            total = a[1] + b[1]
-            blocks.append([(a[0] * a[1] + b[0] * b[1]) / total, total, a[2] + b[2]])
-    return np.repeat([b[0] for b in blocks], [int(b[2]) for b in blocks])
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dspark.formats.sts_calibration import SURVIVAL_MAP_VERSION, SurvivalMapKnots, survival_map_problems
+from dspark.runtime.planner.isotonic import isotonic
 
 DEFAULT_BINS = 10
 
@@ -90,18 +91,6 @@ def _knots(survival_map: SurvivalMap, dtype: torch.dtype, device: torch.device) 
     """The knots as tensors, made once per map and device (a swap makes a new map, hence new tensors)."""
     return (torch.tensor(survival_map.x, dtype=dtype, device=device),
             torch.tensor(survival_map.y, dtype=dtype, device=device))
-
-
-def isotonic(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for v, w in zip(values.tolist(), weights.tolist(), strict=True):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            b, a = blocks.pop(), blocks.pop()
-            total = a[1] + b[1]
-            blocks.append([(a[0] * a[1] + b[0] * b[1]) / total, total, a[2] + b[2]])
-    return np.repeat([b[0] for b in blocks], [int(b[2]) for b in blocks])
 
 
 def fit_position(s: np.ndarray, y: np.ndarray, bins: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
