@@ -54,6 +54,7 @@ class Phase:
     logits: np.ndarray  # [n, gamma] every labelled request-step's confidence logits
     labels: np.ndarray
     known: np.ndarray
+    requests: np.ndarray  # [n] which request each row is (slot and generation as one number)
     committed: int
     predicted: float
     drift_at: int | None  # labelled request-steps into the phase when drift was detected (None: not)
@@ -79,12 +80,13 @@ def serve(runtime: Runtime, prompts: list[str], max_new: int, name: str, work: s
         if detected is None and online.drift_at != drift_at:
             detected = online.drift_at - start
     runtime.recorder = None
-    rows = [(r.confidence, r.raw_correct_len, r.verify_len)
+    rows = [(r.confidence, r.raw_correct_len, r.verify_len, (r.slot << 32) + r.generation)
             for s in recorder.steps.records for r in s.requests if r.confidence is not None]
-    logits = np.array([c for c, _, _ in rows], dtype=np.float64)
-    labels, known = step_labels([raw for _, raw, _ in rows], [v for _, _, v in rows], gamma)
+    logits = np.array([c for c, _, _, _ in rows], dtype=np.float64)
+    labels, known = step_labels([raw for _, raw, _, _ in rows], [v for _, _, v, _ in rows], gamma)
     planned = [s for s in recorder.steps.records if s.tau is not None]
-    return Phase(name, logits, labels, known, sum(s.committed for s in planned),
+    requests = np.array([q for _, _, _, q in rows], dtype=np.int64)
+    return Phase(name, logits, labels, known, requests, sum(s.committed for s in planned),
                  sum(float(s.tau) for s in planned), detected, online.calibration)
 
 
@@ -145,16 +147,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("package")
     parser.add_argument("--in-distribution", type=int, default=240, help="phase 1 prompts (default 240)")
-    parser.add_argument("--serve", type=int, default=360, help="phase 2 prompts (default 360)")
-    parser.add_argument("--score", type=int, default=360,
-                        help="phase 3 prompts (default 360: as many as phase 2, so both mix the sources "
-                             "alike)")
+    parser.add_argument("--serve", type=int, default=720,
+                        help="phase 2 prompts (default 720; the prose has some 650 a part)")
+    parser.add_argument("--score", type=int, default=1440,
+                        help="phase 3 prompts (default 1440: some 20,000 request-steps, where perfectly "
+                             "calibrated labels measure 0.005-0.011; fewer where a source runs out)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out-of-distribution", choices=sorted(SOURCES), default="mixed",
                         help="phases 2 and 3: other packages' code, installed distributions' prose, torch's "
                              "C++ headers, or code and prose in turn (default)")
     parser.add_argument("--save-rows", type=Path, default=None,
-                        help="also write every phase's logits, labels and known masks here (.npz)")
+                        help="also write every phase's logits, labels, known masks and request ids here "
+                             "(.npz)")
     args = parser.parse_args()
     pkg = load_package(args.package)
     if pkg.plan.temperatures is None:
@@ -178,7 +182,7 @@ def main() -> None:
         np.savez(args.save_rows, compiled=np.array(compiled.temperatures),
                  **{f"{key}_{field}": getattr(p, field) for key, p in zip(("id", "served", "scored"), phases,
                                                                           strict=True)
-                    for field in ("logits", "labels", "known")})
+                    for field in ("logits", "labels", "known", "requests")})
     print(f"{pkg.deployment.name}, {args.max_new_tokens} new tokens a prompt, out of distribution: "
           f"{args.out_of_distribution}; online calibration {settings}")
     for p in phases:

@@ -142,9 +142,11 @@ def _in_turn(lists: list[list[str]]) -> list[str]:
     return [p for group in itertools.zip_longest(*lists) for p in group if p is not None]
 
 
-# Distributions installed with dspark whose descriptions (their METADATA's long text) are prose.
+# Distributions installed with dspark (its dependencies and theirs) whose descriptions (their METADATA's long
+# text) are prose.
 PROSE_DISTRIBUTIONS = ("pydantic", "matplotlib", "tqdm", "torch", "fastapi", "httpx", "networkx", "numpy",
-                       "jinja2", "uvicorn")
+                       "jinja2", "uvicorn", "fonttools", "sympy", "httpcore", "starlette", "fsspec", "pillow",
+                       "python-dateutil", "annotated-types")
 PROSE_LINE_STRIDE = 7  # a description is short: a prompt every 7 lines
 
 
@@ -159,9 +161,10 @@ def distribution_prose(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS
     per_distribution = []
     for name in distributions:
         try:
-            text = importlib.metadata.distribution(name).read_text("METADATA") or ""
+            metadata = importlib.metadata.distribution(name).read_text("METADATA") or ""
         except importlib.metadata.PackageNotFoundError:
             continue
+        text = metadata.partition("\n\n")[2]  # the description: the header fields end at the first blank line
         prompts = _cut(text, length, lambda i, name=name: (
             i % PROSE_LINE_STRIDE == 3 and zlib.crc32(f"{name}:{i}".encode()) % 2 == part))
         random.Random(f"{name}:{part}").shuffle(prompts)
@@ -170,8 +173,12 @@ def distribution_prose(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS
 
 
 def out_of_distribution_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS) -> list[str]:
-    """`count` prompts of part `part`, code (`package_prompts`) and prose (`distribution_prose`) in turn."""
-    return _in_turn([package_prompts(count, part, length), distribution_prose(count, part, length)])[:count]
+    """Up to `count` prompts of part `part`, code (`package_prompts`) and prose (`distribution_prose`) in
+    turn while both last: the prose runs out first (some 490 prompts a part), and a part that went on with
+    code alone would mix the two unlike the other part (a calibration fitted on one and scored on the other
+    would be scored on another mixture)."""
+    code, prose = package_prompts(count, part, length), distribution_prose(count, part, length)
+    return [p for pair in zip(code, prose, strict=False) for p in pair][:count]
 
 
 def load_prompts_file(path: Path) -> list[str]:

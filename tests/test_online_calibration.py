@@ -16,13 +16,21 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.corpus import header_prompts, package_files, package_prompts
+from dspark.corpus import (
+    distribution_prose,
+    header_prompts,
+    out_of_distribution_prompts,
+    package_files,
+    package_prompts,
+)
 from dspark.runtime.planner.calibration_metrics import binned_ece, binned_eces
 from dspark.runtime.planner.online_calibration import (
     OnlineCalibrationSettings,
     OnlineCalibrator,
+    Rows,
     calibrated_ece_quantile,
     step_labels,
+    traffic_shift,
 )
 from dspark.runtime.planner.sts import (
     cumulative_survival,
@@ -35,6 +43,7 @@ from dspark.runtime.planner.sts import (
 from .runtime_helpers import spec_with
 
 GAMMA = 4
+ROWS_A_REQUEST = 12  # request-steps a synthetic request lasts (as a 64-token request at ~5 tokens a step)
 
 
 def test_a_step_knows_the_labels_of_its_verified_drafts() -> None:
@@ -50,18 +59,23 @@ def test_a_step_knows_the_labels_of_its_verified_drafts() -> None:
 
 
 def stream(calibrator: OnlineCalibrator, steps: int, true_t: float, gen: np.random.Generator,
-           planned: bool = True) -> list[int]:
-    """`steps` request-steps whose draft k is accepted with sigmoid(z_k / true_t) once the prefix reached it;
-    a planner-like run length (score-dependent) when `planned`. Returns the refit steps."""
+           planned: bool = True, shift: float = 0.0, request_sd: float = 0.0) -> list[int]:
+    """`steps` request-steps whose draft k is accepted with sigmoid(z_k / true_t) once the prefix reached it,
+    `ROWS_A_REQUEST` a request, the logits `shift` + the request's own offset (sd `request_sd`) + noise; a
+    planner-like run length (score-dependent) when `planned`. Returns the refit steps."""
     refit_at = []
+    offset = 0.0
     for i in range(steps):
-        z = gen.normal(0.0, 2.5, size=(1, GAMMA))
+        request = calibrator.samples // ROWS_A_REQUEST
+        if calibrator.samples % ROWS_A_REQUEST == 0:
+            offset = gen.normal(0.0, request_sd) if request_sd else 0.0
+        z = shift + offset + gen.normal(0.0, 2.5, size=(1, GAMMA))
         accept = gen.random(GAMMA) < 1 / (1 + np.exp(-z[0] / true_t))
         raw = int(np.argmin(accept)) if not accept.all() else GAMMA
         survival = np.cumprod(1 / (1 + np.exp(-z[0] / np.asarray(calibrator.temperatures))))
         run_len = 1 + (int((survival > 0.3).sum()) if planned else GAMMA)
         run_len = max(run_len, 2)
-        calibrator.observe(torch.from_numpy(z), [min(raw, run_len - 1)], [run_len])
+        calibrator.observe(torch.from_numpy(z), [min(raw, run_len - 1)], [run_len], [request])
         if calibrator.poll() is not None:
             refit_at.append(i)
     return refit_at
@@ -111,6 +125,50 @@ def test_refits_back_off_while_the_traffic_holds_still_and_resume_on_drift() -> 
     assert cal.drift_at is not None and cal.drift_at - 8000 < 500
     # after the window refills (4 x 256 request-steps of the new traffic), refits resume at 128 apart
     assert cal.refits - before >= 3 and close_on_grid(cal.temperatures[0], 0.4), cal.temperatures
+
+
+def test_the_traffic_check_counts_requests_not_rows() -> None:
+    # each request's rows share an offset (sd 1.5 against 0.5 within): 384 rows are 32 requests, not 384
+    # independent draws (and the older 640, 53); a shift of 2 in the recent rows' mean is 6 standard errors
+    gen = np.random.default_rng(7)
+
+    def window(shift: float) -> Rows:
+        requests = np.repeat(np.arange(1024 // ROWS_A_REQUEST + 1), ROWS_A_REQUEST)[:1024]
+        offset = gen.normal(0.0, 1.5, requests.max() + 1)[requests]
+        offset += np.where(np.arange(1024) >= 640, shift, 0.0)
+        logits = offset[:, None] + gen.normal(0.0, 0.5, (1024, GAMMA))
+        return Rows(logits, np.zeros((1024, GAMMA), bool), np.zeros((1024, GAMMA), bool), requests)
+
+    def naive(rows: Rows) -> float:  # every row independent: what the check must not assume
+        x = rows.logits.mean(1)
+        return float((x[640:].mean() - x[:640].mean()) / np.sqrt(x[640:].var() / 384 + x[:640].var() / 640))
+
+    still = [window(0.0) for _ in range(300)]
+    assert sum(abs(traffic_shift(w, 384)) > 4.0 for w in still) <= 1  # type: ignore[arg-type]
+    assert sum(abs(naive(w)) > 4.0 for w in still) > 30  # rows taken as independent: false alarms
+    assert np.std([traffic_shift(w, 384) for w in still]) == pytest.approx(1.0, abs=0.15)
+    shifted = [traffic_shift(window(-2.0), 384) for _ in range(100)]
+    assert sum(z < -4.0 for z in shifted) >= 90  # type: ignore[operator]
+    few = window(0.0)
+    few = Rows(few.logits, few.labels, few.known, few.requests // 8)  # 8 requests in the recent rows
+    assert traffic_shift(few, 384) is None and traffic_shift(still[0], 600) is None  # older side too short
+
+
+def test_a_traffic_shift_is_detected_within_a_few_hundred_request_steps(caplog: pytest.LogCaptureFixture
+                                                                         ) -> None:
+    # the draft's scores fall (harder text) while the temperatures stay right: no calibration drift to see
+    gen = np.random.default_rng(8)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150)
+    cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False)
+    with caplog.at_level(logging.WARNING, logger="dspark.calibration"):
+        stream(cal, 4000, 2.0, gen, request_sd=1.0)
+        assert not cal.drift and not caplog.records, "a drift where there is none"
+        stream(cal, 500, 2.0, gen, shift=-2.0, request_sd=1.0)
+    assert cal.drift_cause == "traffic" and cal.drift_at is not None and cal.drift_at - 4000 <= 500
+    assert [r for r in caplog.records if "traffic shift" in r.message]
+    assert cal.shift_z is not None and cal.shift_z < -settings.shift_z
+    stream(cal, 3000, 2.0, gen, shift=-2.0, request_sd=1.0)
+    assert not cal.drift and abs(cal.state()["shift_z"]) < settings.shift_z  # the window is the new traffic
 
 
 def test_the_vectorised_fit_scores_every_temperature_as_the_naive_loop_does() -> None:
@@ -166,6 +224,17 @@ def test_the_out_of_distribution_prompts_come_in_two_parts_with_no_file_in_commo
         package_files(0, ("json",))
 
 
+def test_the_prose_is_the_descriptions_and_mixes_with_code_half_and_half() -> None:
+    prose = distribution_prose(5000, 0)
+    fields = ("Metadata-Version:", "License-File:", "Requires-Dist:", "Classifier:", "Project-URL:")
+    assert prose and not any(p.startswith(fields) for p in prose)  # the descriptions, not the header fields
+    assert len(set(prose) & set(distribution_prose(5000, 1))) <= 3  # a few passages repeat (a citation)
+    mixed = out_of_distribution_prompts(5000, 0)
+    # in turn while both last: code outlasts the prose, and a part of code alone would mix them otherwise
+    assert mixed[1::2] == prose and len(mixed) == 2 * len(prose)
+    assert out_of_distribution_prompts(7, 0) == mixed[:7]
+
+
 def test_the_header_prompts_come_in_two_parts_from_different_headers() -> None:
     parts = [header_prompts(60, part) for part in (0, 1)]
     assert all(len(part) == 60 and all(0 < len(p) <= 200 for p in part) for part in parts)
@@ -189,7 +258,7 @@ def test_a_hostile_window_never_yields_an_invalid_temperature(case: str) -> None
             z[1::4, 2] = float("inf")
         raw = {"all_accepted": [GAMMA] * 8, "all_rejected": [0] * 8}.get(case, [1] * 8)
         run = [1] * 8 if case == "nothing_known" else [GAMMA + 1] * 8
-        cal.observe(z, raw, run)
+        cal.observe(z, raw, run, list(range(8)))
         cal.poll()
         assert len(cal.temperatures) == GAMMA
         assert all(math.isfinite(t) and settings.t_min <= t <= settings.t_max or t in (1.5, 1.0, 0.8, 2.0)
@@ -270,7 +339,7 @@ def test_the_server_reports_its_live_calibration() -> None:
             assert r.status_code == 200, r.text
         live = httpx.get(f"{url}/v1/dspark/calibration", timeout=30).json()
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    figures = ("samples", "refits", "window_ece", "drift", "drift_at")
+    figures = ("samples", "refits", "window_ece", "shift_z", "drift", "drift_cause", "drift_at")
     saved = calibration_from_json({k: v for k, v in live.items() if k not in figures}, "the live calibration")
     assert len(saved.temperatures) == len(live["window_ece"]) and saved.policy == "greedy"
     assert saved.survival_map is not None and len(saved.survival_map.x) == len(saved.temperatures)
@@ -376,7 +445,7 @@ def test_exploration_verifies_every_draft_on_its_share_of_steps() -> None:
         got, stats = runtime.generate(prompts, 48)
         assert got == runtime.generate(prompts, 48, target_only=True)[0]  # lossless either way
         window = runtime.speculative.online.window
-        known_last[share] = int(window.known[:window.size, -1].sum())
+        known_last[share] = int(window.rows.known[:window.size, -1].sum())
         rows[share] = stats.verify_rows / stats.request_steps
     # the last position is labelled only where every draft ran: exploration supplies those labels, at the
     # price of more verify rows per request-step

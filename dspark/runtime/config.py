@@ -194,11 +194,12 @@ class OnlineCalibrationSettings:
     """How the runtime refits the planner's temperatures from its own traffic
     (`dspark.runtime.planner.online_calibration`; the spec's `online_calibration` section)."""
 
-    window: int = 4096  # labelled request-steps kept
-    refit_every: int = 128  # new labelled request-steps between drift checks (refits back off from it)
+    window: int = 16384  # labelled request-steps kept (the map's; the temperatures take the newest 4096)
+    refit_every: int = 128  # new labelled request-steps between drift checks (refits: from it to 1024)
     min_known: int = 200  # known labels a position needs before its temperature is refitted
     drift_window: int = 384  # the most recent request-steps drift is scored on
     drift_ece: float = 0.03  # how far their cumulative ECE must exceed calibrated labels' noise (99th pct.)
+    shift_z: float = 4.5  # standard errors their mean confidence logit may lie from the window's (traffic)
     exploration: float = 0.0  # share of decode steps that verify every draft (labels for low scores)
     map_bins: int = 10  # groups of the monotone survival map fitted after the temperatures (0: none)
     num_bins: int = 15  # as `dspark calibrate` scores
@@ -221,6 +222,8 @@ class OnlineCalibrationSettings:
             raise ValueError(f"online calibration exploration must be in [0, 1), got {self.exploration!r}")
         if not (math.isfinite(self.drift_ece) and 0 < self.drift_ece < 1):
             raise ValueError(f"online calibration drift_ece must be in (0, 1), got {self.drift_ece!r}")
+        if not (math.isfinite(self.shift_z) and self.shift_z > 0):
+            raise ValueError(f"online calibration shift_z must be a positive number, got {self.shift_z!r}")
         _require(math.isfinite(self.t_min) and math.isfinite(self.t_max) and 0 < self.t_min <= self.t_max,
                  f"online calibration needs 0 < t_min <= t_max, got {self.t_min}, {self.t_max}")
 

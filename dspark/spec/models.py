@@ -567,11 +567,14 @@ class OnlineCalibrationSpec(Section):
     `--no-online-calibration` override `enabled`."""
 
     enabled: bool = Field(default=True, description="Refit while serving (writing the section turns it on).")
-    window: int = Field(default=4096, ge=1, description="Labelled request-steps kept for the refit.")
+    window: int = Field(
+        default=16384, ge=1,
+        description="Labelled request-steps kept for the refit: the survival map is fitted on all of them, "
+                    "the temperatures on the newest 4096.")
     refit_every: int = Field(
         default=128, ge=1,
         description="New labelled request-steps between drift checks; refits at the first, on drift, and at "
-                    "intervals doubling up to a quarter of window between drifts.")
+                    "intervals doubling up to a quarter of window (at most 1024) between drifts.")
     min_known: int = Field(
         default=200, ge=1,
         description="Known labels a draft position needs before its temperature is refitted.")
@@ -581,6 +584,10 @@ class OnlineCalibrationSpec(Section):
         default=0.03, gt=0, lt=1,
         description="How far their cumulative ECE must exceed what calibrated labels of the same scores "
                     "measure (99th percentile) to count as drift.")
+    shift_z: float = Field(
+        default=4.5, gt=0,
+        description="How many standard errors (clustered by request) their mean confidence logit may lie "
+                    "from the rest of the window's before the traffic counts as shifted.")
     exploration: float = Field(
         default=0.0, ge=0, lt=1,
         description="Share of decode steps (compact) that verify every draft whatever the planner chose, so "

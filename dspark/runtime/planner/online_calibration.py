@@ -9,25 +9,36 @@ later draft was reached, but taking those labels where the draft was not verifie
 outcome: the rows that failed early, never those that would have gone on.)
 
 `OnlineCalibrator` keeps the last `window` labelled request-steps (rows with non-finite logits dropped) and
-every `refit_every` of them checks, in a background thread, the temperatures in use for drift; it refits them
-(the shared STS fit, `sts.fit_temperatures`, by log loss, over each position's known labels; a position with
-fewer than `min_known` keeps its temperature) at the first check, on drift, and otherwise at intervals that
-double from `refit_every` up to a quarter of `window` while the traffic holds still (a refit costs tens of
-milliseconds of CPU that the steps would otherwise have; a stable calibration needs few, but one refitted only
-once a window lags a change of traffic the drift check cannot see by thousands of steps: a quarter kept the
-predicted tau within 1 % through the switches of benchmarks/calibration_drift.py, where a whole window let it
-run to -2 to -3 %), and hands the result to the step loop, which swaps it into its plan between steps
-(`poll`). A check scores the temperatures in use on the most recent `drift_window` request-steps: a position's
-cumulative ECE there is drift when it exceeds, by `drift_ece`, what perfectly calibrated labels of the same
-scores would measure at the 99th percentile (a few hundred steps in 15 bins measure 0.03 to 0.1 by noise
-alone: the threshold follows the noise of the window at hand). Drift is logged once as it starts; the window
-then forgets what came before the recent steps, so the refit follows the new traffic. Temperatures only ever
-come from the grid, so no window (all accepted, all rejected, nothing known) can make one invalid.
+every `refit_every` of them checks, in a background thread, the calibration in use for drift. It refits the
+temperatures (the shared STS fit, `sts.fit_temperatures`, by log loss, over each position's known labels in
+the newest `TEMPERATURE_ROWS`; a position with fewer than `min_known` keeps its temperature) and then the
+survival map on the whole window (its groups need the rows: a map refitted on 4,096 request-steps came out
+0.83 of the compiled file's ECE on average over four replayed out-of-distribution runs, on 16,384 0.72): at
+the first check, on drift, and otherwise at intervals that double from `refit_every` up to a quarter of
+`window`, at most `LONGEST_REFIT_INTERVAL`, while the traffic holds still (a refit costs tens of milliseconds
+of CPU that the steps would otherwise have; a stable calibration needs few, but one refitted rarely lags a
+change of traffic the checks cannot see by thousands of steps: 1,024 kept the predicted tau within 1 % through
+the switches of benchmarks/calibration_drift.py, where 4,096 let it run to -2 to -3 %). The result goes to
+the step loop, which swaps it into its plan between steps (`poll`).
+
+A check looks at the most recent `drift_window` request-steps twice. Calibration: a position's
+cumulative ECE there, with the temperatures in use, is drift when it exceeds, by `drift_ece`, what perfectly
+calibrated labels of the same scores would measure at the 99th percentile (a few hundred steps in 15 bins
+measure 0.03 to 0.1 by noise alone: the threshold follows the noise of the window at hand). Traffic: their
+mean confidence logit is drift when it lies more than `shift_z` standard errors from the rest of the window's
+(`traffic_shift`; no labels needed). A calibration that is off by a few hundredths, as on text the pair never
+saw, moves no ECE of a few hundred steps beyond its noise, so the first check alone sees such a change
+thousands of steps late, if at all; the draft's own scores move as soon as the text does (a request's
+rows count once in the standard error: they are the same text a few tokens apart). Drift is logged once as
+it starts; the window then forgets what came before the recent steps, so the refit follows the new traffic.
+Temperatures only ever come from the grid, so no window (all accepted, all rejected, nothing known) can make
+one invalid.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from collections.abc import Sequence
@@ -56,60 +67,110 @@ def step_labels(raw_correct: Sequence[int], run_lens: Sequence[int], gamma: int
     return k < raw, np.broadcast_to(k < verified, (raw.shape[0], gamma)).copy()
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Labelled request-steps: logits float64, labels and known masks bool `[n, gamma]`, and which request
+    each row is `[n]` (int64)."""
+
+    logits: np.ndarray
+    labels: np.ndarray
+    known: np.ndarray
+    requests: np.ndarray
+
+    def __getitem__(self, rows: slice | np.ndarray) -> Rows:
+        return Rows(self.logits[rows], self.labels[rows], self.known[rows], self.requests[rows])
+
+    def __len__(self) -> int:
+        return int(self.logits.shape[0])
+
+
 class LabelWindow:
-    """The last `capacity` labelled request-steps: logits float64, labels and known masks bool
-    `[n, gamma]`."""
+    """The last `capacity` labelled request-steps (`Rows`), in a ring."""
 
     def __init__(self, gamma: int, capacity: int) -> None:
-        self.logits = np.zeros((capacity, gamma))
-        self.labels = np.zeros((capacity, gamma), dtype=bool)
-        self.known = np.zeros((capacity, gamma), dtype=bool)
+        self.rows = Rows(np.zeros((capacity, gamma)), np.zeros((capacity, gamma), dtype=bool),
+                         np.zeros((capacity, gamma), dtype=bool), np.zeros(capacity, dtype=np.int64))
         self.capacity, self.size, self.next = capacity, 0, 0
 
-    def add(self, logits: np.ndarray, labels: np.ndarray, known: np.ndarray) -> int:
-        """Append rows with finite logits (the oldest fall out); returns how many were kept."""
-        keep = np.isfinite(logits).all(1)
-        kept = int(keep.sum())
-        rows = slice(max(0, kept - self.capacity), kept)  # more than fit: only the newest stay
-        at = (self.next + np.arange(kept)[rows]) % self.capacity
-        self.logits[at] = logits[keep][rows]
-        self.labels[at], self.known[at] = labels[keep][rows], known[keep][rows]
+    def add(self, rows: Rows) -> int:
+        """Append the rows with finite logits (the oldest fall out); returns how many were kept."""
+        finite = rows[np.isfinite(rows.logits).all(1)]
+        kept = len(finite)
+        newest = finite[max(0, kept - self.capacity):]  # more than fit: only the newest stay
+        at = (self.next + np.arange(kept - len(newest), kept)) % self.capacity
+        for mine, theirs in zip((self.rows.logits, self.rows.labels, self.rows.known, self.rows.requests),
+                                (newest.logits, newest.labels, newest.known, newest.requests), strict=True):
+            mine[at] = theirs
         self.next = (self.next + kept) % self.capacity
         self.size = min(self.size + kept, self.capacity)
         return kept
 
-    def recent(self, n: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Copies of the last `n` rows (all when None), oldest first."""
+    def recent(self, n: int | None = None) -> Rows:
+        """A copy of the last `n` rows (all when None), oldest first."""
         n = self.size if n is None else min(n, self.size)
-        order = (self.next - n + np.arange(n)) % self.capacity
-        return self.logits[order].copy(), self.labels[order].copy(), self.known[order].copy()
+        return self.rows[(self.next - n + np.arange(n)) % self.capacity]
 
     def keep_recent(self, n: int) -> None:
         """Forget all but the last `n` rows."""
-        logits, labels, known = self.recent(n)
+        rows = self.recent(n)
         self.size, self.next = 0, 0
-        self.add(logits, labels, known)
+        self.add(rows)
 
 
 # Known labels a position's survival map needs per group: fewer fit the noise (right after a drift the window
 # is the last `drift_window` steps; the temperatures are refitted on them, the map waits for more).
 MAP_ROWS_PER_BIN = 50
 REFILL_AFTER_DRIFT = 4
+# The newest request-steps the temperatures are fitted on: one parameter a position, which a few thousand
+# rows pin down as well as the whole window would (the grid search costs some 4 ms per thousand rows); the
+# survival map's groups, fitted after them, take the whole window.
+TEMPERATURE_ROWS = 4096
+# Labelled request-steps between refits at the most: longer lags a change of traffic neither check sees.
+LONGEST_REFIT_INTERVAL = 1024
 
 
-def drifted(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, calibration: LiveCalibration,
-            num_bins: int, margin: float, min_known: int) -> tuple[tuple[float | None, ...], bool]:
-    """The window's per-position cumulative ECE, and whether some position's exceeds, by `margin`, the 99th
+def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: float, min_known: int
+            ) -> tuple[tuple[float | None, ...], bool]:
+    """The rows' per-position cumulative ECE, and whether some position's exceeds, by `margin`, the 99th
     percentile of the ECE that labels drawn from the survival itself (perfect calibration) would measure."""
-    ece = windowed_ece(logits, labels, known, calibration, num_bins, min_known)
+    ece = windowed_ece(rows.logits, rows.labels, rows.known, calibration, num_bins, min_known)
     if all(e is None for e in ece):
         return ece, False
-    s = calibration.survival(logits)
+    s = calibration.survival(rows.logits)
     drift = False
     for k, observed in enumerate(ece):
         if observed is not None:
-            drift |= observed > calibrated_ece_quantile(s[known[:, k], k], num_bins) + margin
+            drift |= observed > calibrated_ece_quantile(s[rows.known[:, k], k], num_bins) + margin
     return ece, drift
+
+
+# Requests each side of the traffic check needs: its standard error counts requests, not rows.
+MIN_SHIFT_REQUESTS = 16
+
+
+def traffic_shift(window: Rows, recent: int) -> float | None:
+    """How far the last `recent` rows' mean confidence logit (over draft positions) lies from the older rows'
+    of `window`, in standard errors (negative: the recent traffic is harder to draft). Each side's variance is
+    clustered by request, as a request's rows are the same text a few tokens apart and move together; the
+    sides are independent only across requests, so a request in both makes the z smaller, never larger. None
+    when the older side has fewer rows than the recent or either side fewer than `MIN_SHIFT_REQUESTS`
+    requests."""
+    n = len(window)
+    if recent < 1 or n < 2 * recent:
+        return None
+    x = window.logits.mean(axis=1)
+    sides = []
+    for part in (slice(0, n - recent), slice(n - recent, n)):
+        _, request = np.unique(window.requests[part], return_inverse=True)
+        clusters = int(request.max()) + 1
+        if clusters < MIN_SHIFT_REQUESTS:
+            return None
+        v = x[part]
+        mean = float(v.mean())
+        sums = np.bincount(request, weights=v - mean)
+        sides.append((mean, float((sums ** 2).sum()) / v.shape[0] ** 2 * clusters / (clusters - 1)))
+    (old, old_var), (new, new_var) = sides
+    return (new - old) / math.sqrt(old_var + new_var) if old_var + new_var > 0 else None
 
 
 def calibrated_ece_quantile(p: np.ndarray, num_bins: int) -> float:
@@ -153,7 +214,8 @@ class LiveCalibration:
 class RefitResult:
     calibration: LiveCalibration | None  # None: a check that did not refit
     recent_ece: tuple[float | None, ...]  # of the temperatures in use before the check, on recent steps
-    drift: bool
+    shift_z: float | None  # `traffic_shift` of the recent steps against the rest of the window
+    drift: str | None  # what the check saw drift in: "calibration", "traffic", or None
 
 
 class OnlineCalibrator:
@@ -176,7 +238,9 @@ class OnlineCalibrator:
         self._refit_interval = settings.refit_every  # doubles up to `_longest_interval` between drifts
         self._since_fit = 0  # labelled request-steps since the last refit's snapshot
         self._refill = 0  # after a drift: the window size the next check waits for
+        self.drift_cause: str | None = None  # what the current drift is in: "calibration" or "traffic"
         self.recent_ece: tuple[float | None, ...] = (None,) * gamma
+        self.shift_z: float | None = None  # the last check's `traffic_shift`
         self._since_refit = 0
         self._explore = random.Random(0)  # which steps explore: reproducible run to run
         self._lock = threading.Lock()
@@ -190,13 +254,16 @@ class OnlineCalibrator:
         return self.settings.exploration > 0 and self._explore.random() < self.settings.exploration
 
     def observe(self, conf_logits: torch.Tensor, raw_correct: Sequence[int], run_lens: Sequence[int],
-                include: Sequence[bool] | None = None) -> None:
-        """A drafted step's requests (`include`: those under the policy the temperatures are for)."""
+                requests: Sequence[int], include: Sequence[bool] | None = None) -> None:
+        """A drafted step's requests (`requests`: their ids; `include`: those under the policy the
+        temperatures are for)."""
         logits = conf_logits.detach().to(torch.float64).cpu().numpy()
         labels, known = step_labels(raw_correct, run_lens, self.gamma)
-        rows = np.ones(logits.shape[0], dtype=bool) if include is None else np.asarray(include, dtype=bool)
+        rows = Rows(logits, labels, known, np.asarray(requests, dtype=np.int64))
+        if include is not None:
+            rows = rows[np.asarray(include, dtype=bool)]
         with self._lock:  # `state` reads the window from the server's thread
-            added = self.window.add(logits[rows], labels[rows], known[rows])
+            added = self.window.add(rows)
         self.samples += added
         self._since_refit += added
         self._since_fit += added
@@ -206,9 +273,7 @@ class OnlineCalibrator:
             refit = self.refits == 0 or self._since_fit >= self._refit_interval or self.drift
             if refit:
                 self._since_fit = 0
-            window = self.window
-            snapshot = (window.recent() if refit else None, window.recent(self.settings.drift_window),
-                        self.calibration)
+            snapshot = (self.window.recent(), refit, self.calibration)
             if self.background:
                 self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
                                                 name="dspark-online-calibration")
@@ -218,7 +283,7 @@ class OnlineCalibrator:
 
     @property
     def _longest_interval(self) -> int:
-        return max(self.settings.refit_every, self.settings.window // 4)
+        return max(self.settings.refit_every, min(self.settings.window // 4, LONGEST_REFIT_INTERVAL))
 
     @property
     def temperatures(self) -> tuple[float, ...]:
@@ -235,17 +300,24 @@ class OnlineCalibrator:
             self._thread.join()
             self._thread = None
         if result.drift and not self.drift:
-            worst = max((e for e in result.recent_ece if e is not None), default=0.0)
-            LOG.warning("online calibration: drift: the last %d request-steps' cumulative ECE reaches %.3f, "
-                        "above calibrated labels' noise by more than %.3f; refitting on them",
-                        self.settings.drift_window, worst, self.settings.drift_ece)
+            if result.drift == "calibration":
+                worst = max((e for e in result.recent_ece if e is not None), default=0.0)
+                LOG.warning("online calibration: drift: the last %d request-steps' cumulative ECE reaches "
+                            "%.3f, above calibrated labels' noise by more than %.3f; refitting on them",
+                            self.settings.drift_window, worst, self.settings.drift_ece)
+            else:
+                LOG.warning("online calibration: traffic shift: the last %d request-steps' mean confidence "
+                            "logit is %.1f standard errors %s the window's; refitting on them",
+                            self.settings.drift_window, abs(result.shift_z or 0.0),
+                            "below" if (result.shift_z or 0.0) < 0 else "above")
             with self._lock:
                 self.window.keep_recent(self.settings.drift_window)
             # The recent steps alone are too few to refit on (a few dozen requests' worth): the next check
             # waits until the window holds REFILL_AFTER_DRIFT times as many, all of the new traffic.
             self._refill = min(REFILL_AFTER_DRIFT * self.settings.drift_window, self.settings.window)
             self.drift_at = self.samples
-        self.drift, self.recent_ece = result.drift, result.recent_ece
+        self.drift, self.drift_cause = result.drift is not None, result.drift
+        self.recent_ece, self.shift_z = result.recent_ece, result.shift_z
         if result.drift:
             self._refit_interval = self.settings.refit_every
         if result.calibration is None:
@@ -257,16 +329,20 @@ class OnlineCalibrator:
         return result.calibration
 
     # -- off the step path -----------------------------------------------------------------------------------
-    def _refit(self, window: tuple[np.ndarray, ...] | None, recent: tuple[np.ndarray, ...],
-               in_use: LiveCalibration) -> None:
+    def _refit(self, window: Rows, refit: bool, in_use: LiveCalibration) -> None:
         s = self.settings
-        recent_ece, drift = drifted(*recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
+        recent = window[max(0, len(window) - s.drift_window):]
+        recent_ece, miscalibrated = drifted(recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
+        shift_z = traffic_shift(window, s.drift_window)
+        drift = ("calibration" if miscalibrated
+                 else "traffic" if shift_z is not None and abs(shift_z) > s.shift_z else None)
         if drift and not self.drift:
-            window = None  # the drift starts: `poll` forgets the older steps; the refit waits for new ones
+            refit = False  # the drift starts: `poll` forgets the older steps; the refit waits for new ones
         fitted = None
-        if window is not None:
-            logits, labels, known = window
-            temps = fit_temperatures(logits, labels, self.grid, s.num_bins, known=known,
+        if refit:
+            logits, labels, known = window.logits, window.labels, window.known
+            newest = window[max(0, len(window) - TEMPERATURE_ROWS):]
+            temps = fit_temperatures(newest.logits, newest.labels, self.grid, s.num_bins, known=newest.known,
                                      previous=in_use.temperatures, min_known=s.min_known, objective="nll")
             survival_map = None
             if s.map_bins:
@@ -275,7 +351,7 @@ class OnlineCalibrator:
                                                 previous=in_use.survival_map)
             fitted = LiveCalibration(temps, survival_map)
         with self._lock:
-            self._result = RefitResult(fitted, recent_ece, drift)
+            self._result = RefitResult(fitted, recent_ece, shift_z, drift)
 
     def state(self) -> dict[str, Any]:
         """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under
@@ -283,14 +359,14 @@ class OnlineCalibrator:
         cumulative ECE with that calibration (None below `min_known` known labels), the recent steps' ECE at
         the last check, whether they had drifted, and at which request-step the drift was detected."""
         with self._lock:
-            logits, labels, known = self.window.recent()
+            rows = self.window.recent()
             calibration = self.calibration
         s = self.settings
-        ece = windowed_ece(logits, labels, known, calibration, s.num_bins, s.min_known)
+        ece = windowed_ece(rows.logits, rows.labels, rows.known, calibration, s.num_bins, s.min_known)
         return {"calibration": calibration, "temperatures": list(calibration.temperatures),
-                "samples": self.samples, "refits": self.refits, "window": int(logits.shape[0]),
-                "window_ece": list(ece), "recent_ece": list(self.recent_ece), "drift": self.drift,
-                "drift_at": self.drift_at}
+                "samples": self.samples, "refits": self.refits, "window": len(rows),
+                "window_ece": list(ece), "recent_ece": list(self.recent_ece), "shift_z": self.shift_z,
+                "drift": self.drift, "drift_cause": self.drift_cause, "drift_at": self.drift_at}
 
     def calibration_contents(self, dataset: str, policy: str | None,
                              state: dict[str, Any] | None = None) -> CalibrationFileContents:
@@ -310,4 +386,5 @@ class OnlineCalibrator:
         state = self.state()
         return {**calibration_json(self.calibration_contents(dataset, policy, state)),
                 "samples": state["samples"], "refits": state["refits"], "window_ece": state["window_ece"],
-                "drift": state["drift"], "drift_at": state["drift_at"]}
+                "shift_z": state["shift_z"], "drift": state["drift"], "drift_cause": state["drift_cause"],
+                "drift_at": state["drift_at"]}

@@ -89,7 +89,9 @@ class ServingMetrics:
             self.calibration_refits = gauge("dspark_calibration_refits",
                                             "online calibration refits swapped in")
             self.calibration_drift = gauge("dspark_calibration_drift", "1 while the recent steps' "
-                                           "calibration has drifted beyond label noise, else 0")
+                                           "calibration or traffic has drifted beyond noise, else 0")
+            self.calibration_shift = gauge("dspark_calibration_traffic_shift_z", "the recent steps' mean "
+                                           "confidence logit against the window's, in standard errors")
             by_position = [*names, "position"]
             self.calibration_temperature = Gauge("dspark_calibration_temperature", "the STS temperature in "
                                                  "use, by draft position", by_position, registry=r)
@@ -163,6 +165,7 @@ class ServingMetrics:
             self.calibration_samples.set(state["samples"])
             self.calibration_refits.set(state["refits"])
             self.calibration_drift.set(int(state["drift"]))
+            self.calibration_shift.set(float("nan") if state["shift_z"] is None else state["shift_z"])
             for k, (t, e) in enumerate(zip(state["temperatures"], state["window_ece"], strict=True)):
                 self.calibration_temperature.labels(*self._labels, str(k)).set(t)
                 self.calibration_ece.labels(*self._labels, str(k)).set(float("nan") if e is None else e)
