@@ -44,6 +44,7 @@ from .runtime_helpers import spec_with
 
 GAMMA = 4
 ROWS_A_REQUEST = 12  # request-steps a synthetic request lasts (as a 64-token request at ~5 tokens a step)
+TOKENS_A_STEP = 5
 
 
 def test_a_step_knows_the_labels_of_its_verified_drafts() -> None:
@@ -75,7 +76,8 @@ def stream(calibrator: OnlineCalibrator, steps: int, true_t: float, gen: np.rand
         survival = np.cumprod(1 / (1 + np.exp(-z[0] / np.asarray(calibrator.temperatures))))
         run_len = 1 + (int((survival > 0.3).sum()) if planned else GAMMA)
         run_len = max(run_len, 2)
-        calibrator.observe(torch.from_numpy(z), [min(raw, run_len - 1)], [run_len], [request])
+        age = TOKENS_A_STEP * (calibrator.samples % ROWS_A_REQUEST)
+        calibrator.observe(torch.from_numpy(z), [min(raw, run_len - 1)], [run_len], [request], [age])
         if calibrator.poll() is not None:
             refit_at.append(i)
     return refit_at
@@ -112,13 +114,14 @@ def test_a_drift_under_planned_verification_is_detected_and_followed(caplog: pyt
     assert not cal.drift  # the refit followed the new traffic
 
 
-def test_refits_back_off_while_the_traffic_holds_still_and_resume_on_drift() -> None:
+@pytest.mark.parametrize("window", [4096, 16384])
+def test_refits_back_off_while_the_traffic_holds_still_and_resume_on_drift(window: int) -> None:
     gen = np.random.default_rng(2)
-    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150, drift_window=256)
+    settings = OnlineCalibrationSettings(window=window, refit_every=128, min_known=150, drift_window=256)
     cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False)
     stream(cal, 8000, 2.0, gen, planned=False)
     # checks every 128 request-steps (62 of them); refits at 128, 384, 896 and 1920 (256, 512, 1024 apart),
-    # then every 1024 (a quarter of the window: 2944 ... 7040)
+    # then every 1024 (a quarter of the smaller window, the longest interval for the larger: 2944 ... 7040)
     assert cal.refits == 9, cal.refits
     before = cal.refits
     stream(cal, 2000, 0.4, gen, planned=False)
@@ -134,24 +137,57 @@ def test_the_traffic_check_counts_requests_not_rows() -> None:
 
     def window(shift: float) -> Rows:
         requests = np.repeat(np.arange(1024 // ROWS_A_REQUEST + 1), ROWS_A_REQUEST)[:1024]
+        ages[:] = TOKENS_A_STEP * (np.arange(1024) % ROWS_A_REQUEST)
         offset = gen.normal(0.0, 1.5, requests.max() + 1)[requests]
         offset += np.where(np.arange(1024) >= 640, shift, 0.0)
         logits = offset[:, None] + gen.normal(0.0, 0.5, (1024, GAMMA))
         return Rows(logits, np.zeros((1024, GAMMA), bool), np.zeros((1024, GAMMA), bool), requests)
+
+    def levels(rows: Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return rows.logits.mean(1), rows.requests, ages
+
+    ages = np.zeros(1024, dtype=np.int64)
 
     def naive(rows: Rows) -> float:  # every row independent: what the check must not assume
         x = rows.logits.mean(1)
         return float((x[640:].mean() - x[:640].mean()) / np.sqrt(x[640:].var() / 384 + x[:640].var() / 640))
 
     still = [window(0.0) for _ in range(300)]
-    assert sum(abs(traffic_shift(w, 384)) > 4.0 for w in still) <= 1  # type: ignore[arg-type]
+    assert sum(abs(traffic_shift(*levels(w), 384)) > 4.0 for w in still) <= 1  # type: ignore[arg-type]
     assert sum(abs(naive(w)) > 4.0 for w in still) > 30  # rows taken as independent: false alarms
-    assert np.std([traffic_shift(w, 384) for w in still]) == pytest.approx(1.0, abs=0.15)
-    shifted = [traffic_shift(window(-2.0), 384) for _ in range(100)]
+    assert np.std([traffic_shift(*levels(w), 384) for w in still]) == pytest.approx(1.0, abs=0.15)
+    shifted = [traffic_shift(*levels(window(-2.0)), 384) for _ in range(100)]
     assert sum(z < -4.0 for z in shifted) >= 90  # type: ignore[operator]
     few = window(0.0)
     few = Rows(few.logits, few.labels, few.known, few.requests // 8)  # 8 requests in the recent rows
-    assert traffic_shift(few, 384) is None and traffic_shift(still[0], 600) is None  # older side too short
+    assert traffic_shift(*levels(few), 384) is None
+    assert traffic_shift(*levels(still[0]), 600) is None  # the older side shorter than the recent
+
+
+def test_a_batch_of_long_generations_started_together_is_no_traffic_shift(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # 32 requests decode together for 200 steps, their confidence rising as the generations go on (text falls
+    # into repetition), then the next 32 start: recent rows are older, or younger, than most of the window's
+    def run() -> OnlineCalibrator:
+        gen = np.random.default_rng(9)
+        cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, OnlineCalibrationSettings(), background=False)
+        for batch in range(4):
+            offsets = gen.normal(0.0, 1.0, (32, 1))
+            for step in range(200):
+                z = offsets + 0.02 * step + gen.normal(0.0, 2.5, (32, GAMMA))
+                accept = gen.random((32, GAMMA)) < 1 / (1 + np.exp(-z / 2.0))
+                raw = [int(np.argmin(a)) if not a.all() else GAMMA for a in accept]
+                requests = list(range(32 * batch, 32 * batch + 32))
+                cal.observe(torch.from_numpy(z), raw, [GAMMA + 1] * 32, requests, [TOKENS_A_STEP * step] * 32)
+                cal.poll()
+        return cal
+
+    with caplog.at_level(logging.WARNING, logger="dspark.calibration"):
+        assert run().drift_at is None and not caplog.records  # the window weighted to the recent rows' ages
+        with monkeypatch.context() as m:  # one age group: the ageing alone reads as new traffic
+            m.setattr("dspark.runtime.planner.online_calibration.age_group", lambda ages: np.zeros_like(ages))
+            assert run().drift_at is not None
+    assert [r for r in caplog.records if "traffic shift" in r.message]
 
 
 def test_a_traffic_shift_is_detected_within_a_few_hundred_request_steps(caplog: pytest.LogCaptureFixture
@@ -258,7 +294,7 @@ def test_a_hostile_window_never_yields_an_invalid_temperature(case: str) -> None
             z[1::4, 2] = float("inf")
         raw = {"all_accepted": [GAMMA] * 8, "all_rejected": [0] * 8}.get(case, [1] * 8)
         run = [1] * 8 if case == "nothing_known" else [GAMMA + 1] * 8
-        cal.observe(z, raw, run, list(range(8)))
+        cal.observe(z, raw, run, list(range(8)), [0] * 8)
         cal.poll()
         assert len(cal.temperatures) == GAMMA
         assert all(math.isfinite(t) and settings.t_min <= t <= settings.t_max or t in (1.5, 1.0, 0.8, 2.0)

@@ -168,7 +168,8 @@ class SpeculativeStep:
             self.cost_refit.observe_drafted(num_reqs, sum(plan.verify_lens), context_len, seconds)
         if self.online is not None and proposal.conf_logits is not None and raw_correct is not None:
             self.online.observe(proposal.conf_logits, raw_correct.tolist(), plan.run_lens,
-                                [r.rid for r in running], [r.sampling == self.policy for r in running])
+                                [r.rid for r in running], [len(r.output) for r in running],
+                                [r.sampling == self.policy for r in running])
         if self.recorder is not None and proposal.conf_logits is not None and raw_correct is not None:
             # Labels are the acceptance event of the recorded policy, and exact only where every row ran.
             same_policy = torch.tensor([r.sampling == self.policy for r in running], device=m.device)

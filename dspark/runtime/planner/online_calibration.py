@@ -90,31 +90,47 @@ class LabelWindow:
     def __init__(self, gamma: int, capacity: int) -> None:
         self.rows = Rows(np.zeros((capacity, gamma)), np.zeros((capacity, gamma), dtype=bool),
                          np.zeros((capacity, gamma), dtype=bool), np.zeros(capacity, dtype=np.int64))
+        self.level = np.zeros(capacity)  # each row's mean logit: what the traffic check reads of every row
+        self.age = np.zeros(capacity, dtype=np.int64)  # tokens its request had generated
         self.capacity, self.size, self.next = capacity, 0, 0
 
-    def add(self, rows: Rows) -> int:
-        """Append the rows with finite logits (the oldest fall out); returns how many were kept."""
-        finite = rows[np.isfinite(rows.logits).all(1)]
+    def add(self, rows: Rows, ages: np.ndarray) -> int:
+        """Append the rows with finite logits, their requests having generated `ages` tokens (the oldest
+        rows fall out); returns how many were kept."""
+        finite_rows = np.isfinite(rows.logits).all(1)
+        finite, ages = rows[finite_rows], ages[finite_rows]
         kept = len(finite)
         newest = finite[max(0, kept - self.capacity):]  # more than fit: only the newest stay
         at = (self.next + np.arange(kept - len(newest), kept)) % self.capacity
         for mine, theirs in zip((self.rows.logits, self.rows.labels, self.rows.known, self.rows.requests),
                                 (newest.logits, newest.labels, newest.known, newest.requests), strict=True):
             mine[at] = theirs
+        self.level[at] = newest.logits.mean(axis=1)
+        self.age[at] = ages[kept - len(newest):]
         self.next = (self.next + kept) % self.capacity
         self.size = min(self.size + kept, self.capacity)
         return kept
 
     def recent(self, n: int | None = None) -> Rows:
         """A copy of the last `n` rows (all when None), oldest first."""
+        return self.rows[self._order(n)]
+
+    def levels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of every row's mean logit, request and age, oldest first (a few hundred KB where
+        `recent()` copies megabytes: the step path takes these at every check)."""
+        order = self._order(None)
+        return self.level[order], self.rows.requests[order], self.age[order]
+
+    def _order(self, n: int | None) -> np.ndarray:
         n = self.size if n is None else min(n, self.size)
-        return self.rows[(self.next - n + np.arange(n)) % self.capacity]
+        return (self.next - n + np.arange(n)) % self.capacity
 
     def keep_recent(self, n: int) -> None:
         """Forget all but the last `n` rows."""
-        rows = self.recent(n)
+        order = self._order(n)
+        rows, ages = self.rows[order], self.age[order]
         self.size, self.next = 0, 0
-        self.add(rows)
+        self.add(rows, ages)
 
 
 # Known labels a position's survival map needs per group: fewer fit the noise (right after a drift the window
@@ -146,31 +162,62 @@ def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: flo
 
 # Requests each side of the traffic check needs: its standard error counts requests, not rows.
 MIN_SHIFT_REQUESTS = 16
+# Older rows an age group needs before the recent rows of that age are compared with them.
+MIN_AGE_ROWS = 32
 
 
-def traffic_shift(window: Rows, recent: int) -> float | None:
-    """How far the last `recent` rows' mean confidence logit (over draft positions) lies from the older rows'
-    of `window`, in standard errors (negative: the recent traffic is harder to draft). Each side's variance is
-    clustered by request, as a request's rows are the same text a few tokens apart and move together; the
-    sides are independent only across requests, so a request in both makes the z smaller, never larger. None
-    when the older side has fewer rows than the recent or either side fewer than `MIN_SHIFT_REQUESTS`
-    requests."""
-    n = len(window)
+AGE_GROUPS_PER_DOUBLING = 4
+
+
+def age_group(ages: np.ndarray) -> np.ndarray:
+    """Tokens a request had generated, in groups `AGE_GROUPS_PER_DOUBLING` to each doubling (a group is a
+    fifth of its age wide: a long generation's confidence drifts slowly, a short one's token by token)."""
+    doublings = np.log2(np.asarray(ages, dtype=np.float64) + 1.0)
+    return np.floor(AGE_GROUPS_PER_DOUBLING * doublings).astype(np.int64)
+
+
+def _clustered_mean(x: np.ndarray, requests: np.ndarray, weights: np.ndarray) -> tuple[float, float, int]:
+    """The weighted mean of `x`, its variance clustered by request (with the small-sample factor G/(G-1)),
+    and the number of requests G with weight."""
+    rows = weights > 0
+    x, requests, weights = x[rows], requests[rows], weights[rows]
+    if x.shape[0] == 0:
+        return 0.0, 0.0, 0
+    _, request = np.unique(requests, return_inverse=True)
+    clusters = int(request.max()) + 1
+    total = float(weights.sum())
+    mean = float((weights * x).sum()) / total
+    sums = np.bincount(request, weights=weights * (x - mean))
+    variance = float((sums ** 2).sum()) / total ** 2 * clusters / max(clusters - 1, 1)
+    return mean, variance, clusters
+
+
+def traffic_shift(level: np.ndarray, requests: np.ndarray, ages: np.ndarray, recent: int) -> float | None:
+    """How far the last `recent` rows' mean `level` (a row's mean confidence logit over draft positions) lies
+    from the older rows', in standard errors (negative: the recent traffic is harder to draft); `requests` and
+    `ages` (tokens generated) are the rows' own, oldest first.
+
+    The older rows are weighted to the recent rows' mix of ages (`age_group`; recent rows of an age the older
+    rows hold fewer than `MIN_AGE_ROWS` of are left out): a request's confidence moves as its generation goes
+    on, so a batch of long generations started together would otherwise look like new traffic at every
+    start. Each side's variance is clustered by request, as a request's rows are the same text a few tokens
+    apart and move together; the sides are independent only across requests, so a request in both makes the
+    z smaller, never larger. None when the older side has fewer rows than the recent, or either side fewer
+    than `MIN_SHIFT_REQUESTS` requests."""
+    n = level.shape[0]
     if recent < 1 or n < 2 * recent:
         return None
-    x = window.logits.mean(axis=1)
-    sides = []
-    for part in (slice(0, n - recent), slice(n - recent, n)):
-        _, request = np.unique(window.requests[part], return_inverse=True)
-        clusters = int(request.max()) + 1
-        if clusters < MIN_SHIFT_REQUESTS:
-            return None
-        v = x[part]
-        mean = float(v.mean())
-        sums = np.bincount(request, weights=v - mean)
-        sides.append((mean, float((sums ** 2).sum()) / v.shape[0] ** 2 * clusters / (clusters - 1)))
-    (old, old_var), (new, new_var) = sides
-    return (new - old) / math.sqrt(old_var + new_var) if old_var + new_var > 0 else None
+    old, new = slice(0, n - recent), slice(n - recent, n)
+    group = age_group(ages)
+    old_count = np.bincount(group[old], minlength=int(group.max()) + 1)
+    new_weight = (old_count[group[new]] >= MIN_AGE_ROWS).astype(np.float64)
+    new_count = np.bincount(group[new], weights=new_weight, minlength=old_count.shape[0])
+    old_weight = (new_count / np.maximum(old_count, 1))[group[old]]
+    old_mean, old_var, old_clusters = _clustered_mean(level[old], requests[old], old_weight)
+    new_mean, new_var, new_clusters = _clustered_mean(level[new], requests[new], new_weight)
+    if min(old_clusters, new_clusters) < MIN_SHIFT_REQUESTS or old_var + new_var <= 0:
+        return None
+    return (new_mean - old_mean) / math.sqrt(old_var + new_var)
 
 
 def calibrated_ece_quantile(p: np.ndarray, num_bins: int) -> float:
@@ -254,16 +301,17 @@ class OnlineCalibrator:
         return self.settings.exploration > 0 and self._explore.random() < self.settings.exploration
 
     def observe(self, conf_logits: torch.Tensor, raw_correct: Sequence[int], run_lens: Sequence[int],
-                requests: Sequence[int], include: Sequence[bool] | None = None) -> None:
-        """A drafted step's requests (`requests`: their ids; `include`: those under the policy the
-        temperatures are for)."""
+                requests: Sequence[int], ages: Sequence[int], include: Sequence[bool] | None = None) -> None:
+        """A drafted step's requests (`requests`: their ids; `ages`: the tokens each had generated;
+        `include`: those under the policy the temperatures are for)."""
         logits = conf_logits.detach().to(torch.float64).cpu().numpy()
         labels, known = step_labels(raw_correct, run_lens, self.gamma)
         rows = Rows(logits, labels, known, np.asarray(requests, dtype=np.int64))
+        age = np.asarray(ages, dtype=np.int64)
         if include is not None:
-            rows = rows[np.asarray(include, dtype=bool)]
+            rows, age = rows[np.asarray(include, dtype=bool)], age[np.asarray(include, dtype=bool)]
         with self._lock:  # `state` reads the window from the server's thread
-            added = self.window.add(rows)
+            added = self.window.add(rows, age)
         self.samples += added
         self._since_refit += added
         self._since_fit += added
@@ -273,7 +321,9 @@ class OnlineCalibrator:
             refit = self.refits == 0 or self._since_fit >= self._refit_interval or self.drift
             if refit:
                 self._since_fit = 0
-            snapshot = (self.window.recent(), refit, self.calibration)
+            window = self.window  # copied here: the step thread adds to it while the check runs
+            snapshot = (window.recent() if refit else window.recent(self.settings.drift_window),
+                        window.levels(), refit, self.calibration)
             if self.background:
                 self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
                                                 name="dspark-online-calibration")
@@ -329,11 +379,14 @@ class OnlineCalibrator:
         return result.calibration
 
     # -- off the step path -----------------------------------------------------------------------------------
-    def _refit(self, window: Rows, refit: bool, in_use: LiveCalibration) -> None:
+    def _refit(self, window: Rows, levels: tuple[np.ndarray, np.ndarray, np.ndarray], refit: bool,
+               in_use: LiveCalibration) -> None:
+        """A check of the last `drift_window` of `window` (all of it when not `refit`) and `levels`
+        (`LabelWindow.levels`), then, when `refit`, the refit on `window`."""
         s = self.settings
         recent = window[max(0, len(window) - s.drift_window):]
         recent_ece, miscalibrated = drifted(recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
-        shift_z = traffic_shift(window, s.drift_window)
+        shift_z = traffic_shift(*levels, s.drift_window)
         drift = ("calibration" if miscalibrated
                  else "traffic" if shift_z is not None and abs(shift_z) > s.shift_z else None)
         if drift and not self.drift:
