@@ -29,7 +29,8 @@ mean confidence logit is drift when it lies more than `shift_z` standard errors 
 (`traffic_shift`; no labels needed). A calibration that is off by a few hundredths, as on text the pair never
 saw, moves no ECE of a few hundred steps beyond its noise, so the first check alone sees such a change
 thousands of steps late, if at all; the draft's own scores move as soon as the text does (a request's
-rows count once in the standard error: they are the same text a few tokens apart). Drift is logged once as
+rows count once in the standard error: they are the same text a few tokens apart; and the older rows are
+weighted to the recent rows' ages, as a generation's scores move as it goes on). Drift is logged once as
 it starts; the window then forgets what came before the recent steps, so the refit follows the new traffic.
 Temperatures only ever come from the grid, so no window (all accepted, all rejected, nothing known) can make
 one invalid.
