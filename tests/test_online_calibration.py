@@ -383,6 +383,8 @@ def test_the_server_reports_its_live_calibration() -> None:
     samples = re.escape(str(float(live["samples"])))
     assert re.search(r"dspark_calibration_samples\{[^}]*\} " + samples, metrics)
     assert 'dspark_calibration_temperature{deployment="tiny_cpu_compact",position="0"' in metrics
+    assert "dspark_calibration_traffic_shift_z{" in metrics
+    assert live["drift_cause"] in (None, "calibration", "traffic")
 
     plain = CompletionServer(Runtime(load_package(generated / "tiny_cpu_compact")))
     with serving_in_process(plain) as (_, url):
