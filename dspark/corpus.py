@@ -174,7 +174,7 @@ def distribution_prose(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS
 
 def out_of_distribution_prompts(count: int, part: int, length: int = DEFAULT_PROMPT_CHARS) -> list[str]:
     """Up to `count` prompts of part `part`, code (`package_prompts`) and prose (`distribution_prose`) in
-    turn while both last: the prose runs out first (some 490 prompts a part), and a part that went on with
+    turn while both last: the prose runs out first (some 650 prompts a part), and a part that went on with
     code alone would mix the two unlike the other part (a calibration fitted on one and scored on the other
     would be scored on another mixture)."""
     code, prose = package_prompts(count, part, length), distribution_prose(count, part, length)

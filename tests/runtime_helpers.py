@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -29,6 +30,22 @@ def spec_with(tmp_path: Path, build: str, name: str, sections: dict[str, Any]) -
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def compile_on_and_off(tmp_path: Path, spec: Callable[[dict[str, Any]], Path], section: dict[str, Any],
+                       field: str, settings_class: str) -> Path:
+    """Compile with the CLI the spec `spec(section)` writes (an optional section written), then `spec` of the
+    section disabled: the first's deployment.py sets `field` to a `settings_class`, the second's names neither
+    and loads `field` as None. Returns the first's package directory."""
+    from dspark.cli.compile import main as compile_main
+    from dspark.runtime.package import load_package
+
+    assert compile_main(["build", str(spec(section)), "-o", str(tmp_path / "pkg")]) == 0
+    assert f"{field}={settings_class}(" in (tmp_path / "pkg" / "deployment.py").read_text()
+    assert compile_main(["build", str(spec({"enabled": False})), "-o", str(tmp_path / "off")]) == 0
+    assert getattr(load_package(tmp_path / "off").deployment, field) is None
+    assert settings_class not in (tmp_path / "off" / "deployment.py").read_text()
+    return tmp_path / "pkg"
 
 
 def compile_variant(tmp_path: Path, spec: str, overrides: dict[str, Any], name: str) -> Path:

@@ -6,6 +6,7 @@ produce an invalid temperature; the background refit handed over between steps."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -40,7 +41,7 @@ from dspark.runtime.planner.sts import (
     grid_nlls,
 )
 
-from .runtime_helpers import spec_with
+from .runtime_helpers import compile_on_and_off, spec_with
 
 GAMMA = 4
 ROWS_A_REQUEST = 12  # request-steps a synthetic request lasts (as a 64-token request at ~5 tokens a step)
@@ -137,16 +138,14 @@ def test_the_traffic_check_counts_requests_not_rows() -> None:
 
     def window(shift: float) -> Rows:
         requests = np.repeat(np.arange(1024 // ROWS_A_REQUEST + 1), ROWS_A_REQUEST)[:1024]
-        ages[:] = TOKENS_A_STEP * (np.arange(1024) % ROWS_A_REQUEST)
+        ages = TOKENS_A_STEP * (np.arange(1024) % ROWS_A_REQUEST)
         offset = gen.normal(0.0, 1.5, requests.max() + 1)[requests]
         offset += np.where(np.arange(1024) >= 640, shift, 0.0)
         logits = offset[:, None] + gen.normal(0.0, 0.5, (1024, GAMMA))
-        return Rows(logits, np.zeros((1024, GAMMA), bool), np.zeros((1024, GAMMA), bool), requests)
+        return Rows(logits, np.zeros((1024, GAMMA), bool), np.zeros((1024, GAMMA), bool), requests, ages)
 
     def levels(rows: Rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return rows.logits.mean(1), rows.requests, ages
-
-    ages = np.zeros(1024, dtype=np.int64)
+        return rows.logits.mean(1), rows.requests, rows.ages
 
     def naive(rows: Rows) -> float:  # every row independent: what the check must not assume
         x = rows.logits.mean(1)
@@ -159,7 +158,7 @@ def test_the_traffic_check_counts_requests_not_rows() -> None:
     shifted = [traffic_shift(*levels(window(-2.0)), 384) for _ in range(100)]
     assert sum(z < -4.0 for z in shifted) >= 90  # type: ignore[operator]
     few = window(0.0)
-    few = Rows(few.logits, few.labels, few.known, few.requests // 8)  # 8 requests in the recent rows
+    few = dataclasses.replace(few, requests=few.requests // 8)  # 8 requests in the recent rows
     assert traffic_shift(*levels(few), 384) is None
     assert traffic_shift(*levels(still[0]), 600) is None  # the older side shorter than the recent
 
@@ -322,6 +321,8 @@ def test_settings_are_checked() -> None:
         OnlineCalibrationSettings(window=100, drift_window=200)
     with pytest.raises(ValueError, match="refit_every"):
         OnlineCalibrationSettings(refit_every=0)
+    with pytest.raises(ValueError, match="shift_z"):
+        OnlineCalibrationSettings(shift_z=0.0)
 
 
 @pytest.mark.parametrize("build", ["tiny_cpu_cap_accept", "tiny_cpu_compact"])
@@ -397,20 +398,15 @@ def _spec_with(tmp_path, build: str, section: dict | None) -> Path:
 
 
 def test_the_spec_turns_online_calibration_on_with_its_settings(tmp_path) -> None:
-    from dspark.cli.compile import main as compile_main
     from dspark.runtime.engine.runtime import Runtime
     from dspark.runtime.package import load_package
 
-    spec = _spec_with(tmp_path, "tiny_cpu_compact", {"refit_every": 64, "drift_window": 128})
-    assert compile_main(["build", str(spec), "-o", str(tmp_path / "pkg")]) == 0
-    deployment = load_package(tmp_path / "pkg").deployment
+    pkg = compile_on_and_off(tmp_path, lambda section: _spec_with(tmp_path, "tiny_cpu_compact", section),
+                             {"refit_every": 64, "drift_window": 128}, "online_calibration",
+                             "OnlineCalibrationSettings")
+    deployment = load_package(pkg).deployment
     assert deployment.online_calibration == OnlineCalibrationSettings(refit_every=64, drift_window=128)
-    assert "online_calibration=OnlineCalibrationSettings(" in (tmp_path / "pkg" / "deployment.py").read_text()
-    off = _spec_with(tmp_path, "tiny_cpu_compact", {"enabled": False})
-    assert compile_main(["build", str(off), "-o", str(tmp_path / "off")]) == 0
-    assert load_package(tmp_path / "off").deployment.online_calibration is None
-    assert "OnlineCalibrationSettings" not in (tmp_path / "off" / "deployment.py").read_text()
-    runtime = Runtime(load_package(tmp_path / "pkg"), online_calibration=deployment.online_calibration)
+    runtime = Runtime(load_package(pkg), online_calibration=deployment.online_calibration)
     assert runtime.speculative.online is not None
 
 

@@ -21,7 +21,7 @@ from dspark.runtime.config import OnlineCostSettings
 from dspark.runtime.planner.cost_models import AdditiveCostTable
 from dspark.runtime.planner.online_cost import OnlineCostRefit, hats, plan_cost_model
 
-from .runtime_helpers import REPO, spec_with
+from .runtime_helpers import REPO, compile_on_and_off, spec_with
 
 MS = 1e-3
 
@@ -337,21 +337,15 @@ def _spec_with(tmp_path: Path, build: str, section: dict | None, cost_model: dic
 
 
 def test_the_spec_turns_online_cost_on_and_a_recording_keeps_every_swap(tmp_path: Path) -> None:
-    from dspark.cli.compile import main as compile_main
     from dspark.cli.main import main as dspark_main
     from dspark.corpus import held_out_prompts
     from dspark.formats.step_records import read_steps
     from dspark.runtime.package import load_package
 
-    spec = _spec_with(tmp_path, "tiny_cpu_compact", {"window": 64, "refit_every": 8})
-    assert compile_main(["build", str(spec), "-o", str(tmp_path / "pkg")]) == 0
-    deployment = load_package(tmp_path / "pkg").deployment
+    pkg = compile_on_and_off(tmp_path, lambda section: _spec_with(tmp_path, "tiny_cpu_compact", section),
+                             {"window": 64, "refit_every": 8}, "online_cost", "OnlineCostSettings")
+    deployment = load_package(pkg).deployment
     assert deployment.online_cost == OnlineCostSettings(window=64, refit_every=8)
-    assert "online_cost=OnlineCostSettings(" in (tmp_path / "pkg" / "deployment.py").read_text()
-    off = _spec_with(tmp_path, "tiny_cpu_compact", {"enabled": False})
-    assert compile_main(["build", str(off), "-o", str(tmp_path / "off")]) == 0
-    assert load_package(tmp_path / "off").deployment.online_cost is None
-    assert "OnlineCostSettings" not in (tmp_path / "off" / "deployment.py").read_text()
 
     prompts = [arg for p in held_out_prompts(6) for arg in ("--prompt", p)]
     assert dspark_main(["run", str(tmp_path / "pkg"), *prompts, "--max-new-tokens", "48",

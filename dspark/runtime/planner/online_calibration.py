@@ -38,6 +38,7 @@ one invalid.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -70,16 +71,17 @@ def step_labels(raw_correct: Sequence[int], run_lens: Sequence[int], gamma: int
 
 @dataclass(frozen=True)
 class Rows:
-    """Labelled request-steps: logits float64, labels and known masks bool `[n, gamma]`, and which request
-    each row is `[n]` (int64)."""
+    """Labelled request-steps: logits float64, labels and known masks bool `[n, gamma]`; which request each
+    row is and the tokens it had generated, `[n]` int64 each."""
 
     logits: np.ndarray
     labels: np.ndarray
     known: np.ndarray
     requests: np.ndarray
+    ages: np.ndarray
 
     def __getitem__(self, rows: slice | np.ndarray) -> Rows:
-        return Rows(self.logits[rows], self.labels[rows], self.known[rows], self.requests[rows])
+        return Rows(*(getattr(self, field.name)[rows] for field in dataclasses.fields(self)))
 
     def __len__(self) -> int:
         return int(self.logits.shape[0])
@@ -90,24 +92,20 @@ class LabelWindow:
 
     def __init__(self, gamma: int, capacity: int) -> None:
         self.rows = Rows(np.zeros((capacity, gamma)), np.zeros((capacity, gamma), dtype=bool),
-                         np.zeros((capacity, gamma), dtype=bool), np.zeros(capacity, dtype=np.int64))
+                         np.zeros((capacity, gamma), dtype=bool), np.zeros(capacity, dtype=np.int64),
+                         np.zeros(capacity, dtype=np.int64))
         self.level = np.zeros(capacity)  # each row's mean logit: what the traffic check reads of every row
-        self.age = np.zeros(capacity, dtype=np.int64)  # tokens its request had generated
         self.capacity, self.size, self.next = capacity, 0, 0
 
-    def add(self, rows: Rows, ages: np.ndarray) -> int:
-        """Append the rows with finite logits, their requests having generated `ages` tokens (the oldest
-        rows fall out); returns how many were kept."""
-        finite_rows = np.isfinite(rows.logits).all(1)
-        finite, ages = rows[finite_rows], ages[finite_rows]
+    def add(self, rows: Rows) -> int:
+        """Append the rows with finite logits (the oldest fall out); returns how many were kept."""
+        finite = rows[np.isfinite(rows.logits).all(1)]
         kept = len(finite)
         newest = finite[max(0, kept - self.capacity):]  # more than fit: only the newest stay
         at = (self.next + np.arange(kept - len(newest), kept)) % self.capacity
-        for mine, theirs in zip((self.rows.logits, self.rows.labels, self.rows.known, self.rows.requests),
-                                (newest.logits, newest.labels, newest.known, newest.requests), strict=True):
-            mine[at] = theirs
+        for field in dataclasses.fields(Rows):
+            getattr(self.rows, field.name)[at] = getattr(newest, field.name)
         self.level[at] = newest.logits.mean(axis=1)
-        self.age[at] = ages[kept - len(newest):]
         self.next = (self.next + kept) % self.capacity
         self.size = min(self.size + kept, self.capacity)
         return kept
@@ -120,7 +118,7 @@ class LabelWindow:
         """Copies of every row's mean logit, request and age, oldest first (a few hundred KB where
         `recent()` copies megabytes: the step path takes these at every check)."""
         order = self._order(None)
-        return self.level[order], self.rows.requests[order], self.age[order]
+        return self.level[order], self.rows.requests[order], self.rows.ages[order]
 
     def _order(self, n: int | None) -> np.ndarray:
         n = self.size if n is None else min(n, self.size)
@@ -128,10 +126,9 @@ class LabelWindow:
 
     def keep_recent(self, n: int) -> None:
         """Forget all but the last `n` rows."""
-        order = self._order(n)
-        rows, ages = self.rows[order], self.age[order]
+        rows = self.recent(n)
         self.size, self.next = 0, 0
-        self.add(rows, ages)
+        self.add(rows)
 
 
 # Known labels a position's survival map needs per group: fewer fit the noise (right after a drift the window
@@ -165,8 +162,6 @@ def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: flo
 MIN_SHIFT_REQUESTS = 16
 # Older rows an age group needs before the recent rows of that age are compared with them.
 MIN_AGE_ROWS = 32
-
-
 AGE_GROUPS_PER_DOUBLING = 4
 
 
@@ -307,12 +302,11 @@ class OnlineCalibrator:
         `include`: those under the policy the temperatures are for)."""
         logits = conf_logits.detach().to(torch.float64).cpu().numpy()
         labels, known = step_labels(raw_correct, run_lens, self.gamma)
-        rows = Rows(logits, labels, known, np.asarray(requests, dtype=np.int64))
-        age = np.asarray(ages, dtype=np.int64)
+        rows = Rows(logits, labels, known, *(np.asarray(v, dtype=np.int64) for v in (requests, ages)))
         if include is not None:
-            rows, age = rows[np.asarray(include, dtype=bool)], age[np.asarray(include, dtype=bool)]
+            rows = rows[np.asarray(include, dtype=bool)]
         with self._lock:  # `state` reads the window from the server's thread
-            added = self.window.add(rows, age)
+            added = self.window.add(rows)
         self.samples += added
         self._since_refit += added
         self._since_fit += added
