@@ -161,9 +161,10 @@ def main() -> None:
     parser.add_argument("--serve", type=int, default=720,
                         help="phase 2 prompts (default 720; the prose has some 650 a part)")
     parser.add_argument("--score", type=int, default=1440,
-                        help="phase 3 prompts (default 1440: some 20,000 request-steps, where perfectly "
-                             "calibrated labels measure 0.005-0.011; fewer where a source runs out)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+                        help="phase 3 prompts (default 1440; fewer where a source runs out)")
+    parser.add_argument("--max-new-tokens", type=int, default=256,
+                        help="tokens a prompt (default 256: some 25,000 request-steps a phase, where "
+                             "perfectly calibrated labels measure about 0.005; the map learns from as many)")
     parser.add_argument("--out-of-distribution", choices=sorted(SOURCES), default="mixed",
                         help="phases 2 and 3: other packages' code, installed distributions' prose, torch's "
                              "C++ headers, or code and prose in turn (default)")

@@ -26,6 +26,7 @@ from dspark.corpus import (
 )
 from dspark.runtime.planner.calibration_metrics import binned_ece, binned_eces
 from dspark.runtime.planner.online_calibration import (
+    LabelWindow,
     OnlineCalibrationSettings,
     OnlineCalibrator,
     Rows,
@@ -115,7 +116,7 @@ def test_a_drift_under_planned_verification_is_detected_and_followed(caplog: pyt
     assert not cal.drift  # the refit followed the new traffic
 
 
-@pytest.mark.parametrize("window", [4096, 16384])
+@pytest.mark.parametrize("window", [4096, 65536])
 def test_refits_back_off_while_the_traffic_holds_still_and_resume_on_drift(window: int) -> None:
     gen = np.random.default_rng(2)
     settings = OnlineCalibrationSettings(window=window, refit_every=128, min_known=150, drift_window=256)
@@ -161,6 +162,44 @@ def test_the_traffic_check_counts_requests_not_rows() -> None:
     few = dataclasses.replace(few, requests=few.requests // 8)  # 8 requests in the recent rows
     assert traffic_shift(*levels(few), 384) is None
     assert traffic_shift(*levels(still[0]), 600) is None  # the older side shorter than the recent
+
+
+def test_the_traffic_check_compares_the_recent_requests_with_other_requests() -> None:
+    """A request's own earlier rows are no baseline for its recent ones (the same text, a few tokens younger):
+    the older side is the rows of other requests, age for age."""
+    gen = np.random.default_rng(11)
+
+    def window(shift: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # 64 finished requests of 80 steps, then 32 in lockstep 60 steps in; the confidence falls with age
+        requests = np.concatenate([np.repeat(np.arange(64), 80), np.tile(np.arange(100, 132), 60)])
+        steps = np.concatenate([np.tile(np.arange(80), 64), np.repeat(np.arange(60), 32)])
+        offset = gen.normal(0.0, 0.3, 132)[np.where(requests >= 100, requests - 68, requests)]
+        level = offset - 0.05 * steps + gen.normal(0.0, 0.2, steps.shape[0])
+        level += np.where(requests >= 100, shift, 0.0)
+        return level, requests, TOKENS_A_STEP * steps
+
+    level, requests, ages = window(0.0)
+    z = traffic_shift(level, requests, ages, 384)
+    assert z is not None and abs(z) < 3.0
+    own = (requests >= 100) & (np.arange(level.shape[0]) < level.shape[0] - 384)  # their own older rows
+    assert traffic_shift(np.where(own, level + 5.0, level), requests, ages, 384) == z  # not read
+    level, requests, ages = window(-1.0)
+    assert traffic_shift(level, requests, ages, 384) < -4.5  # type: ignore[operator]
+
+
+def test_the_window_keeps_what_a_drift_forgot_for_the_map() -> None:
+    window = LabelWindow(1, 8)
+    rows = Rows(np.arange(12.0)[:, None], np.zeros((12, 1), bool), np.ones((12, 1), bool), np.arange(12),
+                np.zeros(12, dtype=np.int64))
+    window.add(rows[:6])
+    window.keep_recent(2)  # forgets rows 0-3
+    window.add(rows[6:9])
+    kept = window.recent()
+    assert kept.logits[:, 0].tolist() == [4, 5, 6, 7, 8]
+    assert window.with_forgotten(kept, 8).logits[:, 0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert window.with_forgotten(kept, 4) is kept  # the window alone holds enough
+    window.keep_recent(1)  # forgets rows 4-7 too: the newest 8 forgotten are kept
+    assert window.forgotten is not None and window.forgotten.logits[:, 0].tolist() == list(range(8))
 
 
 def test_a_batch_of_long_generations_started_together_is_no_traffic_shift(
@@ -502,3 +541,21 @@ def test_a_recording_run_keeps_every_swap_in_its_step_records(tmp_path: Path) ->
     swaps = [s for s in steps if s.temperatures is not None]
     assert swaps and all(len(s.temperatures) == 7 and min(s.temperatures) > 0 for s in swaps)
     assert len(swaps) < len(steps)  # only the steps a refit was swapped in before
+
+
+def test_the_drift_checks_noise_quantile_counts_a_request_s_labels_once() -> None:
+    """A drift window is a few dozen requests a dozen steps each; their labels move together, and the
+    binomial quantile alone is half of what calibrated labels then measure."""
+    gen = np.random.default_rng(7)
+    requests = np.repeat(np.arange(32), 12)
+    p = 1 / (1 + np.exp(-(gen.normal(0.8, 1.5, 32)[requests] + gen.normal(0, 0.3, requests.shape[0]))))
+
+    def draw(n: int) -> np.ndarray:  # calibrated labels, one uniform a request
+        return gen.random((n, 32))[:, requests] < p
+
+    monte_carlo = float(np.quantile(binned_eces(p, draw(4000), 15), 0.99))
+    clustered = np.median([calibrated_ece_quantile(p, 15, y, requests) for y in draw(40)])
+    assert calibrated_ece_quantile(p, 15) < 0.5 * monte_carlo
+    assert 0.7 * monte_carlo < clustered < 1.1 * monte_carlo, (clustered, monte_carlo)
+    independent = [calibrated_ece_quantile(p, 15, y, requests) for y in gen.random((40, p.shape[0])) < p]
+    assert 1.0 <= np.median(independent) / calibrated_ece_quantile(p, 15) < 1.15

@@ -28,6 +28,7 @@ from dspark.measure.scores import confidence, survival
 from dspark.runtime.planner.calibration_metrics import brier, ece, roc_auc
 from dspark.runtime.planner.sts import CalibrationError, default_grid
 from dspark.runtime.planner.survival import survival_from_logits
+from dspark.runtime.planner.survival_map import knot_count
 
 FACTORS = (2.0, 0.5, 3.0)
 GRID_STEP = math.log(10 ** 0.05)  # ratio between neighbours of the default 41-point grid over [0.1, 10]
@@ -315,12 +316,12 @@ def test_cli_fits_prints_and_writes(tmp_path: Path, capsys) -> None:
     assert read_calibration(out).survival_map is None
     assert calibrate([str(shards), "-o", str(out), "--survival-map", "8"]) == 0
     mapped = read_calibration(out)
-    assert mapped.survival_map is not None and len(mapped.survival_map.x[0]) == 10
+    assert mapped.survival_map is not None and len(mapped.survival_map.x[0]) == knot_count(8)
     from dspark.runtime.planner.survival_map import SurvivalMap
 
     planner = SurvivalMap.from_knots(mapped.survival_map).apply(survival(data.logits, mapped.temperatures))
     assert mapped.ece_after == pytest.approx([ece(planner[:, k], data.prefix_mask[:, k]) for k in range(3)])
-    assert "monotone survival map of 10 knots" in capsys.readouterr().out
+    assert f"monotone survival map of {knot_count(8)} knots" in capsys.readouterr().out
 
 
 def test_cli_carries_the_recordings_policy_and_fingerprint(tmp_path: Path, capsys) -> None:

@@ -15,7 +15,7 @@ from dspark.formats.sts_calibration import CalibrationFileError, calibration_fro
 from dspark.runtime.planner.calibration_metrics import binned_ece
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
 from dspark.runtime.planner.survival import survival_from_logits
-from dspark.runtime.planner.survival_map import SurvivalMap, fit_survival_map, isotonic
+from dspark.runtime.planner.survival_map import SurvivalMap, fit_survival_map, groups, isotonic, knot_count
 
 
 def test_isotonic_is_the_least_squares_non_decreasing_fit() -> None:
@@ -73,7 +73,7 @@ def test_a_position_without_enough_labels_keeps_its_map() -> None:
     z, y = synthetic(400, 5)
     known = np.ones_like(y)
     known[:, 3] = False
-    previous = SurvivalMap.identity(4, 12)
+    previous = SurvivalMap.identity(4, knot_count(10))
     fitted = fit_survival_map(cumulative_survival(z, (1.0,) * 4), y, known, bins=10, min_known=50,
                               previous=previous)
     assert fitted.x[3] == previous.x[3] and fitted.x[0] != previous.x[0]
@@ -124,3 +124,33 @@ def test_the_report_scores_a_file_with_its_survival_map() -> None:
     s = cumulative_survival(z, temps, survival_map)
     assert with_map.cumulative["after"][3].ece == pytest.approx(binned_ece(s[:, 3], y[:, 3], 15))
     assert with_map.cumulative["after"][3].ece < without.cumulative["after"][3].ece
+
+
+def test_groups_refine_the_quantiles_where_the_survivals_crowd() -> None:
+    gen = np.random.default_rng(8)
+    s = np.concatenate([gen.random(3000), 1 - 0.03 * gen.random(17000)])  # 85 % of the rows above 0.97
+    group = groups(s, 10)
+    count = np.bincount(group)
+    assert count.min() >= 200 and count.shape[0] <= knot_count(10) - 2
+    below = s < 0.9
+    widths = [np.ptp(s[group == g]) for g in np.unique(group[below])]
+    # quantile groups alone: one group spans 0 to 0.85; refined, a fifteenth (two where one held too few)
+    assert max(widths) <= 2 / 15, widths
+    small = gen.random(100)  # few rows: groups of at least a tenth each, quantile groups as before
+    assert np.bincount(groups(small, 10)).min() >= 10
+
+
+def test_the_map_fits_a_bend_where_most_survivals_are_near_one() -> None:
+    """Easy text puts most drafts' survival near 1; the curve's bend lies in the few rows below."""
+    def rows(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        gen = np.random.default_rng(seed)
+        s = np.where(gen.random(n) < 0.15, gen.random(n), 1 - 0.03 * gen.random(n))
+        truth = s - 0.15 * np.sin(np.pi * s)  # monotone, below the diagonal in the middle
+        return s[:, None], (gen.random(n) < truth)[:, None]
+    s, y = rows(30000, 9)
+    survival_map = fit_survival_map(s, y, bins=10)
+    grid = np.linspace(0.1, 0.9, 17)[:, None]
+    truth = grid[:, 0] - 0.15 * np.sin(np.pi * grid[:, 0])
+    assert np.abs(survival_map.apply(grid)[:, 0] - truth).mean() < 0.025  # quantile groups alone: 0.045
+    s2, y2 = rows(30000, 10)
+    assert binned_ece(survival_map.apply(s2)[:, 0], y2[:, 0], 15) < 0.01

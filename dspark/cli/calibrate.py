@@ -47,8 +47,9 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="largest temperature tried (default: %(default)s)")
     p.add_argument("--survival-map", type=int, default=0, metavar="BINS",
                    help="also fit a monotone map per position on the survival after the temperatures, from "
-                        "BINS quantile groups (isotonic; 10 is online calibration's), written as the file's "
-                        "survival_map; for curves no temperature fits (default: 0, none)")
+                        "BINS quantile groups cut again at multiples of 1/15 (isotonic; 10 is online "
+                        "calibration's), written as the file's survival_map; for curves no temperature fits "
+                        "(default: 0, none)")
     return p
 
 

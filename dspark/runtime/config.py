@@ -194,7 +194,7 @@ class OnlineCalibrationSettings:
     """How the runtime refits the planner's temperatures from its own traffic
     (`dspark.runtime.planner.online_calibration`; the spec's `online_calibration` section)."""
 
-    window: int = 16384  # labelled request-steps kept (the map's; the temperatures take the newest 4096)
+    window: int = 65536  # labelled request-steps kept (the map's; the temperatures take the newest 4096)
     refit_every: int = 128  # new labelled request-steps between drift checks (refits: from it to 1024)
     min_known: int = 200  # known labels a position needs before its temperature is refitted
     drift_window: int = 384  # the most recent request-steps drift is scored on

@@ -568,7 +568,7 @@ class OnlineCalibrationSpec(Section):
 
     enabled: bool = Field(default=True, description="Refit while serving (writing the section turns it on).")
     window: int = Field(
-        default=16384, ge=1,
+        default=65536, ge=1,
         description="Labelled request-steps kept for the refit: the survival map is fitted on all of them, "
                     "the temperatures on the newest 4096.")
     refit_every: int = Field(
@@ -587,15 +587,16 @@ class OnlineCalibrationSpec(Section):
     shift_z: float = Field(
         default=4.5, gt=0,
         description="How many standard errors (clustered by request) their mean confidence logit may lie "
-                    "from the rest of the window's before the traffic counts as shifted.")
+                    "from the other requests' in the window before the traffic counts as shifted.")
     exploration: float = Field(
         default=0.0, ge=0, lt=1,
         description="Share of decode steps (compact) that verify every draft whatever the planner chose, so "
                     "low scores get labels too; each such step runs the full N rows a request.")
     map_bins: int = Field(
         default=10, ge=0,
-        description="Groups of the monotone survival map (isotonic) refitted after the temperatures; 0: "
-                    "the temperatures alone.")
+        description="Quantile groups of the monotone survival map (isotonic) refitted after the "
+                    "temperatures, each cut again at multiples of 1/15 where 200 rows a side remain; 0: the "
+                    "temperatures alone.")
 
     @model_validator(mode="after")
     def _drift_window_inside_window(self) -> OnlineCalibrationSpec:

@@ -12,8 +12,10 @@ outcome: the rows that failed early, never those that would have gone on.)
 every `refit_every` of them checks, in a background thread, the calibration in use for drift. It refits the
 temperatures (the shared STS fit, `sts.fit_temperatures`, by log loss, over each position's known labels in
 the newest `TEMPERATURE_ROWS`; a position with fewer than `min_known` keeps its temperature) and then the
-survival map on the whole window (its groups need the rows: a map refitted on 4,096 request-steps came out
-0.83 of the compiled file's ECE on average over four replayed out-of-distribution runs, on 16,384 0.72): at
+survival map on the whole window (its groups need the rows: replayed over four recorded out-of-distribution
+runs, a map refitted on 4,096 request-steps averaged 0.83 of the compiled file's ECE, on 16,384 0.72; and
+after a drift, while the window holds less than a full window of the new traffic, the newest of the steps it
+forgot make up the rest: the temperatures follow the change, the map's shape needs the rows): at
 the first check, on drift, and otherwise at intervals that double from `refit_every` up to a quarter of
 `window`, at most `LONGEST_REFIT_INTERVAL`, while the traffic holds still (a refit costs tens of milliseconds
 of CPU that the steps would otherwise have; a stable calibration needs few, but one refitted rarely lags a
@@ -21,17 +23,18 @@ change of traffic the checks cannot see by thousands of steps: 1,024 kept the pr
 the switches of benchmarks/calibration_drift.py, where 4,096 let it run to -2 to -3 %). The result goes to
 the step loop, which swaps it into its plan between steps (`poll`).
 
-A check looks at the most recent `drift_window` request-steps twice. Calibration: a position's
-cumulative ECE there, with the temperatures in use, is drift when it exceeds, by `drift_ece`, what perfectly
-calibrated labels of the same scores would measure at the 99th percentile (a few hundred steps in 15 bins
-measure 0.03 to 0.1 by noise alone: the threshold follows the noise of the window at hand). Traffic: their
-mean confidence logit is drift when it lies more than `shift_z` standard errors from the rest of the window's
-(`traffic_shift`; no labels needed). A calibration that is off by a few hundredths, as on text the pair never
-saw, moves no ECE of a few hundred steps beyond its noise, so the first check alone sees such a change
-thousands of steps late, if at all; the draft's own scores move as soon as the text does (a request's
-rows count once in the standard error: they are the same text a few tokens apart; and the older rows are
-weighted to the recent rows' ages, as a generation's scores move as it goes on). Drift is logged once as
-it starts; the window then forgets what came before the recent steps, so the refit follows the new traffic.
+A check looks at the most recent `drift_window` request-steps twice. Calibration: a position's cumulative
+ECE there, with the temperatures in use, is drift when it exceeds, by `drift_ece`, what perfectly calibrated
+labels of the same scores would measure at the 99th percentile (a few hundred steps in 15 bins measure 0.03
+to 0.1 by noise alone: the threshold follows the noise of the window at hand, a request's labels moving
+together). Traffic: their mean confidence logit is drift when it lies more than `shift_z` standard errors
+from the other requests' in the window (`traffic_shift`; no labels needed). A calibration that is off by a
+few hundredths, as on text the pair never saw, moves no ECE of a few hundred steps beyond its noise, so the
+first check alone sees such a change thousands of steps late, if at all; the draft's own scores move as soon
+as the text does (a request's rows count once in the standard error: they are the same text a few tokens
+apart; and the older rows are weighted to the recent rows' ages, as a generation's scores move as it goes
+on). Drift is logged once as it starts; the window then forgets what came before the recent steps, so the
+refit follows the new traffic (the map takes the forgotten steps back until the new ones fill a window).
 Temperatures only ever come from the grid, so no window (all accepted, all rejected, nothing known) can make
 one invalid.
 """
@@ -96,6 +99,7 @@ class LabelWindow:
                          np.zeros(capacity, dtype=np.int64))
         self.level = np.zeros(capacity)  # each row's mean logit: what the traffic check reads of every row
         self.capacity, self.size, self.next = capacity, 0, 0
+        self.forgotten: Rows | None = None  # what `keep_recent` forgot (the newest `capacity`), oldest first
 
     def add(self, rows: Rows) -> int:
         """Append the rows with finite logits (the oldest fall out); returns how many were kept."""
@@ -125,10 +129,23 @@ class LabelWindow:
         return (self.next - n + np.arange(n)) % self.capacity
 
     def keep_recent(self, n: int) -> None:
-        """Forget all but the last `n` rows."""
-        rows = self.recent(n)
+        """Forget all but the last `n` rows (kept aside in `forgotten` for `with_forgotten`)."""
+        rows = self.recent()
+        dropped = rows[:max(0, len(rows) - n)]
+        if self.forgotten is not None:
+            dropped = Rows(*(np.concatenate([getattr(self.forgotten, f.name), getattr(dropped, f.name)])
+                             for f in dataclasses.fields(Rows)))
+        self.forgotten = dropped[max(0, len(dropped) - self.capacity):]
         self.size, self.next = 0, 0
-        self.add(rows)
+        self.add(rows[max(0, len(rows) - n):])
+
+    def with_forgotten(self, rows: Rows, least: int) -> Rows:
+        """`rows` (a copy of the window) after the newest forgotten rows, where it has fewer than `least`."""
+        if self.forgotten is None or len(rows) >= least:
+            return rows
+        before = self.forgotten[max(0, len(self.forgotten) - (least - len(rows))):]
+        return Rows(*(np.concatenate([getattr(before, f.name), getattr(rows, f.name)])
+                      for f in dataclasses.fields(Rows)))
 
 
 # Known labels a position's survival map needs per group: fewer fit the noise (right after a drift the window
@@ -146,7 +163,8 @@ LONGEST_REFIT_INTERVAL = 1024
 def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: float, min_known: int
             ) -> tuple[tuple[float | None, ...], bool]:
     """The rows' per-position cumulative ECE, and whether some position's exceeds, by `margin`, the 99th
-    percentile of the ECE that labels drawn from the survival itself (perfect calibration) would measure."""
+    percentile of the ECE that perfectly calibrated labels, moving together within a request as these do,
+    would measure (`calibrated_ece_quantile`)."""
     ece = windowed_ece(rows.logits, rows.labels, rows.known, calibration, num_bins, min_known)
     if all(e is None for e in ece):
         return ece, False
@@ -154,7 +172,9 @@ def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: flo
     drift = False
     for k, observed in enumerate(ece):
         if observed is not None:
-            drift |= observed > calibrated_ece_quantile(s[rows.known[:, k], k], num_bins) + margin
+            known = rows.known[:, k]
+            drift |= observed > margin + calibrated_ece_quantile(
+                s[known, k], num_bins, rows.labels[known, k], rows.requests[known])
     return ece, drift
 
 
@@ -193,36 +213,60 @@ def traffic_shift(level: np.ndarray, requests: np.ndarray, ages: np.ndarray, rec
     from the older rows', in standard errors (negative: the recent traffic is harder to draft); `requests` and
     `ages` (tokens generated) are the rows' own, oldest first.
 
-    The older rows are weighted to the recent rows' mix of ages (`age_group`; recent rows of an age the older
-    rows hold fewer than `MIN_AGE_ROWS` of are left out): a request's confidence moves as its generation goes
-    on, so a batch of long generations started together would otherwise look like new traffic at every
-    start. Each side's variance is clustered by request, as a request's rows are the same text a few tokens
-    apart and move together; the sides are independent only across requests, so a request in both makes the
-    z smaller, never larger. None when the older side has fewer rows than the recent, or either side fewer
-    than `MIN_SHIFT_REQUESTS` requests."""
+    The older side is the rows of other requests than the recent rows' (a request's own earlier rows are the
+    same text a few tokens younger: in a batch decoding in lockstep they made a T 0.8 run's in-distribution
+    traffic cross 5 standard errors; without them, 3), weighted to the recent rows' mix of ages (`age_group`;
+    recent rows of an age the older side holds fewer than `MIN_AGE_ROWS` of are left out): a request's
+    confidence moves as its generation goes on, so a batch of long generations started together would
+    otherwise look like new traffic at every start. Each side's variance is clustered by request, as a
+    request's rows move together; the sides share no request, so they are independent. None when the window
+    holds fewer than twice `recent` rows, or either side fewer than `MIN_SHIFT_REQUESTS` requests."""
     n = level.shape[0]
     if recent < 1 or n < 2 * recent:
         return None
-    old, new = slice(0, n - recent), slice(n - recent, n)
+    new = np.arange(n) >= n - recent
+    old = ~new & ~np.isin(requests, requests[new])
     group = age_group(ages)
     old_count = np.bincount(group[old], minlength=int(group.max()) + 1)
-    new_weight = (old_count[group[new]] >= MIN_AGE_ROWS).astype(np.float64)
-    new_count = np.bincount(group[new], weights=new_weight, minlength=old_count.shape[0])
-    old_weight = (new_count / np.maximum(old_count, 1))[group[old]]
-    old_mean, old_var, old_clusters = _clustered_mean(level[old], requests[old], old_weight)
-    new_mean, new_var, new_clusters = _clustered_mean(level[new], requests[new], new_weight)
+    new_weight = np.where(new, old_count[group] >= MIN_AGE_ROWS, False).astype(np.float64)
+    new_count = np.bincount(group, weights=new_weight, minlength=old_count.shape[0])
+    old_weight = np.where(old, new_count[group] / np.maximum(old_count[group], 1), 0.0)
+    old_mean, old_var, old_clusters = _clustered_mean(level, requests, old_weight)
+    new_mean, new_var, new_clusters = _clustered_mean(level, requests, new_weight)
     if min(old_clusters, new_clusters) < MIN_SHIFT_REQUESTS or old_var + new_var <= 0:
         return None
     return (new_mean - old_mean) / math.sqrt(old_var + new_var)
 
 
-def calibrated_ece_quantile(p: np.ndarray, num_bins: int) -> float:
+def calibrated_ece_quantile(p: np.ndarray, num_bins: int, labels: np.ndarray | None = None,
+                            requests: np.ndarray | None = None) -> float:
     """The 99th percentile of the binned ECE of labels drawn from `p` itself, without drawing them: a
-    bin's |sum of labels - sum of p| is about half-normal with the bin's variance V = sum p(1-p), so the ECE
-    is a sum of half-normals (mean sum sqrt(2V/pi) / n, variance sum V(1 - 2/pi) / n^2), taken as normal.
-    Within a few per cent of a Monte Carlo's on a few hundred rows or more (tested), in microseconds: a
-    check runs every `refit_every` request-steps beside the step."""
-    variance = np.bincount(bin_index(p, num_bins), weights=p * (1.0 - p), minlength=num_bins)
+    bin's |sum of labels - sum of p| is about half-normal with the bin's variance V, so the ECE is a sum of
+    half-normals (mean sum sqrt(2V/pi) / n, variance sum V(1 - 2/pi) / n^2), taken as normal. Within a few per
+    cent of a Monte Carlo's on a few hundred rows or more (tested), in microseconds: a check runs every
+    `refit_every` request-steps beside the step.
+
+    V is sum p(1-p) for labels drawn one by one. With the rows' `labels` and `requests`, V is at least the
+    bin's variance clustered by request (its residuals y - p, centred on the bin's mean, summed per request,
+    squared and summed): a drift window of a few hundred request-steps is a few dozen requests a dozen steps
+    each, whose labels move together, and the binomial V alone put ECEs that stationary traffic measures
+    past the threshold every few thousand steps (each such false drift throws the window away)."""
+    bins = bin_index(p, num_bins)
+    variance = np.bincount(bins, weights=p * (1.0 - p), minlength=num_bins)
+    if labels is not None and requests is not None and p.shape[0] > 0:
+        residual = labels.astype(np.float64) - p
+        count = np.bincount(bins, minlength=num_bins)
+        bin_mean = np.bincount(bins, weights=residual, minlength=num_bins) / np.maximum(count, 1)
+        centred = residual - bin_mean[bins]
+        _, request = np.unique(requests, return_inverse=True)
+        cell = bins * (int(request.max()) + 1) + request  # (bin, request)
+        cells, sums = np.unique(cell, return_inverse=True)
+        per_cell = np.bincount(sums, weights=centred)
+        cell_bin = cells // (int(request.max()) + 1)
+        clusters = np.bincount(cell_bin, minlength=num_bins)
+        clustered = np.bincount(cell_bin, weights=per_cell ** 2, minlength=num_bins)
+        clustered *= clusters / np.maximum(clusters - 1, 1)
+        variance = np.maximum(variance, np.where(clusters > 1, clustered, 0.0))
     mean = float(np.sqrt(2.0 * variance / np.pi).sum()) / p.shape[0]
     sd = float(np.sqrt((variance * (1.0 - 2.0 / np.pi)).sum())) / p.shape[0]
     return mean + 2.326 * sd  # the normal's 99th percentile
@@ -317,8 +361,9 @@ class OnlineCalibrator:
             if refit:
                 self._since_fit = 0
             window = self.window  # copied here: the step thread adds to it while the check runs
-            snapshot = (window.recent() if refit else window.recent(self.settings.drift_window),
-                        window.levels(), refit, self.calibration)
+            rows = window.recent() if refit else window.recent(self.settings.drift_window)
+            snapshot = (rows, window.levels(), refit, self.calibration,
+                        window.with_forgotten(rows, window.capacity) if refit else rows)
             if self.background:
                 self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
                                                 name="dspark-online-calibration")
@@ -352,7 +397,8 @@ class OnlineCalibrator:
                             self.settings.drift_window, worst, self.settings.drift_ece)
             else:
                 LOG.warning("online calibration: traffic shift: the last %d request-steps' mean confidence "
-                            "logit is %.1f standard errors %s the window's; refitting on them",
+                            "logit is %.1f standard errors %s the other requests' in the window; "
+                            "refitting on them",
                             self.settings.drift_window, abs(result.shift_z or 0.0),
                             "below" if (result.shift_z or 0.0) < 0 else "above")
             with self._lock:
@@ -375,9 +421,10 @@ class OnlineCalibrator:
 
     # -- off the step path -----------------------------------------------------------------------------------
     def _refit(self, window: Rows, levels: tuple[np.ndarray, np.ndarray, np.ndarray], refit: bool,
-               in_use: LiveCalibration) -> None:
+               in_use: LiveCalibration, map_rows: Rows) -> None:
         """A check of the last `drift_window` of `window` (all of it when not `refit`) and `levels`
-        (`LabelWindow.levels`), then, when `refit`, the refit on `window`."""
+        (`LabelWindow.levels`), then, when `refit`, the refit: temperatures on `window`'s newest rows, the map
+        on `map_rows` (`window` after forgotten rows, `LabelWindow.with_forgotten`)."""
         s = self.settings
         recent = window[max(0, len(window) - s.drift_window):]
         recent_ece, miscalibrated = drifted(recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
@@ -388,13 +435,13 @@ class OnlineCalibrator:
             refit = False  # the drift starts: `poll` forgets the older steps; the refit waits for new ones
         fitted = None
         if refit:
-            logits, labels, known = window.logits, window.labels, window.known
             newest = window[max(0, len(window) - TEMPERATURE_ROWS):]
             temps = fit_temperatures(newest.logits, newest.labels, self.grid, s.num_bins, known=newest.known,
                                      previous=in_use.temperatures, min_known=s.min_known, objective="nll")
             survival_map = None
             if s.map_bins:
-                survival_map = fit_survival_map(cumulative_survival(logits, temps), labels, known, s.map_bins,
+                survival_map = fit_survival_map(cumulative_survival(map_rows.logits, temps), map_rows.labels,
+                                                map_rows.known, s.map_bins,
                                                 max(s.min_known, MAP_ROWS_PER_BIN * s.map_bins),
                                                 previous=in_use.survival_map)
             fitted = LiveCalibration(temps, survival_map)
