@@ -301,7 +301,7 @@ class LiveCalibration:
 class RefitResult:
     calibration: LiveCalibration | None  # None: a check that did not refit
     recent_ece: tuple[float | None, ...]  # of the temperatures in use before the check, on recent steps
-    shift_z: float | None  # `traffic_shift` of the recent steps against the rest of the window
+    shift_z: float | None  # `traffic_shift` of the recent steps against the window's other requests
     drift: str | None  # what the check saw drift in: "calibration", "traffic", or None
 
 

@@ -91,7 +91,8 @@ class ServingMetrics:
             self.calibration_drift = gauge("dspark_calibration_drift", "1 while the recent steps' "
                                            "calibration or traffic has drifted beyond noise, else 0")
             self.calibration_shift = gauge("dspark_calibration_traffic_shift_z", "the recent steps' mean "
-                                           "confidence logit against the window's, in standard errors")
+                                           "confidence logit against the window's other requests', in "
+                                           "standard errors")
             by_position = [*names, "position"]
             self.calibration_temperature = Gauge("dspark_calibration_temperature", "the STS temperature in "
                                                  "use, by draft position", by_position, registry=r)
