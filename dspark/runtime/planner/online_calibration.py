@@ -89,6 +89,11 @@ class Rows:
     def __len__(self) -> int:
         return int(self.logits.shape[0])
 
+    def then(self, later: Rows) -> Rows:
+        """These rows followed by `later`."""
+        return Rows(*(np.concatenate([getattr(self, f.name), getattr(later, f.name)])
+                      for f in dataclasses.fields(self)))
+
 
 class LabelWindow:
     """The last `capacity` labelled request-steps (`Rows`), in a ring."""
@@ -133,8 +138,7 @@ class LabelWindow:
         rows = self.recent()
         dropped = rows[:max(0, len(rows) - n)]
         if self.forgotten is not None:
-            dropped = Rows(*(np.concatenate([getattr(self.forgotten, f.name), getattr(dropped, f.name)])
-                             for f in dataclasses.fields(Rows)))
+            dropped = self.forgotten.then(dropped)
         self.forgotten = dropped[max(0, len(dropped) - self.capacity):]
         self.size, self.next = 0, 0
         self.add(rows[max(0, len(rows) - n):])
@@ -143,9 +147,7 @@ class LabelWindow:
         """`rows` (a copy of the window) after the newest forgotten rows, where it has fewer than `least`."""
         if self.forgotten is None or len(rows) >= least:
             return rows
-        before = self.forgotten[max(0, len(self.forgotten) - (least - len(rows))):]
-        return Rows(*(np.concatenate([getattr(before, f.name), getattr(rows, f.name)])
-                      for f in dataclasses.fields(Rows)))
+        return self.forgotten[max(0, len(self.forgotten) - (least - len(rows))):].then(rows)
 
 
 # Known labels a position's survival map needs per group: fewer fit the noise (right after a drift the window
