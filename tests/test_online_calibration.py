@@ -30,6 +30,7 @@ from dspark.runtime.planner.online_calibration import (
     OnlineCalibrationSettings,
     OnlineCalibrator,
     Rows,
+    after_forgotten,
     calibrated_ece_quantile,
     step_labels,
     traffic_shift,
@@ -196,8 +197,8 @@ def test_the_window_keeps_what_a_drift_forgot_for_the_map() -> None:
     window.add(rows[6:9])
     kept = window.recent()
     assert kept.logits[:, 0].tolist() == [4, 5, 6, 7, 8]
-    assert window.with_forgotten(kept, 8).logits[:, 0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert window.with_forgotten(kept, 4) is kept  # the window alone holds enough
+    assert after_forgotten(window.forgotten, kept, 8).logits[:, 0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert after_forgotten(window.forgotten, kept, 4) is kept  # the window alone holds enough
     window.keep_recent(1)  # forgets rows 4-7 too: the newest 8 forgotten are kept
     assert window.forgotten is not None and window.forgotten.logits[:, 0].tolist() == list(range(8))
 

@@ -134,7 +134,7 @@ class LabelWindow:
         return (self.next - n + np.arange(n)) % self.capacity
 
     def keep_recent(self, n: int) -> None:
-        """Forget all but the last `n` rows (kept aside in `forgotten` for `with_forgotten`)."""
+        """Forget all but the last `n` rows (kept aside in `forgotten` for `after_forgotten`)."""
         rows = self.recent()
         dropped = rows[:max(0, len(rows) - n)]
         if self.forgotten is not None:
@@ -143,11 +143,13 @@ class LabelWindow:
         self.size, self.next = 0, 0
         self.add(rows[max(0, len(rows) - n):])
 
-    def with_forgotten(self, rows: Rows, least: int) -> Rows:
-        """`rows` (a copy of the window) after the newest forgotten rows, where it has fewer than `least`."""
-        if self.forgotten is None or len(rows) >= least:
-            return rows
-        return self.forgotten[max(0, len(self.forgotten) - (least - len(rows))):].then(rows)
+
+
+def after_forgotten(forgotten: Rows | None, rows: Rows, least: int) -> Rows:
+    """`rows` (a copy of the window) after the newest `forgotten` rows, where it has fewer than `least`."""
+    if forgotten is None or len(rows) >= least:
+        return rows
+    return forgotten[max(0, len(forgotten) - (least - len(rows))):].then(rows)
 
 
 # Known labels a position's survival map needs per group: fewer fit the noise (right after a drift the window
@@ -364,8 +366,8 @@ class OnlineCalibrator:
                 self._since_fit = 0
             window = self.window  # copied here: the step thread adds to it while the check runs
             rows = window.recent() if refit else window.recent(self.settings.drift_window)
-            snapshot = (rows, window.levels(), refit, self.calibration,
-                        window.with_forgotten(rows, window.capacity) if refit else rows)
+            # `forgotten` is replaced, never changed: the refit thread joins it to the rows, off the step path
+            snapshot = (rows, window.levels(), refit, self.calibration, window.forgotten if refit else None)
             if self.background:
                 self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
                                                 name="dspark-online-calibration")
@@ -423,10 +425,10 @@ class OnlineCalibrator:
 
     # -- off the step path -----------------------------------------------------------------------------------
     def _refit(self, window: Rows, levels: tuple[np.ndarray, np.ndarray, np.ndarray], refit: bool,
-               in_use: LiveCalibration, map_rows: Rows) -> None:
+               in_use: LiveCalibration, forgotten: Rows | None) -> None:
         """A check of the last `drift_window` of `window` (all of it when not `refit`) and `levels`
         (`LabelWindow.levels`), then, when `refit`, the refit: temperatures on `window`'s newest rows, the map
-        on `map_rows` (`window` after forgotten rows, `LabelWindow.with_forgotten`)."""
+        on a window's worth of them and, before them, the newest `forgotten` (`after_forgotten`)."""
         s = self.settings
         recent = window[max(0, len(window) - s.drift_window):]
         recent_ece, miscalibrated = drifted(recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
@@ -442,6 +444,7 @@ class OnlineCalibrator:
                                      previous=in_use.temperatures, min_known=s.min_known, objective="nll")
             survival_map = None
             if s.map_bins:
+                map_rows = after_forgotten(forgotten, window, s.window)
                 survival_map = fit_survival_map(cumulative_survival(map_rows.logits, temps), map_rows.labels,
                                                 map_rows.known, s.map_bins,
                                                 max(s.min_known, MAP_ROWS_PER_BIN * s.map_bins),
