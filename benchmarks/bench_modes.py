@@ -18,7 +18,8 @@ equals target-only greedy decoding (it must).
 the same interleaved rounds; "paired" then reads against the first of them.
 `--online-calibration` adds the last package run with online calibration on (its default settings, or
 `--refit-every N`): its paired ratio to the same package off is the price of observing every step and
-refitting in a background thread (docs/planner.md, "Online calibration").
+refitting in a background thread (docs/planner.md, "Online calibration"), and its prefill seconds against
+the same package's, paired, the price of scoring each prompt's last tokens for the traffic check.
 """
 
 from __future__ import annotations
@@ -148,8 +149,13 @@ def main() -> None:
     if args.online_calibration:
         online = runtimes[-1].speculative.online
         assert online is not None
+        # the same package off is the last before it; the prompt probe's price is in the prefill
+        prefill = statistics.median(on.prefill_seconds / off.prefill_seconds
+                                    for on, off in zip(stats[-1], stats[-2], strict=True))
         print(f"online calibration: {online.refits} refits on {online.samples} labelled request-steps, "
-              f"drift {online.drift}, temperatures {[round(t, 3) for t in online.temperatures]}")
+              f"drift {online.drift}, temperatures {[round(t, 3) for t in online.temperatures]}; "
+              f"prefill seconds on / off (prompt probe of {online.settings.prompt_probe} tokens), paired: "
+              f"{prefill:.3f}")
     print("rows = verify rows run per request-step (compact: planned rows only); pad = tier padding "
           "rows per request-step; tau / actual = predicted vs committed tokens per step (B summed)")
 

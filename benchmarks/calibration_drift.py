@@ -7,14 +7,14 @@ Three phases through the same runtime, each a batch of prompts stepped to comple
      sources and installed distributions' descriptions, in turn, as many of each; `--out-of-distribution`
      picks one of them, or torch's C++ headers);
   3. out of distribution, scored: part 1 (no text in common with part 2).
-It prints when drift was detected (labelled request-steps into the phase), then, on phase 3's labels, the
-per-position cumulative ECE of the compiled temperatures, of the live calibration as it stood after phase 2
-(frozen: phase 3 does not score what it fitted itself), and of the best temperatures fitted on phase 3's own
-labels (the oracle), with what perfectly calibrated labels of the live survival measure on as many rows (the
-noise floor), of temperatures and map refitted on all of phase 2 (what a refit at its end would swap in) and
-of temperatures and map fitted on phase 3's own labels (the best the live calibration's form can do there);
-phase 1's labels scored the same way; and each phase's tau bias, mean(committed - predicted) /
-mean(committed), as served (the live calibration refitting as it goes).
+It prints when drift was first detected in each phase (labelled request-steps into it) and in what, then, on
+phase 3's labels, the per-position cumulative ECE of the compiled temperatures, of the live calibration as it
+stood after phase 2 (frozen: phase 3 does not score what it fitted itself), and of the best temperatures
+fitted on phase 3's own labels (the oracle), with what perfectly calibrated labels of the live survival
+measure on as many rows (the noise floor), of temperatures and map refitted on all of phase 2 (what a refit
+at its end would swap in) and of temperatures and map fitted on phase 3's own labels (the best the live
+calibration's form can do there); phase 1's labels scored the same way; and each phase's tau bias,
+mean(committed - predicted) / mean(committed), as served (the live calibration refitting as it goes).
 
     .venv/bin/python benchmarks/calibration_drift.py generated/tiny_cpu_cap_accept
 """
@@ -60,6 +60,7 @@ class Phase:
     committed: int
     predicted: float
     drift_at: int | None  # labelled request-steps into the phase when drift was detected (None: not)
+    drift_cause: str | None  # what that check saw drift in (`OnlineCalibrator.drift_cause`)
     calibration: LiveCalibration  # the live calibration at the phase's end
 
     @property
@@ -76,11 +77,11 @@ def serve(runtime: Runtime, prompts: list[str], max_new: int, name: str, work: s
     start, drift_at = online.samples, online.drift_at
     for text in prompts:
         runtime.enqueue(runtime.new_request(runtime.package.tokenizer.encode(text), max_new))
-    detected = None
+    detected, cause = None, None
     while runtime.has_work:
         runtime.step()
         if detected is None and online.drift_at != drift_at:
-            detected = online.drift_at - start
+            detected, cause = online.drift_at - start, online.drift_cause
     runtime.recorder = None
     generated: dict[int, int] = {}
     rows = []
@@ -95,7 +96,7 @@ def serve(runtime: Runtime, prompts: list[str], max_new: int, name: str, work: s
     planned = [s for s in recorder.steps.records if s.tau is not None]
     requests, ages = (np.array([row[i] for row in rows], dtype=np.int64) for i in (3, 4))
     return Phase(name, logits, labels, known, requests, ages, sum(s.committed for s in planned),
-                 sum(float(s.tau) for s in planned), detected, online.calibration)
+                 sum(float(s.tau) for s in planned), detected, cause, online.calibration)
 
 
 def noise_floor(phase: Phase, calibration: LiveCalibration, num_bins: int, seed: int) -> list[float]:
@@ -198,7 +199,8 @@ def main() -> None:
     print(f"{pkg.deployment.name}, {args.max_new_tokens} new tokens a prompt, out of distribution: "
           f"{args.out_of_distribution}; online calibration {settings}")
     for p in phases:
-        drift = "no drift" if p.drift_at is None else f"drift detected {p.drift_at} request-steps in"
+        drift = ("no drift" if p.drift_at is None
+                 else f"drift ({p.drift_cause}) detected {p.drift_at} request-steps in")
         print(f"{p.name}: {p.logits.shape[0]} labelled request-steps, {drift}, tau bias as served "
               f"{p.tau_bias:+.2%}; live T after: {', '.join(f'{t:.2f}' for t in p.calibration.temperatures)}")
     print()

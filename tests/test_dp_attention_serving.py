@@ -141,6 +141,17 @@ def test_an_idle_dp_rank_takes_part_in_every_step(mode: str, tmp_path: Path) -> 
     assert torchrun(name, 2, tmp_path, free_port(), one) == reference(f"tiny_cpu_{mode}", one)
 
 
+@pytest.mark.slow
+def test_the_prompt_probe_runs_on_every_dp_rank_with_online_calibration(tmp_path: Path) -> None:
+    """With online calibration the prefill projects its prompt-probe rows apart, padded to the most any DP
+    rank has: one request leaves DP rank 1 none of its own (the check mode compares the rows every rank ran),
+    and greedy output stays one process's target-only decoding."""
+    name = compile_parallel("tiny_cpu_compact", tmp_path, tp=2, dp=2, **DP_ATTENTION)
+    one = PROMPTS[:1]
+    got = torchrun(name, 2, tmp_path, free_port(), one, "--online-calibration")
+    assert got == reference("tiny_cpu_compact", one)
+
+
 # -- in-process ranks: what every engine ran ------------------------------------------------------------
 MAX_NEW = (8, 40, 16)  # DP rank 0 gets requests 0 and 2, DP rank 1 request 1: DP rank 0 goes idle first
 

@@ -155,7 +155,7 @@ def test_one_engine_alone_agrees_with_itself() -> None:
     (there is no other engine's step to fall in with)."""
     local = LocalSync()
     assert not local.spans_ranks
-    assert local.agree_extend(13, 2) == (13, 2)
+    assert local.agree_extend(13, 2, 5) == (13, 2, 5)
     report = VerifyReport(3, 17, 24, True)
     assert local.agree_verify(report, TIERS, lambda b: 8, True) == GlobalVerify(24, 17, None)
     error = ValueError("the floor alone needs more rows than the largest tier")

@@ -33,7 +33,6 @@ from dspark.runtime.planner.online_calibration import (
     after_forgotten,
     calibrated_ece_quantile,
     step_labels,
-    traffic_shift,
 )
 from dspark.runtime.planner.sts import (
     cumulative_survival,
@@ -42,6 +41,7 @@ from dspark.runtime.planner.sts import (
     grid_eces,
     grid_nlls,
 )
+from dspark.runtime.planner.traffic import PROMPT_RECENT, traffic_shift
 
 from .runtime_helpers import compile_on_and_off, spec_with
 
@@ -224,7 +224,7 @@ def test_a_batch_of_long_generations_started_together_is_no_traffic_shift(
     with caplog.at_level(logging.WARNING, logger="dspark.calibration"):
         assert run().drift_at is None and not caplog.records  # the window weighted to the recent rows' ages
         with monkeypatch.context() as m:  # one age group: the ageing alone reads as new traffic
-            m.setattr("dspark.runtime.planner.online_calibration.age_group", lambda ages: np.zeros_like(ages))
+            m.setattr("dspark.runtime.planner.traffic.age_group", lambda ages: np.zeros_like(ages))
             assert run().drift_at is not None
     assert [r for r in caplog.records if "traffic shift" in r.message]
 
@@ -244,6 +244,34 @@ def test_a_traffic_shift_is_detected_within_a_few_hundred_request_steps(caplog: 
     assert cal.shift_z is not None and cal.shift_z < -settings.shift_z
     stream(cal, 3000, 2.0, gen, shift=-2.0, request_sd=1.0)
     assert not cal.drift and abs(cal.state()["shift_z"]) < settings.shift_z  # the window is the new traffic
+
+
+def test_new_prompts_more_surprising_to_the_target_are_a_traffic_shift_at_the_next_check(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # the labels and the draft's scores stay as they were: only the prompts tell the traffic changed (by 1.9
+    # of the old prompts' spread, as other packages' code and prose against the standard library)
+    gen = np.random.default_rng(12)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150)
+    cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False)
+    with caplog.at_level(logging.WARNING, logger="dspark.calibration"):
+        for _ in range(10):
+            for _ in range(24):
+                cal.prompt(gen.normal(1.8, 0.5))
+            stream(cal, 200, 2.0, gen)
+        assert not cal.drift and cal.prompt_z is not None and abs(cal.prompt_z) < settings.shift_z
+        assert not caplog.records
+        for _ in range(PROMPT_RECENT):
+            cal.prompt(gen.normal(2.75, 0.6))
+        stream(cal, 128, 2.0, gen)
+    assert cal.drift_cause == "prompts" and cal.drift_at is not None and cal.drift_at - 2000 <= 128
+    assert cal.prompt_z is not None and cal.prompt_z > settings.shift_z
+    assert [r for r in caplog.records if "prompts are" in r.message and "more surprising" in r.message]
+    assert cal.prompts.size == PROMPT_RECENT  # the older side is the new traffic from now on
+    for _ in range(8):
+        for _ in range(24):
+            cal.prompt(gen.normal(2.75, 0.6))
+        stream(cal, 200, 2.0, gen)
+    assert not cal.drift and cal.prompt_z is not None and abs(cal.prompt_z) < settings.shift_z
 
 
 def test_the_vectorised_fit_scores_every_temperature_as_the_naive_loop_does() -> None:
@@ -363,6 +391,8 @@ def test_settings_are_checked() -> None:
         OnlineCalibrationSettings(refit_every=0)
     with pytest.raises(ValueError, match="shift_z"):
         OnlineCalibrationSettings(shift_z=0.0)
+    with pytest.raises(ValueError, match="prompt_probe must be 0"):
+        OnlineCalibrationSettings(prompt_probe=-1)
 
 
 @pytest.mark.parametrize("build", ["tiny_cpu_cap_accept", "tiny_cpu_compact"])
@@ -416,7 +446,7 @@ def test_the_server_reports_its_live_calibration() -> None:
             assert r.status_code == 200, r.text
         live = httpx.get(f"{url}/v1/dspark/calibration", timeout=30).json()
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    figures = ("samples", "refits", "window_ece", "shift_z", "drift", "drift_cause", "drift_at")
+    figures = ("samples", "refits", "window_ece", "shift_z", "prompt_z", "drift", "drift_cause", "drift_at")
     saved = calibration_from_json({k: v for k, v in live.items() if k not in figures}, "the live calibration")
     assert len(saved.temperatures) == len(live["window_ece"]) and saved.policy == "greedy"
     assert saved.survival_map is not None and len(saved.survival_map.x) == len(saved.temperatures)
@@ -424,8 +454,8 @@ def test_the_server_reports_its_live_calibration() -> None:
     samples = re.escape(str(float(live["samples"])))
     assert re.search(r"dspark_calibration_samples\{[^}]*\} " + samples, metrics)
     assert 'dspark_calibration_temperature{deployment="tiny_cpu_compact",position="0"' in metrics
-    assert "dspark_calibration_traffic_shift_z{" in metrics
-    assert live["drift_cause"] in (None, "calibration", "traffic")
+    assert all(f"dspark_calibration_{check}_shift_z{{" in metrics for check in ("traffic", "prompt"))
+    assert live["drift_cause"] in (None, "calibration", "prompts", "traffic")
 
     plain = CompletionServer(Runtime(load_package(generated / "tiny_cpu_compact")))
     with serving_in_process(plain) as (_, url):
@@ -442,12 +472,13 @@ def test_the_spec_turns_online_calibration_on_with_its_settings(tmp_path) -> Non
     from dspark.runtime.package import load_package
 
     pkg = compile_on_and_off(tmp_path, lambda section: _spec_with(tmp_path, "tiny_cpu_compact", section),
-                             {"refit_every": 64, "drift_window": 128}, "online_calibration",
-                             "OnlineCalibrationSettings")
+                             {"refit_every": 64, "drift_window": 128, "prompt_probe": 32},
+                             "online_calibration", "OnlineCalibrationSettings")
     deployment = load_package(pkg).deployment
-    assert deployment.online_calibration == OnlineCalibrationSettings(refit_every=64, drift_window=128)
+    assert deployment.online_calibration == OnlineCalibrationSettings(refit_every=64, drift_window=128,
+                                                                      prompt_probe=32)
     runtime = Runtime(load_package(pkg), online_calibration=deployment.online_calibration)
-    assert runtime.speculative.online is not None
+    assert runtime.speculative.online is not None and runtime.extend.prompt_probe == 32
 
 
 @pytest.mark.parametrize(("build", "section", "where", "message"), [

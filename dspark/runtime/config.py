@@ -199,7 +199,8 @@ class OnlineCalibrationSettings:
     min_known: int = 200  # known labels a position needs before its temperature is refitted
     drift_window: int = 384  # the most recent request-steps drift is scored on
     drift_ece: float = 0.03  # how far their cumulative ECE must exceed calibrated labels' noise (99th pct.)
-    shift_z: float = 4.5  # standard errors their mean confidence logit may lie from the window's (traffic)
+    shift_z: float = 4.5  # standard errors the traffic checks allow (confidence logits; prompts' surprise)
+    prompt_probe: int = 64  # a prompt's last tokens whose surprise to the target the prefill scores (0: none)
     exploration: float = 0.0  # share of decode steps that verify every draft (labels for low scores)
     map_bins: int = 10  # groups of the monotone survival map fitted after the temperatures (0: none)
     num_bins: int = 15  # as `dspark calibrate` scores
@@ -212,9 +213,11 @@ class OnlineCalibrationSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"online calibration {name} must be a positive integer, got {value!r}")
-        if isinstance(self.map_bins, bool) or not isinstance(self.map_bins, int) or self.map_bins < 0:
-            raise ValueError(f"online calibration map_bins must be 0 (temperatures alone) or a positive "
-                             f"integer, got {self.map_bins!r}")
+        for name, zero in (("map_bins", "temperatures alone"), ("prompt_probe", "prompts not scored")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"online calibration {name} must be 0 ({zero}) or a positive integer, got "
+                                 f"{value!r}")
         if self.drift_window > self.window:
             raise ValueError(f"online calibration drift_window {self.drift_window} exceeds window "
                              f"{self.window}")

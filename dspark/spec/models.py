@@ -586,8 +586,15 @@ class OnlineCalibrationSpec(Section):
                     "measure (99th percentile) to count as drift.")
     shift_z: float = Field(
         default=4.5, gt=0,
-        description="How many standard errors (clustered by request) their mean confidence logit may lie "
-                    "from the other requests' in the window before the traffic counts as shifted.")
+        description="How many standard errors the traffic may move before it counts as shifted: the newest "
+                    "32 prompts' surprise to the target against the prompts' before them (see prompt_probe), "
+                    "and the recent steps' mean confidence logit against the other requests' in the window "
+                    "(clustered by request).")
+    prompt_probe: int = Field(
+        default=64, ge=0,
+        description="A prompt's last tokens whose negative log-likelihood under the target the prefill "
+                    "scores, for the traffic check (that many rows of logits a prompt); 0: prompts are not "
+                    "scored.")
     exploration: float = Field(
         default=0.0, ge=0, lt=1,
         description="Share of decode steps (compact) that verify every draft whatever the planner chose, so "

@@ -51,10 +51,10 @@ class DPStepSync:
             dist.all_gather(parts, mine, group=self.engines.group)
         return [tuple(int(v) for v in p.tolist()) for p in parts]
 
-    def agree_extend(self, rows: int, logit_rows: int) -> tuple[int, int]:
-        """The rows and logit rows every engine runs in an extend step: the most of any."""
-        gathered = self.gather(rows, logit_rows)
-        return max(g[0] for g in gathered), max(g[1] for g in gathered)
+    def agree_extend(self, rows: int, logit_rows: int, probe_rows: int) -> tuple[int, int, int]:
+        """The rows, logit rows and prompt-probe rows every engine runs in an extend step: the most of any."""
+        gathered = self.gather(rows, logit_rows, probe_rows)
+        return max(g[0] for g in gathered), max(g[1] for g in gathered), max(g[2] for g in gathered)
 
     def agree_verify(self, report: VerifyReport, tiers: tuple[int, ...], uniform_rows: Callable[[int], int],
                      fills_tier: bool) -> GlobalVerify:

@@ -1,6 +1,11 @@
 """Forward passes that append rows after a request's cache: prefill chunks, and target-only decoding
 (the lossless reference).
 
+With `prompt_probe` (online calibration's traffic check, `planner.traffic.prompt_shift`) the prefill also
+scores how surprising each prompt is to the target: the mean negative log-likelihood of its last
+`prompt_probe` tokens, from the logits of the rows that predict them, in a projection of their own (the rows
+that pick the first tokens are projected as they are without it, so no committed token can change).
+
 The engines that run a step together run each of them with the same rows and logit rows (`sync`: under
 DP attention the most of any DP rank's, `DPStepSync.agree_extend`): fewer are padded, and a DP rank with
 nothing to run pads an empty step, so that the forward's collectives meet their partners."""
@@ -28,6 +33,7 @@ class ExtendSteps:
         self.forward = forward
         self.eos_ids = eos_ids
         self.sync = sync
+        self.prompt_probe = 0  # a prompt's last tokens the prefill scores (0: none)
 
     def _forward(self, requests: list[Request], prefix: list[int], extend: list[int], ids: list[int],
                  rows: int, capture: tuple[int, ...] = ()
@@ -45,7 +51,8 @@ class ExtendSteps:
         batch = [c.request for c in chunks]
         complete = [i for i, c in enumerate(chunks) if c.request.prefilled + c.take == len(c.request.prompt)]
         real = sum(c.take for c in chunks)
-        rows, logit_rows = self.sync.agree_extend(real, len(complete))
+        probes = probe_rows(chunks, self.prompt_probe)
+        rows, logit_rows, probe_pad = self.sync.agree_extend(real, len(complete), len(probes))
         if not rows:
             return []
         ids = [t for c in chunks for t in c.request.prompt[c.request.prefilled:c.request.prefilled + c.take]]
@@ -57,6 +64,8 @@ class ExtendSteps:
                                              layout.page_table)
         for c in chunks:
             c.request.prefilled += c.take
+        if probe_pad:
+            self._score_probes(chunks, probes, layout, probe_pad)
         if not logit_rows:
             return []
         last = tuple(layout.host_qo_indptr[i + 1] - 1 for i in complete)  # each complete prompt's last row
@@ -71,6 +80,20 @@ class ExtendSteps:
             commit_tokens(r, [token], self.eos_ids)
         return ready
 
+    def _score_probes(self, chunks: list[PrefillChunk], probes: list[tuple[int, int, int]],
+                      layout: ExtendLayout, pad_to: int) -> None:
+        """Add each probed row's negative log-likelihood of the prompt token it predicts to its request."""
+        rows = tuple(layout.host_qo_indptr[chunk] + offset for chunk, offset, _ in probes)
+        self.sync.check("prompt probe rows", pad_to)
+        logits = self.forward.logits(LogitsForward(rows, pad_to)).float()
+        if not probes:
+            return
+        targets = torch.tensor([token for _, _, token in probes], device=logits.device)
+        nll = torch.logsumexp(logits, dim=-1) - logits.gather(1, targets[:, None]).squeeze(1)
+        for (chunk, _, _), value in zip(probes, nll.tolist(), strict=True):
+            chunks[chunk].request.probe_nll += value
+            chunks[chunk].request.probed += 1
+
     def decode(self, running: list[Request], stats: RunStats, with_draft: bool = False) -> StepInfo | None:
         """One target-only decode step: each request's root is run and the next token picked. With
         `with_draft` (speculation switched off for a while) the root also becomes draft context, so a
@@ -78,7 +101,7 @@ class ExtendSteps:
         step of the others)."""
         start = time.perf_counter()
         num_reqs = len(running)
-        rows, _ = self.sync.agree_extend(num_reqs, num_reqs)
+        rows, _, _ = self.sync.agree_extend(num_reqs, num_reqs, 0)
         if not rows:
             return None
         _, states, layout = self._forward(running, [r.seq_len for r in running], [1] * num_reqs,
@@ -101,3 +124,14 @@ class ExtendSteps:
         return StepInfo(num_reqs=num_reqs, committed=num_reqs, rows=num_reqs, planned_rows=num_reqs,
                         padding_rows=0, tier=num_reqs, budget=None, tau=None,
                         seconds=time.perf_counter() - start, speculating=False)
+
+
+def probe_rows(chunks: list[PrefillChunk], probe: int) -> list[tuple[int, int, int]]:
+    """(chunk, row in the chunk, the prompt token the row predicts) for every row of `chunks` that predicts
+    one of its prompt's last `probe` tokens (the prompt's own last row predicts a new token: never probed)."""
+    out = []
+    for i, c in enumerate(chunks):
+        prompt, done = c.request.prompt, c.request.prefilled
+        for position in range(max(done, len(prompt) - 1 - probe), min(done + c.take, len(prompt) - 1)):
+            out.append((i, position - done, prompt[position + 1]))
+    return out

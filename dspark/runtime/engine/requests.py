@@ -41,6 +41,13 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_new_tokens) or "abort"
     decode_steps: int = 0  # decode steps this request took part in
     seed: int | None = None  # what `generator` was seeded with (another DP rank's engine rebuilds it)
+    probe_nll: float = 0.0  # summed over the prompt's probed tokens (`ExtendSteps.prompt_probe`), nats
+    probed: int = 0
+
+    @property
+    def prompt_surprise(self) -> float | None:
+        """The mean negative log-likelihood of the prompt's probed tokens (None: none probed)."""
+        return self.probe_nll / self.probed if self.probed else None
 
 
 def reserved_tokens(r: Request, num_draft_tokens: int) -> int:

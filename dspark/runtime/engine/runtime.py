@@ -139,6 +139,7 @@ class Runtime:
             self.speculative.online = OnlineCalibrator(self.plan.gamma, self.plan.temperatures,
                                                        online_calibration,
                                                        survival_map=self.plan.survival_map)
+            self.extend.prompt_probe = online_calibration.prompt_probe
         if online_cost is not None:
             table = self.plan.table if isinstance(self.plan, AdaptiveVerifyPlan) else None
             if not isinstance(table, AdditiveCostTable):
@@ -367,8 +368,11 @@ class Runtime:
             t0 = time.perf_counter()
             ready = self.extend.prefill(sched.prefill_chunks(), with_draft=not self.target_only)
             stats.prefill_seconds += time.perf_counter() - t0
+            online = self.speculative.online
             for r in ready:
                 sched.start_decoding(r)
+                if online is not None and r.prompt_surprise is not None:
+                    online.prompt(r.prompt_surprise)
             touched.extend(ready)
         finished = sched.retire()
         if sched.running or dp:

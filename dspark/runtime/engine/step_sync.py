@@ -63,8 +63,9 @@ class StepSync(Protocol):
         requests of its own)."""
         ...
 
-    def agree_extend(self, rows: int, logit_rows: int) -> tuple[int, int]:
-        """The rows and logit rows every engine runs in an extend step."""
+    def agree_extend(self, rows: int, logit_rows: int, probe_rows: int) -> tuple[int, int, int]:
+        """The rows, logit rows and prompt-probe rows (`ExtendSteps.prefill`) every engine runs in an
+        extend step."""
         ...
 
     def agree_verify(self, report: VerifyReport, tiers: tuple[int, ...], uniform_rows: Callable[[int], int],
@@ -90,8 +91,8 @@ class LocalSync:
 
     spans_ranks = False
 
-    def agree_extend(self, rows: int, logit_rows: int) -> tuple[int, int]:
-        return rows, logit_rows
+    def agree_extend(self, rows: int, logit_rows: int, probe_rows: int) -> tuple[int, int, int]:
+        return rows, logit_rows, probe_rows
 
     def agree_verify(self, report: VerifyReport, tiers: tuple[int, ...], uniform_rows: Callable[[int], int],
                      fills_tier: bool) -> GlobalVerify:

@@ -23,18 +23,21 @@ change of traffic the checks cannot see by thousands of steps: 1,024 kept the pr
 the switches of benchmarks/calibration_drift.py, where 4,096 let it run to -2 to -3 %). The result goes to
 the step loop, which swaps it into its plan between steps (`poll`).
 
-A check looks at the most recent `drift_window` request-steps twice. Calibration: a position's cumulative
-ECE there, with the temperatures in use, is drift when it exceeds, by `drift_ece`, what perfectly calibrated
+A check looks three ways. Calibration: the most recent `drift_window` request-steps' cumulative ECE at a
+position, with the calibration in use, is drift when it exceeds, by `drift_ece`, what perfectly calibrated
 labels of the same scores would measure at the 99th percentile (a few hundred steps in 15 bins measure 0.03
 to 0.1 by noise alone: the threshold follows the noise of the window at hand, a request's labels moving
-together). Traffic: their mean confidence logit is drift when it lies more than `shift_z` standard errors
-from the other requests' in the window (`traffic_shift`; no labels needed). A calibration that is off by a
-few hundredths, as on text the pair never saw, moves no ECE of a few hundred steps beyond its noise, so the
-first check alone sees such a change thousands of steps late, if at all; the draft's own scores move as soon
-as the text does (a request's rows count once in the standard error: they are the same text a few tokens
-apart; and the older rows are weighted to the recent rows' ages, as a generation's scores move as it goes
-on). Drift is logged once as it starts; the window then forgets what came before the recent steps, so the
-refit follows the new traffic (the map takes the forgotten steps back until the new ones fill a window).
+together). Prompts: the newest prompts' surprise to the target (`prompt`, scored by the prefill) is drift
+when it lies more than `shift_z` standard errors from the prompts' before them (`traffic.prompt_shift`).
+Confidence: the recent steps' mean confidence logit is drift when it lies more than `shift_z` standard
+errors from the other requests' in the window (`traffic.traffic_shift`). A calibration that is off by a few
+hundredths, as on text the pair never saw, moves no ECE of a few hundred steps beyond its noise, and the
+draft's scores move by half a request's spread, which the few dozen requests a switch of traffic brings
+tell only at the edge of their noise; a prompt's surprise moves by two to three of its spreads, so a
+change of text is seen as soon as a few dozen new prompts are in (docs/results.md). Drift is logged once as
+it starts; the window then forgets what came before the recent steps (and the prompts before the newest),
+so the refit follows the new traffic (the map takes the forgotten steps back until the new ones fill a
+window).
 Temperatures only ever come from the grid, so no window (all accepted, all rejected, nothing known) can make
 one invalid.
 """
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 import threading
 from collections.abc import Sequence
@@ -58,6 +60,7 @@ from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.planner.calibration_metrics import bin_index, binned_ece
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
 from dspark.runtime.planner.survival_map import SurvivalMap, fit_survival_map
+from dspark.runtime.planner.traffic import PROMPT_RECENT, PromptWindow, prompt_shift, traffic_shift
 
 LOG = logging.getLogger("dspark.calibration")
 
@@ -182,66 +185,6 @@ def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: flo
     return ece, drift
 
 
-# Requests each side of the traffic check needs: its standard error counts requests, not rows.
-MIN_SHIFT_REQUESTS = 16
-# Older rows an age group needs before the recent rows of that age are compared with them.
-MIN_AGE_ROWS = 32
-AGE_GROUPS_PER_DOUBLING = 4
-
-
-def age_group(ages: np.ndarray) -> np.ndarray:
-    """Tokens a request had generated, in groups `AGE_GROUPS_PER_DOUBLING` to each doubling (a group is a
-    fifth of its age wide: a long generation's confidence drifts slowly, a short one's token by token)."""
-    doublings = np.log2(np.asarray(ages, dtype=np.float64) + 1.0)
-    return np.floor(AGE_GROUPS_PER_DOUBLING * doublings).astype(np.int64)
-
-
-def _clustered_mean(x: np.ndarray, requests: np.ndarray, weights: np.ndarray) -> tuple[float, float, int]:
-    """The weighted mean of `x`, its variance clustered by request (with the small-sample factor G/(G-1)),
-    and the number of requests G with weight."""
-    rows = weights > 0
-    x, requests, weights = x[rows], requests[rows], weights[rows]
-    if x.shape[0] == 0:
-        return 0.0, 0.0, 0
-    _, request = np.unique(requests, return_inverse=True)
-    clusters = int(request.max()) + 1
-    total = float(weights.sum())
-    mean = float((weights * x).sum()) / total
-    sums = np.bincount(request, weights=weights * (x - mean))
-    variance = float((sums ** 2).sum()) / total ** 2 * clusters / max(clusters - 1, 1)
-    return mean, variance, clusters
-
-
-def traffic_shift(level: np.ndarray, requests: np.ndarray, ages: np.ndarray, recent: int) -> float | None:
-    """How far the last `recent` rows' mean `level` (a row's mean confidence logit over draft positions) lies
-    from the older rows', in standard errors (negative: the recent traffic is harder to draft); `requests` and
-    `ages` (tokens generated) are the rows' own, oldest first.
-
-    The older side is the rows of other requests than the recent rows' (a request's own earlier rows are the
-    same text a few tokens younger: in a batch decoding in lockstep they made a T 0.8 run's in-distribution
-    traffic cross 5 standard errors; without them, 3), weighted to the recent rows' mix of ages (`age_group`;
-    recent rows of an age the older side holds fewer than `MIN_AGE_ROWS` of are left out): a request's
-    confidence moves as its generation goes on, so a batch of long generations started together would
-    otherwise look like new traffic at every start. Each side's variance is clustered by request, as a
-    request's rows move together; the sides share no request, so they are independent. None when the window
-    holds fewer than twice `recent` rows, or either side fewer than `MIN_SHIFT_REQUESTS` requests."""
-    n = level.shape[0]
-    if recent < 1 or n < 2 * recent:
-        return None
-    new = np.arange(n) >= n - recent
-    old = ~new & ~np.isin(requests, requests[new])
-    group = age_group(ages)
-    old_count = np.bincount(group[old], minlength=int(group.max()) + 1)
-    new_weight = np.where(new, old_count[group] >= MIN_AGE_ROWS, False).astype(np.float64)
-    new_count = np.bincount(group, weights=new_weight, minlength=old_count.shape[0])
-    old_weight = np.where(old, new_count[group] / np.maximum(old_count[group], 1), 0.0)
-    old_mean, old_var, old_clusters = _clustered_mean(level, requests, old_weight)
-    new_mean, new_var, new_clusters = _clustered_mean(level, requests, new_weight)
-    if min(old_clusters, new_clusters) < MIN_SHIFT_REQUESTS or old_var + new_var <= 0:
-        return None
-    return (new_mean - old_mean) / math.sqrt(old_var + new_var)
-
-
 def calibrated_ece_quantile(p: np.ndarray, num_bins: int, labels: np.ndarray | None = None,
                             requests: np.ndarray | None = None) -> float:
     """The 99th percentile of the binned ECE of labels drawn from `p` itself, without drawing them: a
@@ -306,7 +249,8 @@ class RefitResult:
     calibration: LiveCalibration | None  # None: a check that did not refit
     recent_ece: tuple[float | None, ...]  # of the temperatures in use before the check, on recent steps
     shift_z: float | None  # `traffic_shift` of the recent steps against the window's other requests
-    drift: str | None  # what the check saw drift in: "calibration", "traffic", or None
+    prompt_z: float | None  # `prompt_shift` of the newest prompts against those before them
+    drift: str | None  # what the check saw drift in: "calibration", "prompts", "traffic", or None
 
 
 class OnlineCalibrator:
@@ -332,6 +276,8 @@ class OnlineCalibrator:
         self.drift_cause: str | None = None  # what the current drift is in: "calibration" or "traffic"
         self.recent_ece: tuple[float | None, ...] = (None,) * gamma
         self.shift_z: float | None = None  # the last check's `traffic_shift`
+        self.prompts = PromptWindow()  # the served prompts' surprise to the target (`prompt`)
+        self.prompt_z: float | None = None  # the last check's `prompt_shift`
         self._since_refit = 0
         self._explore = random.Random(0)  # which steps explore: reproducible run to run
         self._lock = threading.Lock()
@@ -339,6 +285,11 @@ class OnlineCalibrator:
         self._result: RefitResult | None = None
 
     # -- on the step path: cheap --------------------------------------------------------------------------
+    def prompt(self, surprise: float) -> None:
+        """A prefilled prompt's surprise to the target: the mean negative log-likelihood (nats) of its last
+        `prompt_probe` tokens."""
+        self.prompts.add(surprise)
+
     def explores(self) -> bool:
         """Whether this step verifies every draft (the `exploration` share of steps): the planner verifies
         what its scores promise, so without these the low scores of later positions get no labels."""
@@ -367,7 +318,8 @@ class OnlineCalibrator:
             window = self.window  # copied here: the step thread adds to it while the check runs
             rows = window.recent() if refit else window.recent(self.settings.drift_window)
             # `forgotten` is replaced, never changed: the refit thread joins it to the rows, off the step path
-            snapshot = (rows, window.levels(), refit, self.calibration, window.forgotten if refit else None)
+            snapshot = (rows, window.levels(), self.prompts.recent(), refit, self.calibration,
+                        window.forgotten if refit else None)
             if self.background:
                 self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
                                                 name="dspark-online-calibration")
@@ -399,6 +351,12 @@ class OnlineCalibrator:
                 LOG.warning("online calibration: drift: the last %d request-steps' cumulative ECE reaches "
                             "%.3f, above calibrated labels' noise by more than %.3f; refitting on them",
                             self.settings.drift_window, worst, self.settings.drift_ece)
+            elif result.drift == "prompts":
+                LOG.warning("online calibration: traffic shift: the last %d prompts are %.1f standard errors "
+                            "%s surprising to the target than those before them; refitting on the new "
+                            "traffic",
+                            PROMPT_RECENT, abs(result.prompt_z or 0.0),
+                            "less" if (result.prompt_z or 0.0) < 0 else "more")
             else:
                 LOG.warning("online calibration: traffic shift: the last %d request-steps' mean confidence "
                             "logit is %.1f standard errors %s the other requests' in the window; "
@@ -407,12 +365,13 @@ class OnlineCalibrator:
                             "below" if (result.shift_z or 0.0) < 0 else "above")
             with self._lock:
                 self.window.keep_recent(self.settings.drift_window)
+            self.prompts.keep_recent(PROMPT_RECENT)  # the traffic the next checks compare with is the new
             # The recent steps alone are too few to refit on (a few dozen requests' worth): the next check
             # waits until the window holds REFILL_AFTER_DRIFT times as many, all of the new traffic.
             self._refill = min(REFILL_AFTER_DRIFT * self.settings.drift_window, self.settings.window)
             self.drift_at = self.samples
         self.drift, self.drift_cause = result.drift is not None, result.drift
-        self.recent_ece, self.shift_z = result.recent_ece, result.shift_z
+        self.recent_ece, self.shift_z, self.prompt_z = result.recent_ece, result.shift_z, result.prompt_z
         if result.drift:
             self._refit_interval = self.settings.refit_every
         if result.calibration is None:
@@ -424,16 +383,18 @@ class OnlineCalibrator:
         return result.calibration
 
     # -- off the step path -----------------------------------------------------------------------------------
-    def _refit(self, window: Rows, levels: tuple[np.ndarray, np.ndarray, np.ndarray], refit: bool,
-               in_use: LiveCalibration, forgotten: Rows | None) -> None:
-        """A check of the last `drift_window` of `window` (all of it when not `refit`) and `levels`
-        (`LabelWindow.levels`), then, when `refit`, the refit: temperatures on `window`'s newest rows, the map
-        on a window's worth of them and, before them, the newest `forgotten` (`after_forgotten`)."""
+    def _refit(self, window: Rows, levels: tuple[np.ndarray, np.ndarray, np.ndarray], prompts: np.ndarray,
+               refit: bool, in_use: LiveCalibration, forgotten: Rows | None) -> None:
+        """A check of the last `drift_window` of `window` (all of it when not `refit`), `levels`
+        (`LabelWindow.levels`) and `prompts` (`PromptWindow.recent`), then, when `refit`, the refit:
+        temperatures on `window`'s newest rows, the map on a window's worth of them and, before them, the
+        newest `forgotten` (`after_forgotten`)."""
         s = self.settings
         recent = window[max(0, len(window) - s.drift_window):]
         recent_ece, miscalibrated = drifted(recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
-        shift_z = traffic_shift(*levels, s.drift_window)
+        shift_z, prompt_z = traffic_shift(*levels, s.drift_window), prompt_shift(prompts)
         drift = ("calibration" if miscalibrated
+                 else "prompts" if prompt_z is not None and abs(prompt_z) > s.shift_z
                  else "traffic" if shift_z is not None and abs(shift_z) > s.shift_z else None)
         if drift and not self.drift:
             refit = False  # the drift starts: `poll` forgets the older steps; the refit waits for new ones
@@ -451,7 +412,7 @@ class OnlineCalibrator:
                                                 previous=in_use.survival_map)
             fitted = LiveCalibration(temps, survival_map)
         with self._lock:
-            self._result = RefitResult(fitted, recent_ece, shift_z, drift)
+            self._result = RefitResult(fitted, recent_ece, shift_z, prompt_z, drift)
 
     def state(self) -> dict[str, Any]:
         """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under
@@ -466,6 +427,7 @@ class OnlineCalibrator:
         return {"calibration": calibration, "temperatures": list(calibration.temperatures),
                 "samples": self.samples, "refits": self.refits, "window": len(rows),
                 "window_ece": list(ece), "recent_ece": list(self.recent_ece), "shift_z": self.shift_z,
+                "prompt_z": self.prompt_z,
                 "drift": self.drift, "drift_cause": self.drift_cause, "drift_at": self.drift_at}
 
     def calibration_contents(self, dataset: str, policy: str | None,
@@ -484,7 +446,7 @@ class OnlineCalibrator:
     def calibration_file(self, dataset: str, policy: str | None) -> dict[str, Any]:
         """`calibration_contents` as JSON, with `state()`'s figures beside it under their own keys."""
         state = self.state()
+        figures = ("samples", "refits", "window_ece", "shift_z", "prompt_z", "drift", "drift_cause",
+                   "drift_at")
         return {**calibration_json(self.calibration_contents(dataset, policy, state)),
-                "samples": state["samples"], "refits": state["refits"], "window_ece": state["window_ece"],
-                "shift_z": state["shift_z"], "drift": state["drift"], "drift_cause": state["drift_cause"],
-                "drift_at": state["drift_at"]}
+                **{name: state[name] for name in figures}}

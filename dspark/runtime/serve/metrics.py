@@ -93,6 +93,9 @@ class ServingMetrics:
             self.calibration_shift = gauge("dspark_calibration_traffic_shift_z", "the recent steps' mean "
                                            "confidence logit against the window's other requests', in "
                                            "standard errors")
+            self.calibration_prompt_shift = gauge("dspark_calibration_prompt_shift_z", "the newest "
+                                                  "prompts' surprise to the target against the prompts' "
+                                                  "before them, in standard errors")
             by_position = [*names, "position"]
             self.calibration_temperature = Gauge("dspark_calibration_temperature", "the STS temperature in "
                                                  "use, by draft position", by_position, registry=r)
@@ -166,7 +169,9 @@ class ServingMetrics:
             self.calibration_samples.set(state["samples"])
             self.calibration_refits.set(state["refits"])
             self.calibration_drift.set(int(state["drift"]))
-            self.calibration_shift.set(float("nan") if state["shift_z"] is None else state["shift_z"])
+            for gauge, z in ((self.calibration_shift, state["shift_z"]),
+                             (self.calibration_prompt_shift, state["prompt_z"])):
+                gauge.set(float("nan") if z is None else z)
             for k, (t, e) in enumerate(zip(state["temperatures"], state["window_ece"], strict=True)):
                 self.calibration_temperature.labels(*self._labels, str(k)).set(t)
                 self.calibration_ece.labels(*self._labels, str(k)).set(float("nan") if e is None else e)
