@@ -133,6 +133,35 @@ def test_refits_back_off_while_the_traffic_holds_still_and_resume_on_drift(windo
     assert cal.refits - before >= 3 and close_on_grid(cal.temperatures[0], 0.4), cal.temperatures
 
 
+def test_scheduled_refits_take_at_most_their_share_of_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a refit that takes 0.1 s of CPU (a fake thread clock) at a share of 1 %: the next scheduled one waits
+    # 10 s of the wall clock, here 1,000 request-steps at 10 ms each, where the doubling alone would refit
+    # 1,024 request-steps apart only after four refits; a drift is refitted on at once
+    cpu, now = [0.0], [0.0]
+
+    def thread_time() -> float:
+        cpu[0] += 0.1  # read before and after a check: 0.1 s between
+        return cpu[0]
+
+    monkeypatch.setattr(time, "thread_time", thread_time)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150)
+    cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False, refit_share=0.01,
+                           clock=lambda: now[0])
+    gen = np.random.default_rng(13)
+    refitted_at = []
+    for _ in range(5000):
+        now[0] += 0.01
+        if stream(cal, 1, 2.0, gen, planned=False):
+            refitted_at.append(now[0])
+    gaps = np.diff(refitted_at)
+    assert len(refitted_at) >= 4 and gaps.min() >= 10.0, refitted_at
+    free = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False, refit_share=0.0)
+    assert len(stream(free, 5000, 2.0, np.random.default_rng(13), planned=False)) > len(refitted_at)
+    before = cal.refits
+    stream(cal, 2500, 0.4, gen, planned=False)  # no wall time passes: only the drift's refits run
+    assert cal.drift_at is not None and cal.refits > before
+
+
 def test_the_traffic_check_counts_requests_not_rows() -> None:
     # each request's rows share an offset (sd 1.5 against 0.5 within): 384 rows are 32 requests, not 384
     # independent draws (and the older 640, 53); a shift of 2 in the recent rows' mean is 6 standard errors

@@ -17,8 +17,9 @@ runs, a map refitted on 4,096 request-steps averaged 0.83 of the compiled file's
 after a drift, while the window holds less than a full window of the new traffic, the newest of the steps it
 forgot make up the rest: the temperatures follow the change, the map's shape needs the rows): at
 the first check, on drift, and otherwise at intervals that double from `refit_every` up to a quarter of
-`window`, at most `LONGEST_REFIT_INTERVAL`, while the traffic holds still (a refit costs tens of milliseconds
-of CPU that the steps would otherwise have; a stable calibration needs few, but one refitted rarely lags a
+`window`, at most `LONGEST_REFIT_INTERVAL`, while the traffic holds still, and no sooner after the last than
+its CPU time over `REFIT_SHARE` (a refit costs tens of milliseconds of CPU that the steps would otherwise
+have, more as the window fills; a stable calibration needs few, but one refitted rarely lags a
 change of traffic the checks cannot see by thousands of steps: 1,024 kept the predicted tau within 1 % through
 the switches of benchmarks/calibration_drift.py, where 4,096 let it run to -2 to -3 %). The result goes to
 the step loop, which swaps it into its plan between steps (`poll`).
@@ -48,7 +49,8 @@ import dataclasses
 import logging
 import random
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +167,12 @@ REFILL_AFTER_DRIFT = 4
 TEMPERATURE_ROWS = 4096
 # Labelled request-steps between refits at the most: longer lags a change of traffic neither check sees.
 LONGEST_REFIT_INTERVAL = 1024
+# The share of wall time the scheduled refits may take in the background: a refit that took d seconds of its
+# thread's CPU is followed by the next scheduled one no sooner than d / REFIT_SHARE later (the first refit and
+# those on drift are not held back). On a machine whose cores the step keeps busy, every millisecond of refit
+# is taken from the steps: refitting every 1,024 request-steps a map over a growing window (40 ms at 36,000
+# rows) cost 2.6 % of the decode rate at B = 64 on the 2-core CPU.
+REFIT_SHARE = 0.01
 
 
 def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: float, min_known: int
@@ -251,11 +259,16 @@ class RefitResult:
     shift_z: float | None  # `traffic_shift` of the recent steps against the window's other requests
     prompt_z: float | None  # `prompt_shift` of the newest prompts against those before them
     drift: str | None  # what the check saw drift in: "calibration", "prompts", "traffic", or None
+    refit_seconds: float = 0.0  # the refit's CPU time in its thread
 
 
 class OnlineCalibrator:
     def __init__(self, gamma: int, temperatures: Sequence[float] | None, settings: OnlineCalibrationSettings,
-                 *, survival_map: SurvivalMap | None = None, background: bool = True) -> None:
+                 *, survival_map: SurvivalMap | None = None, background: bool = True,
+                 refit_share: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        """`background` False: refit in the caller (tests, offline replays), where no step waits on it and
+        `refit_share` (the wall time's share the scheduled refits may take; default `REFIT_SHARE` in the
+        background, none in the caller) holds nothing back unless given; `clock` reads the wall time."""
         self.settings, self.gamma = settings, gamma
         temps = tuple(float(t) for t in temperatures) if temperatures else (1.0,) * gamma
         if len(temps) != gamma:
@@ -265,7 +278,10 @@ class OnlineCalibrator:
         self.calibration = LiveCalibration(temps, survival_map)
         self.window = LabelWindow(gamma, settings.window)
         self.grid = default_grid(settings.grid_points, settings.t_min, settings.t_max)
-        self.background = background  # False: refit in the caller (tests, offline replays)
+        self.background = background
+        self.refit_share = (REFIT_SHARE if background else 0.0) if refit_share is None else refit_share
+        self._clock = clock
+        self._refit_not_before = 0.0  # `clock` time before which no scheduled refit starts
         self.samples = 0  # labelled request-steps seen
         self.refits = 0
         self.drift = False
@@ -312,7 +328,8 @@ class OnlineCalibrator:
         refilled = not self.drift or self.window.size >= self._refill
         if self._since_refit >= self.settings.refit_every and self._thread is None and refilled:
             self._since_refit = 0
-            refit = self.refits == 0 or self._since_fit >= self._refit_interval or self.drift
+            scheduled = self._since_fit >= self._refit_interval and self._clock() >= self._refit_not_before
+            refit = self.refits == 0 or scheduled or self.drift
             if refit:
                 self._since_fit = 0
             window = self.window  # copied here: the step thread adds to it while the check runs
@@ -378,6 +395,8 @@ class OnlineCalibrator:
             return None
         if not result.drift:
             self._refit_interval = min(2 * self._refit_interval, self._longest_interval)
+        if self.refit_share > 0:
+            self._refit_not_before = self._clock() + result.refit_seconds / self.refit_share
         self.calibration = result.calibration
         self.refits += 1
         return result.calibration
@@ -398,7 +417,7 @@ class OnlineCalibrator:
                  else "traffic" if shift_z is not None and abs(shift_z) > s.shift_z else None)
         if drift and not self.drift:
             refit = False  # the drift starts: `poll` forgets the older steps; the refit waits for new ones
-        fitted = None
+        fitted, cpu = None, time.thread_time()
         if refit:
             newest = window[max(0, len(window) - TEMPERATURE_ROWS):]
             temps = fit_temperatures(newest.logits, newest.labels, self.grid, s.num_bins, known=newest.known,
@@ -412,7 +431,7 @@ class OnlineCalibrator:
                                                 previous=in_use.survival_map)
             fitted = LiveCalibration(temps, survival_map)
         with self._lock:
-            self._result = RefitResult(fitted, recent_ece, shift_z, prompt_z, drift)
+            self._result = RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, time.thread_time() - cpu)
 
     def state(self) -> dict[str, Any]:
         """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under

@@ -31,18 +31,16 @@ def age_group(ages: np.ndarray) -> np.ndarray:
     return np.floor(AGE_GROUPS_PER_DOUBLING * doublings).astype(np.int64)
 
 
-def _clustered_mean(x: np.ndarray, requests: np.ndarray, weights: np.ndarray) -> tuple[float, float, int]:
-    """The weighted mean of `x`, its variance clustered by request (with the small-sample factor G/(G-1)),
-    and the number of requests G with weight."""
-    rows = weights > 0
-    x, requests, weights = x[rows], requests[rows], weights[rows]
-    if x.shape[0] == 0:
-        return 0.0, 0.0, 0
-    _, request = np.unique(requests, return_inverse=True)
-    clusters = int(request.max()) + 1
+def _clustered_mean(x: np.ndarray, request: np.ndarray, weights: np.ndarray, requests: int
+                    ) -> tuple[float, float, int]:
+    """The weighted mean of `x`, its variance clustered by request (`request`: each row's, numbered from 0 to
+    `requests`; with the small-sample factor G/(G-1)), and the number of requests G with weight."""
     total = float(weights.sum())
+    if total <= 0:
+        return 0.0, 0.0, 0
     mean = float((weights * x).sum()) / total
-    sums = np.bincount(request, weights=weights * (x - mean))
+    sums = np.bincount(request, weights=weights * (x - mean), minlength=requests)
+    clusters = int(np.count_nonzero(np.bincount(request, weights=weights, minlength=requests)))
     variance = float((sums ** 2).sum()) / total ** 2 * clusters / max(clusters - 1, 1)
     return mean, variance, clusters
 
@@ -64,19 +62,20 @@ def traffic_shift(level: np.ndarray, requests: np.ndarray, ages: np.ndarray, rec
     if recent < 1 or n < 2 * recent:
         return None
     new = np.arange(n) >= n - recent
-    old = ~new & ~np.isin(requests, requests[new])
+    ids, request = np.unique(requests, return_inverse=True)  # one sort: a check runs every few steps
+    recent_request = np.zeros(ids.shape[0], dtype=bool)
+    recent_request[request[new]] = True
+    old = ~new & ~recent_request[request]
     group = age_group(ages)
     old_count = np.bincount(group[old], minlength=int(group.max()) + 1)
     new_weight = np.where(new, old_count[group] >= MIN_AGE_ROWS, False).astype(np.float64)
     new_count = np.bincount(group, weights=new_weight, minlength=old_count.shape[0])
     old_weight = np.where(old, new_count[group] / np.maximum(old_count[group], 1), 0.0)
-    old_mean, old_var, old_clusters = _clustered_mean(level, requests, old_weight)
-    new_mean, new_var, new_clusters = _clustered_mean(level, requests, new_weight)
+    old_mean, old_var, old_clusters = _clustered_mean(level, request, old_weight, ids.shape[0])
+    new_mean, new_var, new_clusters = _clustered_mean(level, request, new_weight, ids.shape[0])
     if min(old_clusters, new_clusters) < MIN_SHIFT_REQUESTS or old_var + new_var <= 0:
         return None
     return (new_mean - old_mean) / math.sqrt(old_var + new_var)
-
-
 
 
 # The newest prompts `prompt_shift` compares with those before them, and how many of those it needs.
