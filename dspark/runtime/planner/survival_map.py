@@ -112,18 +112,22 @@ def groups(s: np.ndarray, bins: int) -> np.ndarray:
     with fewer than min(`GROUP_ROWS`, n / `bins`) rows merged into its smaller neighbour until none is."""
     edges = np.unique(np.concatenate([np.quantile(s, np.linspace(0.0, 1.0, bins + 1)),
                                       np.linspace(0.0, 1.0, WIDTH_GROUPS + 1)]))
-    cuts = list(edges[(edges > s.min()) & (edges <= s.max())])  # interior: a group's rows lie below its cut
-    count = list(np.bincount(np.searchsorted(cuts, s, side="right"), minlength=len(cuts) + 1))
+    cuts = edges[(edges > s.min()) & (edges <= s.max())]  # interior: a group's rows lie below its cut
+    fine = np.searchsorted(cuts, s, side="right")  # the rows are placed once; merges renumber the groups
+    count = list(np.bincount(fine, minlength=cuts.shape[0] + 1))
+    first = list(range(cuts.shape[0] + 1))  # each group's first fine group
     least = min(GROUP_ROWS, s.shape[0] // bins)
-    while cuts:
+    while len(count) > 1:
         i = int(np.argmin(count))
         if count[i] >= least:
             break
         # merge group i with its smaller neighbour: drop the cut between them
-        j = i - 1 if i == len(cuts) or (i > 0 and count[i - 1] < count[i + 1]) else i
-        del cuts[j]
+        j = i - 1 if i == len(count) - 1 or (i > 0 and count[i - 1] < count[i + 1]) else i
         count[j:j + 2] = [count[j] + count[j + 1]]
-    return np.searchsorted(cuts, s, side="right")
+        del first[j + 1]
+    merged = np.zeros(cuts.shape[0] + 1, dtype=np.int64)
+    merged[first[1:]] = 1
+    return np.cumsum(merged)[fine]
 
 
 def fit_position(s: np.ndarray, y: np.ndarray, bins: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
