@@ -260,6 +260,7 @@ class RefitResult:
     prompt_z: float | None  # `prompt_shift` of the newest prompts against those before them
     drift: str | None  # what the check saw drift in: "calibration", "prompts", "traffic", or None
     refit_seconds: float = 0.0  # the refit's CPU time in its thread
+    cpu_seconds: float = 0.0  # the whole check's (and refit's) CPU time in its thread
 
 
 class OnlineCalibrator:
@@ -282,6 +283,8 @@ class OnlineCalibrator:
         self.refit_share = (REFIT_SHARE if background else 0.0) if refit_share is None else refit_share
         self._clock = clock
         self._refit_not_before = 0.0  # `clock` time before which no scheduled refit starts
+        self.step_seconds = 0.0  # wall time spent on the step path (observe, poll): the price to account
+        self.background_seconds = 0.0  # CPU time of the finished checks and refits
         self.samples = 0  # labelled request-steps seen
         self.refits = 0
         self.drift = False
@@ -315,6 +318,12 @@ class OnlineCalibrator:
                 requests: Sequence[int], ages: Sequence[int], include: Sequence[bool] | None = None) -> None:
         """A drafted step's requests (`requests`: their ids; `ages`: the tokens each had generated;
         `include`: those under the policy the temperatures are for)."""
+        start = time.perf_counter()
+        self._observe(conf_logits, raw_correct, run_lens, requests, ages, include)
+        self.step_seconds += time.perf_counter() - start
+
+    def _observe(self, conf_logits: torch.Tensor, raw_correct: Sequence[int], run_lens: Sequence[int],
+                 requests: Sequence[int], ages: Sequence[int], include: Sequence[bool] | None) -> None:
         logits = conf_logits.detach().to(torch.float64).cpu().numpy()
         labels, known = step_labels(raw_correct, run_lens, self.gamma)
         rows = Rows(logits, labels, known, *(np.asarray(v, dtype=np.int64) for v in (requests, ages)))
@@ -355,10 +364,18 @@ class OnlineCalibrator:
     def poll(self) -> LiveCalibration | None:
         """The refitted temperatures, once, when a refit has finished (to swap in between steps); a check
         without a refit updates the drift figures and returns None."""
+        start = time.perf_counter()
+        try:
+            return self._poll()
+        finally:
+            self.step_seconds += time.perf_counter() - start
+
+    def _poll(self) -> LiveCalibration | None:
         with self._lock:
             result, self._result = self._result, None
         if result is None:
             return None
+        self.background_seconds += result.cpu_seconds
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -408,7 +425,7 @@ class OnlineCalibrator:
         (`LabelWindow.levels`) and `prompts` (`PromptWindow.recent`), then, when `refit`, the refit:
         temperatures on `window`'s newest rows, the map on a window's worth of them and, before them, the
         newest `forgotten` (`after_forgotten`)."""
-        s = self.settings
+        s, started = self.settings, time.thread_time()
         recent = window[max(0, len(window) - s.drift_window):]
         recent_ece, miscalibrated = drifted(recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
         shift_z, prompt_z = traffic_shift(*levels, s.drift_window), prompt_shift(prompts)
@@ -431,7 +448,8 @@ class OnlineCalibrator:
                                                 previous=in_use.survival_map)
             fitted = LiveCalibration(temps, survival_map)
         with self._lock:
-            self._result = RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, time.thread_time() - cpu)
+            self._result = RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, time.thread_time() - cpu,
+                                       time.thread_time() - started)
 
     def state(self) -> dict[str, Any]:
         """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under
