@@ -486,6 +486,9 @@ def test_the_server_reports_its_live_calibration() -> None:
     assert re.search(r"dspark_calibration_samples\{[^}]*\} " + samples, metrics)
     assert 'dspark_calibration_temperature{deployment="tiny_cpu_compact",position="0"' in metrics
     assert all(f"dspark_calibration_{check}_shift_z{{" in metrics for check in ("traffic", "prompt"))
+    for name in ("step_seconds", "background_cpu_seconds"):  # its own time, accounted
+        seconds = re.search(rf"dspark_calibration_{name}\{{[^}}]*\}} (\S+)", metrics)
+        assert seconds is not None and float(seconds.group(1)) > 0, name
     assert live["drift_cause"] in (None, "calibration", "prompts", "traffic")
 
     plain = CompletionServer(Runtime(load_package(generated / "tiny_cpu_compact")))

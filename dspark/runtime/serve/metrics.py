@@ -93,6 +93,11 @@ class ServingMetrics:
             self.calibration_shift = gauge("dspark_calibration_traffic_shift_z", "the recent steps' mean "
                                            "confidence logit against the window's other requests', in "
                                            "standard errors")
+            self.calibration_step_seconds = gauge("dspark_calibration_step_seconds", "wall seconds online "
+                                                  "calibration has spent on the step path since start")
+            self.calibration_background_seconds = gauge("dspark_calibration_background_cpu_seconds", "CPU "
+                                                        "seconds of online calibration's finished checks "
+                                                        "and refits since start")
             self.calibration_prompt_shift = gauge("dspark_calibration_prompt_shift_z", "the newest "
                                                   "prompts' surprise to the target against the prompts' "
                                                   "before them, in standard errors")
@@ -168,6 +173,8 @@ class ServingMetrics:
             state = self.online.state()
             self.calibration_samples.set(state["samples"])
             self.calibration_refits.set(state["refits"])
+            self.calibration_step_seconds.set(self.online.step_seconds)
+            self.calibration_background_seconds.set(self.online.background_seconds)
             self.calibration_drift.set(int(state["drift"]))
             for gauge, z in ((self.calibration_shift, state["shift_z"]),
                              (self.calibration_prompt_shift, state["prompt_z"])):
