@@ -149,7 +149,6 @@ class LabelWindow:
         self.add(rows[max(0, len(rows) - n):])
 
 
-
 def after_forgotten(forgotten: Rows | None, rows: Rows, least: int) -> Rows:
     """`rows` (a copy of the window) after the newest `forgotten` rows, where it has fewer than `least`."""
     if forgotten is None or len(rows) >= least:
@@ -214,10 +213,10 @@ def calibrated_ece_quantile(p: np.ndarray, num_bins: int, labels: np.ndarray | N
         bin_mean = np.bincount(bins, weights=residual, minlength=num_bins) / np.maximum(count, 1)
         centred = residual - bin_mean[bins]
         _, request = np.unique(requests, return_inverse=True)
-        cell = bins * (int(request.max()) + 1) + request  # (bin, request)
-        cells, sums = np.unique(cell, return_inverse=True)
+        width = int(request.max()) + 1
+        cells, sums = np.unique(bins * width + request, return_inverse=True)  # (bin, request)
         per_cell = np.bincount(sums, weights=centred)
-        cell_bin = cells // (int(request.max()) + 1)
+        cell_bin = cells // width
         clusters = np.bincount(cell_bin, minlength=num_bins)
         clustered = np.bincount(cell_bin, weights=per_cell ** 2, minlength=num_bins)
         clustered *= clusters / np.maximum(clusters - 1, 1)
@@ -292,7 +291,7 @@ class OnlineCalibrator:
         self._refit_interval = settings.refit_every  # doubles up to `_longest_interval` between drifts
         self._since_fit = 0  # labelled request-steps since the last refit's snapshot
         self._refill = 0  # after a drift: the window size the next check waits for
-        self.drift_cause: str | None = None  # what the current drift is in: "calibration" or "traffic"
+        self.drift_cause: str | None = None  # what the current drift is in (`RefitResult.drift`)
         self.recent_ece: tuple[float | None, ...] = (None,) * gamma
         self.shift_z: float | None = None  # the last check's `traffic_shift`
         self.prompts = PromptWindow()  # the served prompts' surprise to the target (`prompt`)
@@ -447,9 +446,10 @@ class OnlineCalibrator:
                                                 max(s.min_known, MAP_ROWS_PER_BIN * s.map_bins),
                                                 previous=in_use.survival_map)
             fitted = LiveCalibration(temps, survival_map)
+        done = time.thread_time()
         with self._lock:
-            self._result = RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, time.thread_time() - cpu,
-                                       time.thread_time() - started)
+            self._result = RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, done - cpu,
+                                       done - started)
 
     def state(self) -> dict[str, Any]:
         """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under

@@ -107,9 +107,8 @@ class PromptWindow:
     def keep_recent(self, n: int) -> None:
         """Forget all but the last `n` prompts: after a drift the older side is the new traffic."""
         kept = self.recent(n)
-        self.size, self.next = 0, 0
-        for score in kept:
-            self.add(float(score))
+        self.scores[:kept.shape[0]] = kept
+        self.size, self.next = kept.shape[0], kept.shape[0] % self.capacity
 
 
 def prompt_shift(surprise: np.ndarray, recent: int = PROMPT_RECENT, older: int = PROMPT_OLDER
