@@ -16,15 +16,8 @@ equals target-only greedy decoding (it must).
 `--fixed-k 4,8` adds the last package run with every request verifying exactly k rows per step (as
 `dspark serve --fixed-verify-len k`), one runtime per k, to compare adaptive with every fixed length in
 the same interleaved rounds; "paired" then reads against the first of them.
-`--online-calibration` adds the last package run with online calibration on (its default settings, or
-`--refit-every N`): its paired ratio to the same package off is the price of observing every step and
-refitting in a background thread (docs/planner.md, "Online calibration"), and its prefill seconds against
-the same package's, paired, the price of scoring each prompt's last tokens for the traffic check; and the
-online calibration's own time, on the step path and in its background thread's CPU, against the decode
-seconds (what the paired ratio cannot resolve below the machine's noise).
-`--twin` adds a second runtime of the last package, off, before the online one: two runtimes of one build
-differ by a few per cent on a small machine (where their weights and buffers lie), so an A/A ratio measured
-in the same rounds tells how much of the online one's ratio is the machine's.
+Online calibration's price is `online_calibration_price.py`'s (its steps against steps without it, on one
+runtime: two runtimes of one build differ by more than that price on a small machine).
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ from typing import Any
 
 from bench_static import held_out_prompts
 
-from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.engine.stats import RunStats
 from dspark.runtime.package import load_package
@@ -78,14 +70,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fixed-k", default=None, metavar="K1,K2,...",
                         help="also the last package at each fixed verify length k, listed first")
-    parser.add_argument("--online-calibration", action="store_true",
-                        help="also the last package with online calibration on, listed last")
-    parser.add_argument("--refit-every", type=int, default=None, metavar="N",
-                        help="with --online-calibration: refit every N labelled request-steps")
-    parser.add_argument("--twin", action="store_true",
-                        help="also a second runtime of the last package, off, before the online one: its "
-                             "paired ratio is what two runtimes of one build differ by with nothing between "
-                             "them")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -94,14 +78,6 @@ def main() -> None:
     runtimes = [*(Runtime(last, fixed_verify_len=k) for k in fixed),
                 *(Runtime(load_package(p)) for p in args.packages)]
     names = [*(f"fixed-{k}" for k in fixed), *(rt.deployment.name for rt in runtimes[len(fixed):])]
-    if args.twin:
-        runtimes.append(Runtime(last))
-        names.append(f"{last.deployment.name}+twin")
-    if args.online_calibration:
-        settings = OnlineCalibrationSettings() if args.refit_every is None else OnlineCalibrationSettings(
-            refit_every=args.refit_every)
-        runtimes.append(Runtime(last, online_calibration=settings))
-        names.append(f"{last.deployment.name}+online")
     tokenizer = runtimes[0].package.tokenizer
     prompts = [tokenizer.encode(p) for p in held_out_prompts(args.prompts, args.prompt_chars)]
     reference, _ = runtimes[0].generate(prompts, args.max_new_tokens, target_only=True)
@@ -158,20 +134,6 @@ def main() -> None:
               f"{r['padding_rows_per_request_step']:>5.2f} {tau:>7} {act:>7} {r['lossless']}")
     print("decode = generated tokens / decode seconds; vs t-o = its ratio to target-only decoding; paired = "
           "median over rounds of decode tokens/s over the first package's in the same round")
-    if args.online_calibration:
-        online = runtimes[-1].speculative.online
-        assert online is not None
-        # the same package off (the one given, not its twin); the prompt probe's price is in the prefill
-        off_runs = stats[-3] if args.twin else stats[-2]
-        prefill = statistics.median(on.prefill_seconds / off.prefill_seconds
-                                    for on, off in zip(stats[-1], off_runs, strict=True))
-        # its own time against its runs' decode seconds (the untimed warm-up runs' share counted in)
-        decode = sum(run.decode_seconds for run in stats[-1])
-        print(f"online calibration: {online.refits} refits on {online.samples} labelled request-steps, "
-              f"drift {online.drift}, temperatures {[round(t, 3) for t in online.temperatures]}; "
-              f"prefill seconds on / off (prompt probe of {online.settings.prompt_probe} tokens), paired: "
-              f"{prefill:.3f}; its own time: {online.step_seconds / decode:.2%} of the decode seconds on the "
-              f"step path, {online.background_seconds / decode:.2%} in CPU of the background thread")
     print("rows = verify rows run per request-step (compact: planned rows only); pad = tier padding "
           "rows per request-step; tau / actual = predicted vs committed tokens per step (B summed)")
 

@@ -31,7 +31,8 @@ from dspark.runtime.planner.online_calibration import (
     OnlineCalibrator,
     Rows,
     after_forgotten,
-    calibrated_ece_quantile,
+    calibrated_ece_quantiles,
+    known_eces,
     step_labels,
 )
 from dspark.runtime.planner.sts import (
@@ -220,6 +221,30 @@ def test_the_traffic_check_compares_the_recent_requests_with_other_requests() ->
     assert traffic_shift(level, requests, ages, 384) < -4.5  # type: ignore[operator]
 
 
+def test_the_window_copies_its_last_rows_in_order_wherever_the_ring_stands() -> None:
+    window = LabelWindow(2, 8)
+    gen = np.random.default_rng(4)
+    everything: list[Rows] = []
+    for batch in (3, 5, 1, 7, 8, 2, 11):  # past the end of the ring, exactly to it, more than it holds
+        rows = Rows(gen.normal(size=(batch, 2)), gen.random((batch, 2)) < 0.5, gen.random((batch, 2)) < 0.5,
+                    gen.integers(0, 100, batch), gen.integers(0, 100, batch))
+        window.add(rows)
+        everything.append(rows)
+        seen = everything[0]
+        for later in everything[1:]:
+            seen = seen.then(later)
+        for n in (None, 0, 1, 4, 8, 20):
+            tail = seen[max(0, len(seen) - (8 if n is None else min(n, 8))):]
+            got = window.recent(n)
+            for field in dataclasses.fields(Rows):
+                assert np.array_equal(getattr(got, field.name), getattr(tail, field.name)), (batch, n)
+            level, requests, ages = window.levels(n)
+            assert np.array_equal(level, tail.logits.mean(axis=1)) and np.array_equal(requests, tail.requests)
+            assert np.array_equal(ages, tail.ages)
+    got.logits[:] = np.nan  # a copy: the window's rows are its own
+    assert np.isfinite(window.recent().logits).all()
+
+
 def test_the_window_keeps_what_a_drift_forgot_for_the_map() -> None:
     window = LabelWindow(1, 8)
     rows = Rows(np.arange(12.0)[:, None], np.zeros((12, 1), bool), np.ones((12, 1), bool), np.arange(12),
@@ -343,7 +368,7 @@ def test_the_drift_checks_noise_quantile_is_the_monte_carlo_one() -> None:
     for n in (200, 400, 2000):
         p = 1 / (1 + np.exp(-gen.normal(0.8, 1.5, n)))
         monte_carlo = float(np.quantile(binned_eces(p, gen.random((4000, n)) < p, 15), 0.99))
-        assert abs(calibrated_ece_quantile(p, 15) / monte_carlo - 1) < 0.08, (n, monte_carlo)
+        assert abs(quantile(p, 15) / monte_carlo - 1) < 0.08, (n, monte_carlo)
 
 
 def test_the_out_of_distribution_prompts_come_in_two_parts_with_no_file_in_common() -> None:
@@ -414,6 +439,33 @@ def test_the_background_refit_is_handed_over_between_steps() -> None:
         assert time.monotonic() < deadline, "the background refit never finished"
         time.sleep(0.01)
     assert new == cal.calibration and cal.refits == 1 and cal.state()["samples"] == 256
+
+
+def test_a_failed_check_is_logged_and_the_next_one_runs(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    settings = OnlineCalibrationSettings(window=1024, refit_every=64, min_known=32, drift_window=64)
+    cal = OnlineCalibrator(GAMMA, None, settings)
+    gen = np.random.default_rng(3)
+
+    def fails(*args: object) -> None:
+        raise RuntimeError("a check that fails")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cal, "_check", fails)
+        stream(cal, 64, 2.0, gen, planned=False)
+        deadline = time.monotonic() + 30
+        with caplog.at_level(logging.ERROR, logger="dspark.calibration"):
+            while "a check failed" not in caplog.text:
+                assert time.monotonic() < deadline, "the failed check was never reported"
+                assert cal.poll() is None  # the calibration in use stays
+                time.sleep(0.01)
+    assert cal.calibration.temperatures == (1.0,) * GAMMA and cal.refits == 0
+    stream(cal, 64, 2.0, gen, planned=False)  # the next check runs, on the same worker thread
+    deadline = time.monotonic() + 30
+    while cal.poll() is None:
+        assert time.monotonic() < deadline, "the next check never finished"
+        time.sleep(0.01)
+    assert cal.refits == 1
 
 
 def test_settings_are_checked() -> None:
@@ -580,11 +632,14 @@ def test_exploration_verifies_every_draft_on_its_share_of_steps() -> None:
     prompts = [package.tokenizer.encode(p) for p in held_out_prompts(6)]
     known_last, rows = {}, {}
     for share in (0.0, 0.5):
-        settings = OnlineCalibrationSettings(window=4096, refit_every=4096, exploration=share)
+        settings = OnlineCalibrationSettings(window=4096, refit_every=32, exploration=share)
         runtime = Runtime(package, online_calibration=settings)
         got, stats = runtime.generate(prompts, 48)
         assert got == runtime.generate(prompts, 48, target_only=True)[0]  # lossless either way
-        window = runtime.speculative.online.window
+        online = runtime.speculative.online
+        assert online is not None
+        online.settle()  # the window holds the rows up to the last check's start
+        window = online.window
         known_last[share] = int(window.rows.known[:window.size, -1].sum())
         rows[share] = stats.verify_rows / stats.request_steps
     # the last position is labelled only where every draft ran: exploration supplies those labels, at the
@@ -621,8 +676,31 @@ def test_the_drift_checks_noise_quantile_counts_a_request_s_labels_once() -> Non
         return gen.random((n, 32))[:, requests] < p
 
     monte_carlo = float(np.quantile(binned_eces(p, draw(4000), 15), 0.99))
-    clustered = np.median([calibrated_ece_quantile(p, 15, y, requests) for y in draw(40)])
-    assert calibrated_ece_quantile(p, 15) < 0.5 * monte_carlo
+    clustered = np.median([quantile(p, 15, y, requests) for y in draw(40)])
+    assert quantile(p, 15) < 0.5 * monte_carlo
     assert 0.7 * monte_carlo < clustered < 1.1 * monte_carlo, (clustered, monte_carlo)
-    independent = [calibrated_ece_quantile(p, 15, y, requests) for y in gen.random((40, p.shape[0])) < p]
-    assert 1.0 <= np.median(independent) / calibrated_ece_quantile(p, 15) < 1.15
+    independent = [quantile(p, 15, y, requests) for y in gen.random((40, p.shape[0])) < p]
+    assert 1.0 <= np.median(independent) / quantile(p, 15) < 1.15
+
+
+def quantile(p: np.ndarray, num_bins: int, labels: np.ndarray | None = None,
+             requests: np.ndarray | None = None) -> float:
+    """`calibrated_ece_quantiles` of one position's scores."""
+    return float(calibrated_ece_quantiles(p[:, None], num_bins, None if labels is None else labels[:, None],
+                                          None, requests)[0])
+
+
+def test_every_position_s_ece_and_noise_quantile_at_once_are_each_position_s_alone() -> None:
+    gen = np.random.default_rng(9)
+    requests = np.repeat(gen.permutation(1000)[:40], 10)  # 40 requests, ids neither small nor in order
+    s = cumulative_survival(gen.normal(0.8, 1.5, (400, 5)), [1.0] * 5)
+    labels, known = gen.random(s.shape) < s, gen.random(s.shape) < 0.7
+    known[:, 4] = False  # a position without a known label
+    ece = known_eces(s, labels, known, 15, min_known=1)
+    noise = calibrated_ece_quantiles(s, 15, labels, known, requests)
+    for k in range(4):
+        rows = known[:, k]
+        assert ece[k] == binned_ece(s[rows, k], labels[rows, k], 15)  # the bits
+        assert noise[k] == pytest.approx(quantile(s[rows, k], 15, labels[rows, k], requests[rows]), rel=1e-12)
+    assert ece[4] is None and noise[4] == 0.0
+    assert known_eces(s, labels, known, 15, min_known=300)[0] is None  # fewer known than asked for

@@ -139,7 +139,8 @@ class SpeculativeStep:
             if self.recorder is not None or self.online is not None:
                 # the uncapped match over the rows that ran: exact labels wherever a draft was verified
                 raw_correct = greedy_accept(drafts, pred, torch.full_like(layout.verify_lens, n)).correct_len
-                accept_prob = (drafts == pred[:, :-1]).float()
+                if self.recorder is not None:
+                    accept_prob = (drafts == pred[:, :-1]).float()
         else:
             p_probs = warp_rows(layout.unpack(logits).view(num_reqs, n, -1), batch)
             verdict = rejection_accept(drafts, warp_rows(proposal.logits, batch), p_probs, layout.verify_lens,

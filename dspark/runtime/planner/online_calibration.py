@@ -9,7 +9,9 @@ later draft was reached, but taking those labels where the draft was not verifie
 outcome: the rows that failed early, never those that would have gone on.)
 
 `OnlineCalibrator` keeps the last `window` labelled request-steps (rows with non-finite logits dropped) and
-every `refit_every` of them checks, in a background thread, the calibration in use for drift. It refits the
+every `refit_every` of them checks, in a background thread, the calibration in use for drift. A step only
+hands its rows over as they are (`Observed`): the check labels them and adds them to the window in its own
+thread (labelling and adding them a step took 1 % of a step's time at B = 4 on the 2-core CPU). It refits the
 temperatures (the shared STS fit, `sts.fit_temperatures`, by log loss, over each position's known labels in
 the newest `TEMPERATURE_ROWS`; a position with fewer than `min_known` keeps its temperature) and then the
 survival map on the whole window (its groups need the rows: replayed over four recorded out-of-distribution
@@ -31,8 +33,9 @@ to 0.1 by noise alone: the threshold follows the noise of the window at hand, a 
 together). Prompts: the newest prompts' surprise to the target (`prompt`, scored by the prefill) is drift
 when it lies more than `shift_z` standard errors from the prompts' before them (`traffic.prompt_shift`).
 Confidence: the recent steps' mean confidence logit is drift when it lies more than `shift_z` standard
-errors from the other requests' in the window (`traffic.traffic_shift`). A calibration that is off by a few
-hundredths, as on text the pair never saw, moves no ECE of a few hundred steps beyond its noise, and the
+errors from the other requests' in the window's newest `TRAFFIC_ROWS` (`traffic.traffic_shift`). A
+calibration that is off by a few hundredths, as on text the pair never saw, moves no ECE of a few hundred
+steps beyond its noise, and the
 draft's scores move by half a request's spread, which the few dozen requests a switch of traffic brings
 tell only at the edge of their noise; a prompt's surprise moves by two to three of its spreads, so a
 change of text is seen as soon as a few dozen new prompts are in (docs/results.md). Drift is logged once as
@@ -51,18 +54,25 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from dspark.formats.sts_calibration import CalibrationFileContents, calibration_json
 from dspark.runtime.config import OnlineCalibrationSettings
-from dspark.runtime.planner.calibration_metrics import bin_index, binned_ece
+from dspark.runtime.planner.calibration_metrics import bin_index
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
 from dspark.runtime.planner.survival_map import SurvivalMap, fit_survival_map
-from dspark.runtime.planner.traffic import PROMPT_RECENT, PromptWindow, prompt_shift, traffic_shift
+from dspark.runtime.planner.traffic import (
+    PROMPT_RECENT,
+    TRAFFIC_ROWS,
+    PromptWindow,
+    prompt_shift,
+    traffic_shift,
+)
 
 LOG = logging.getLogger("dspark.calibration")
 
@@ -100,6 +110,34 @@ class Rows:
                       for f in dataclasses.fields(self)))
 
 
+class Observed(NamedTuple):
+    """A drafted step's request-steps as `OnlineCalibrator.observe` took them: the next check labels them
+    and adds them to the window in its own thread."""
+
+    logits: np.ndarray  # [B, gamma] float64
+    raw_correct: Sequence[int]
+    run_lens: Sequence[int]
+    requests: Sequence[int]
+    ages: Sequence[int]
+    counted: np.ndarray | None  # [B] bool: the rows that enter the window (None: all of them)
+
+
+def observed_rows(inbox: Sequence[Observed], gamma: int) -> Rows:
+    """The counted rows of `inbox`, labelled (`step_labels`), in order."""
+    if not inbox:
+        return Rows(np.zeros((0, gamma)), np.zeros((0, gamma), dtype=bool), np.zeros((0, gamma), dtype=bool),
+                    np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    labels, known = step_labels([c for o in inbox for c in o.raw_correct],
+                                [n for o in inbox for n in o.run_lens], gamma)
+    rows = Rows(np.concatenate([o.logits for o in inbox]), labels, known,
+                *(np.array([v for o in inbox for v in getattr(o, name)], dtype=np.int64)
+                  for name in ("requests", "ages")))
+    if all(o.counted is None for o in inbox):
+        return rows
+    return rows[np.concatenate([np.ones(o.logits.shape[0], dtype=bool) if o.counted is None else o.counted
+                                for o in inbox])]
+
+
 class LabelWindow:
     """The last `capacity` labelled request-steps (`Rows`), in a ring."""
 
@@ -113,30 +151,41 @@ class LabelWindow:
 
     def add(self, rows: Rows) -> int:
         """Append the rows with finite logits (the oldest fall out); returns how many were kept."""
-        finite = rows[np.isfinite(rows.logits).all(1)]
+        finite_rows = np.isfinite(rows.logits).all(1)
+        finite = rows if finite_rows.all() else rows[finite_rows]
         kept = len(finite)
         newest = finite[max(0, kept - self.capacity):]  # more than fit: only the newest stay
-        at = (self.next + np.arange(kept - len(newest), kept)) % self.capacity
+        start = (self.next + kept - len(newest)) % self.capacity
         for field in dataclasses.fields(Rows):
-            getattr(self.rows, field.name)[at] = getattr(newest, field.name)
-        self.level[at] = newest.logits.mean(axis=1)
+            self._put(getattr(self.rows, field.name), start, getattr(newest, field.name))
+        self._put(self.level, start, newest.logits.mean(axis=1))
         self.next = (self.next + kept) % self.capacity
         self.size = min(self.size + kept, self.capacity)
         return kept
 
     def recent(self, n: int | None = None) -> Rows:
         """A copy of the last `n` rows (all when None), oldest first."""
-        return self.rows[self._order(n)]
+        return Rows(*(self._last(getattr(self.rows, field.name), n) for field in dataclasses.fields(Rows)))
 
-    def levels(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Copies of every row's mean logit, request and age, oldest first (a few hundred KB where
-        `recent()` copies megabytes: the step path takes these at every check)."""
-        order = self._order(None)
-        return self.level[order], self.rows.requests[order], self.rows.ages[order]
+    def levels(self, n: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Copies of the last `n` rows' (all when None) mean logit, request and age, oldest first (a few
+        hundred KB where `recent()` copies megabytes: every check takes these)."""
+        return self._last(self.level, n), self._last(self.rows.requests, n), self._last(self.rows.ages, n)
 
-    def _order(self, n: int | None) -> np.ndarray:
+    def _put(self, array: np.ndarray, start: int, values: np.ndarray) -> None:
+        """`values` (at most `capacity`) into the ring `array` from `start` on, wrapping at its end."""
+        first = min(values.shape[0], self.capacity - start)
+        array[start:start + first] = values[:first]
+        array[:values.shape[0] - first] = values[first:]
+
+    def _last(self, array: np.ndarray, n: int | None) -> np.ndarray:
+        """A copy of the ring `array`'s last `n` entries (all when None), oldest first: one or two slices
+        (a gather of a full window's indices took 2 ms)."""
         n = self.size if n is None else min(n, self.size)
-        return (self.next - n + np.arange(n)) % self.capacity
+        start = (self.next - n) % self.capacity
+        if start + n <= self.capacity:
+            return array[start:start + n].copy()
+        return np.concatenate([array[start:], array[:self.next]])
 
     def keep_recent(self, n: int) -> None:
         """Forget all but the last `n` rows (kept aside in `forgotten` for `after_forgotten`)."""
@@ -178,66 +227,85 @@ def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: flo
             ) -> tuple[tuple[float | None, ...], bool]:
     """The rows' per-position cumulative ECE, and whether some position's exceeds, by `margin`, the 99th
     percentile of the ECE that perfectly calibrated labels, moving together within a request as these do,
-    would measure (`calibrated_ece_quantile`)."""
-    ece = windowed_ece(rows.logits, rows.labels, rows.known, calibration, num_bins, min_known)
+    would measure (`calibrated_ece_quantiles`)."""
+    s = calibration.survival(rows.logits)
+    ece = known_eces(s, rows.labels, rows.known, num_bins, min_known)
     if all(e is None for e in ece):
         return ece, False
-    s = calibration.survival(rows.logits)
-    drift = False
-    for k, observed in enumerate(ece):
-        if observed is not None:
-            known = rows.known[:, k]
-            drift |= observed > margin + calibrated_ece_quantile(
-                s[known, k], num_bins, rows.labels[known, k], rows.requests[known])
-    return ece, drift
+    noise = calibrated_ece_quantiles(s, num_bins, rows.labels, rows.known, rows.requests)
+    return ece, any(e is not None and e > margin + q for e, q in zip(ece, noise.tolist(), strict=True))
 
 
-def calibrated_ece_quantile(p: np.ndarray, num_bins: int, labels: np.ndarray | None = None,
-                            requests: np.ndarray | None = None) -> float:
-    """The 99th percentile of the binned ECE of labels drawn from `p` itself, without drawing them: a
-    bin's |sum of labels - sum of p| is about half-normal with the bin's variance V, so the ECE is a sum of
-    half-normals (mean sum sqrt(2V/pi) / n, variance sum V(1 - 2/pi) / n^2), taken as normal. Within a few per
-    cent of a Monte Carlo's on a few hundred rows or more (tested), in microseconds: a check runs every
-    `refit_every` request-steps beside the step.
+def _known_cells(s: np.ndarray, known: np.ndarray, num_bins: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The known entries of `s [n, k]`, position by position and each position's rows in order: their rows,
+    positions, and (position, bin) cells numbered from 0 to k * num_bins."""
+    position, row = np.nonzero(known.T)
+    return row, position, position * num_bins + bin_index(s[row, position], num_bins)
 
-    V is sum p(1-p) for labels drawn one by one. With the rows' `labels` and `requests`, V is at least the
-    bin's variance clustered by request (its residuals y - p, centred on the bin's mean, summed per request,
-    squared and summed): a drift window of a few hundred request-steps is a few dozen requests a dozen steps
-    each, whose labels move together, and the binomial V alone put ECEs that stationary traffic measures
-    past the threshold every few thousand steps (each such false drift throws the window away)."""
-    bins = bin_index(p, num_bins)
-    variance = np.bincount(bins, weights=p * (1.0 - p), minlength=num_bins)
+
+def calibrated_ece_quantiles(s: np.ndarray, num_bins: int, labels: np.ndarray | None = None,
+                             known: np.ndarray | None = None, requests: np.ndarray | None = None
+                             ) -> np.ndarray:
+    """Per position of `s [n, k]`, over its rows `known` marks (all when None), the 99th percentile of the
+    binned ECE of labels drawn from `s` itself, without drawing them: a bin's |sum of labels - sum of p| is
+    about half-normal with the bin's variance V, so the ECE is a sum of half-normals (mean sum sqrt(2V/pi) /
+    n, variance sum V(1 - 2/pi) / n^2), taken as normal. Within a few per cent of a Monte Carlo's on a few
+    hundred rows or more (tested), in a fraction of a millisecond for every position at once: a check runs
+    every `refit_every` request-steps beside the step.
+
+    V is sum p(1-p) for labels drawn one by one. With the rows' `labels [n, k]` and `requests [n]`, V is at
+    least the bin's variance clustered by request (its residuals y - p, centred on the bin's mean, summed per
+    request, squared and summed): a drift window of a few hundred request-steps is a few dozen requests a
+    dozen steps each, whose labels move together, and the binomial V alone put ECEs that stationary traffic
+    measures past the threshold every few thousand steps (each such false drift throws the window away)."""
+    n, gamma = s.shape
+    known = np.ones((n, gamma), dtype=bool) if known is None else known
+    row, position, cell = _known_cells(s, known, num_bins)
+    p, cells = s[row, position], gamma * num_bins
+    variance = np.bincount(cell, weights=p * (1.0 - p), minlength=cells)
     if labels is not None and requests is not None and p.shape[0] > 0:
-        residual = labels.astype(np.float64) - p
-        count = np.bincount(bins, minlength=num_bins)
-        bin_mean = np.bincount(bins, weights=residual, minlength=num_bins) / np.maximum(count, 1)
-        centred = residual - bin_mean[bins]
+        residual = labels[row, position].astype(np.float64) - p
+        count = np.bincount(cell, minlength=cells)
+        bin_mean = np.bincount(cell, weights=residual, minlength=cells) / np.maximum(count, 1)
+        centred = residual - bin_mean[cell]
         _, request = np.unique(requests, return_inverse=True)
         width = int(request.max()) + 1
-        cells, sums = np.unique(bins * width + request, return_inverse=True)  # (bin, request)
-        per_cell = np.bincount(sums, weights=centred)
-        cell_bin = cells // width
-        clusters = np.bincount(cell_bin, minlength=num_bins)
-        clustered = np.bincount(cell_bin, weights=per_cell ** 2, minlength=num_bins)
-        clustered *= clusters / np.maximum(clusters - 1, 1)
+        by_request = cell * width + request[row]  # (position, bin, request)
+        sums = np.bincount(by_request, weights=centred, minlength=cells * width).reshape(cells, width)
+        clusters = np.count_nonzero(np.bincount(by_request, minlength=cells * width).reshape(cells, width),
+                                    axis=1)
+        clustered = (sums ** 2).sum(axis=1) * clusters / np.maximum(clusters - 1, 1)
         variance = np.maximum(variance, np.where(clusters > 1, clustered, 0.0))
-    mean = float(np.sqrt(2.0 * variance / np.pi).sum()) / p.shape[0]
-    sd = float(np.sqrt((variance * (1.0 - 2.0 / np.pi)).sum())) / p.shape[0]
+    variance = variance.reshape(gamma, num_bins)
+    rows = np.maximum(known.sum(axis=0), 1)
+    mean = np.sqrt(2.0 * variance / np.pi).sum(axis=1) / rows
+    sd = np.sqrt((variance * (1.0 - 2.0 / np.pi)).sum(axis=1)) / rows
     return mean + 2.326 * sd  # the normal's 99th percentile
+
+
+def known_eces(s: np.ndarray, labels: np.ndarray, known: np.ndarray, num_bins: int, min_known: int = 1
+               ) -> tuple[float | None, ...]:
+    """Per position of the survival `s [n, k]`, the binned ECE over the rows whose label is known (None below
+    `min_known`): each the bits `binned_ece` gives on that position's known rows (the same per-bin order)."""
+    n, gamma = s.shape
+    row, position, cell = _known_cells(s, known, num_bins)
+    p = s[row, position]
+    sum_p = np.bincount(cell, weights=p, minlength=gamma * num_bins)
+    sum_y = np.bincount(cell, weights=labels[row, position].astype(np.float64), minlength=gamma * num_bins)
+    gaps = np.abs(sum_y - sum_p).reshape(gamma, num_bins).sum(axis=1)
+    counts = known.sum(axis=0)
+    return tuple(float(g / c) if c >= max(min_known, 1) else None
+                 for g, c in zip(gaps.tolist(), counts.tolist(), strict=True))
 
 
 def windowed_ece(logits: np.ndarray, labels: np.ndarray, known: np.ndarray, calibration: LiveCalibration,
                  num_bins: int, min_known: int = 1) -> tuple[float | None, ...]:
-    """Per position, the cumulative-survival ECE over the rows whose label is known (None below
-    `min_known`)."""
+    """Per position, the cumulative-survival ECE of `calibration` over the rows whose label is known (None
+    below `min_known`)."""
     if logits.shape[0] == 0:
         return (None,) * len(calibration.temperatures)
-    s = calibration.survival(logits)
-    out: list[float | None] = []
-    for k in range(logits.shape[1]):
-        rows = known[:, k]
-        out.append(binned_ece(s[rows, k], labels[rows, k], num_bins) if rows.sum() >= min_known else None)
-    return tuple(out)
+    return known_eces(calibration.survival(logits), labels, known, num_bins, min_known)
 
 
 @dataclass(frozen=True)
@@ -298,9 +366,13 @@ class OnlineCalibrator:
         self.prompt_z: float | None = None  # the last check's `prompt_shift`
         self._since_refit = 0
         self._explore = random.Random(0)  # which steps explore: reproducible run to run
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._result: RefitResult | None = None
+        self._lock = threading.Lock()  # the window, between the check's thread and `state`'s callers
+        self._inbox: list[Observed] = []  # the steps' rows since the last check began, for the next
+        self._inbox_rows = 0
+        # One worker thread for every check, made on the first: starting a thread a check cost the step
+        # thread a third of a millisecond, waiting for the new thread to run.
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: Future[RefitResult] | None = None  # the check under way or done, not yet polled
 
     # -- on the step path: cheap --------------------------------------------------------------------------
     def prompt(self, surprise: float) -> None:
@@ -324,33 +396,41 @@ class OnlineCalibrator:
     def _observe(self, conf_logits: torch.Tensor, raw_correct: Sequence[int], run_lens: Sequence[int],
                  requests: Sequence[int], ages: Sequence[int], include: Sequence[bool] | None) -> None:
         logits = conf_logits.detach().to(torch.float64).cpu().numpy()
-        labels, known = step_labels(raw_correct, run_lens, self.gamma)
-        rows = Rows(logits, labels, known, *(np.asarray(v, dtype=np.int64) for v in (requests, ages)))
+        counted = np.isfinite(logits).all(axis=1)
         if include is not None:
-            rows = rows[np.asarray(include, dtype=bool)]
-        with self._lock:  # `state` reads the window from the server's thread
-            added = self.window.add(rows)
+            counted &= np.asarray(include, dtype=bool)
+        added = int(counted.sum())
+        if added:
+            self._inbox.append(Observed(logits, raw_correct, run_lens, requests, ages,
+                                        None if added == counted.shape[0] else counted))
         self.samples += added
         self._since_refit += added
         self._since_fit += added
-        refilled = not self.drift or self.window.size >= self._refill
-        if self._since_refit >= self.settings.refit_every and self._thread is None and refilled:
+        self._inbox_rows += added
+        # the window is read only while no check runs (the check adds to it)
+        if (self._since_refit >= self.settings.refit_every and self._pending is None
+                and (not self.drift or self.window.size + self._inbox_rows >= self._refill)):
             self._since_refit = 0
             scheduled = self._since_fit >= self._refit_interval and self._clock() >= self._refit_not_before
             refit = self.refits == 0 or scheduled or self.drift
             if refit:
                 self._since_fit = 0
-            window = self.window  # copied here: the step thread adds to it while the check runs
-            rows = window.recent() if refit else window.recent(self.settings.drift_window)
-            # `forgotten` is replaced, never changed: the refit thread joins it to the rows, off the step path
-            snapshot = (rows, window.levels(), self.prompts.recent(), refit, self.calibration,
-                        window.forgotten if refit else None)
+            inbox, self._inbox, self._inbox_rows = self._inbox, [], 0
+            check = (inbox, self.prompts.recent(), refit, self.calibration)
             if self.background:
-                self._thread = threading.Thread(target=self._refit, args=snapshot, daemon=True,
-                                                name="dspark-online-calibration")
-                self._thread.start()
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="dspark-online-calibration")
+                self._pending = self._worker.submit(self._check, *check)
             else:
-                self._refit(*snapshot)
+                result = self._check(*check)
+                self._pending = Future()
+                self._pending.set_result(result)
+
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait (at most `timeout` seconds) for the check under way, if any; `poll` hands it over as ever.
+        For measurements that must not let a check's work run into what they time next."""
+        if self._pending is not None:
+            wait([self._pending], timeout)
 
     @property
     def _longest_interval(self) -> int:
@@ -370,14 +450,16 @@ class OnlineCalibrator:
             self.step_seconds += time.perf_counter() - start
 
     def _poll(self) -> LiveCalibration | None:
-        with self._lock:
-            result, self._result = self._result, None
-        if result is None:
+        pending = self._pending
+        if pending is None or not pending.done():
+            return None
+        self._pending = None
+        try:
+            result = pending.result()
+        except Exception:  # a failed check leaves the calibration in use as it was; the next one runs
+            LOG.exception("online calibration: a check failed; the calibration in use stays")
             return None
         self.background_seconds += result.cpu_seconds
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
         if result.drift and not self.drift:
             if result.drift == "calibration":
                 worst = max((e for e in result.recent_ece if e is not None), default=0.0)
@@ -418,16 +500,20 @@ class OnlineCalibrator:
         return result.calibration
 
     # -- off the step path -----------------------------------------------------------------------------------
-    def _refit(self, window: Rows, levels: tuple[np.ndarray, np.ndarray, np.ndarray], prompts: np.ndarray,
-               refit: bool, in_use: LiveCalibration, forgotten: Rows | None) -> None:
-        """A check of the last `drift_window` of `window` (all of it when not `refit`), `levels`
-        (`LabelWindow.levels`) and `prompts` (`PromptWindow.recent`), then, when `refit`, the refit:
-        temperatures on `window`'s newest rows, the map on a window's worth of them and, before them, the
-        newest `forgotten` (`after_forgotten`)."""
+    def _check(self, inbox: list[Observed], prompts: np.ndarray, refit: bool, in_use: LiveCalibration
+               ) -> RefitResult:
+        """The steps' rows in `inbox` into the window; a check of its last `drift_window` rows, of its newest
+        `TRAFFIC_ROWS` (`traffic_shift`) and of `prompts` (`PromptWindow.recent`); then, when `refit`, the
+        refit: temperatures on the window's newest rows, the map on all of them and, before them, the newest
+        `forgotten` (`after_forgotten`). Only this thread changes the window while a check runs (the step
+        thread fills the inbox, and `poll` forgets on drift once the check is done)."""
         s, started = self.settings, time.thread_time()
-        recent = window[max(0, len(window) - s.drift_window):]
+        window = self.window
+        with self._lock:  # `state` reads the window from the server's thread
+            window.add(observed_rows(inbox, self.gamma))
+        recent = window.recent(s.drift_window)
         recent_ece, miscalibrated = drifted(recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
-        shift_z, prompt_z = traffic_shift(*levels, s.drift_window), prompt_shift(prompts)
+        shift_z, prompt_z = traffic_shift(*window.levels(TRAFFIC_ROWS), s.drift_window), prompt_shift(prompts)
         drift = ("calibration" if miscalibrated
                  else "prompts" if prompt_z is not None and abs(prompt_z) > s.shift_z
                  else "traffic" if shift_z is not None and abs(shift_z) > s.shift_z else None)
@@ -435,26 +521,25 @@ class OnlineCalibrator:
             refit = False  # the drift starts: `poll` forgets the older steps; the refit waits for new ones
         fitted, cpu = None, time.thread_time()
         if refit:
-            newest = window[max(0, len(window) - TEMPERATURE_ROWS):]
+            newest = window.recent(TEMPERATURE_ROWS)
             temps = fit_temperatures(newest.logits, newest.labels, self.grid, s.num_bins, known=newest.known,
                                      previous=in_use.temperatures, min_known=s.min_known, objective="nll")
             survival_map = None
             if s.map_bins:
-                map_rows = after_forgotten(forgotten, window, s.window)
+                map_rows = after_forgotten(window.forgotten, window.recent(), s.window)
                 survival_map = fit_survival_map(cumulative_survival(map_rows.logits, temps), map_rows.labels,
                                                 map_rows.known, s.map_bins,
                                                 max(s.min_known, MAP_ROWS_PER_BIN * s.map_bins),
                                                 previous=in_use.survival_map)
             fitted = LiveCalibration(temps, survival_map)
         done = time.thread_time()
-        with self._lock:
-            self._result = RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, done - cpu,
-                                       done - started)
+        return RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, done - cpu, done - started)
 
     def state(self) -> dict[str, Any]:
         """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under
         `temperatures`), request-steps labelled since start, refits, the window's size and per-position
-        cumulative ECE with that calibration (None below `min_known` known labels), the recent steps' ECE at
+        cumulative ECE with that calibration (None below `min_known` known labels; the window as of the
+        last check, which adds the steps since the one before), the recent steps' ECE at
         the last check, whether they had drifted, and at which request-step the drift was detected."""
         with self._lock:
             rows = self.window.recent()

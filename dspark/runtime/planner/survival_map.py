@@ -72,8 +72,9 @@ class SurvivalMap:
         s = np.asarray(survival, dtype=np.float64)
         k = s.shape[1]
         out = np.empty_like(s)
+        knots_x, knots_y = _knot_arrays(self)
         for j in range(k):
-            xs, ys = np.asarray(self.x[j]), np.asarray(self.y[j])
+            xs, ys = knots_x[j], knots_y[j]
             i = np.clip(np.searchsorted(xs, s[:, j], side="right") - 1, 0, xs.shape[0] - 2)
             x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
             span = x1 - x0
@@ -93,6 +94,13 @@ class SurvivalMap:
                         torch.zeros_like(s))
         out = (y0 + t.clamp(0.0, 1.0) * (y1 - y0)).transpose(0, 1)
         return torch.cummin(out, dim=1).values
+
+
+@functools.lru_cache(maxsize=16)
+def _knot_arrays(survival_map: SurvivalMap) -> tuple[np.ndarray, np.ndarray]:
+    """The knots as float64 arrays `[gamma, m]`, made once per map (every check of the online calibration
+    maps the window it scores with the map in use)."""
+    return np.asarray(survival_map.x, dtype=np.float64), np.asarray(survival_map.y, dtype=np.float64)
 
 
 @functools.lru_cache(maxsize=16)
