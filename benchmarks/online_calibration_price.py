@@ -1,20 +1,24 @@
 """What online calibration costs the decode: its steps against steps without it, in one run of one runtime.
 
-One runtime of the package with online calibration (its default settings), serving the same held-out
-prompts round after round. Its decode steps take turns among three arms, one step each, the first arm moved
-on by one every round: "on" (online calibration attached: every step observed, the checks and refits in
-their background thread, the live calibration planned with) and two "off" arms (detached: nothing observed,
-the compiled calibration planned with); the steps that prefill run attached (each prompt's surprise scored,
-as when serving: its price is the prefill's) and count in no arm. Each arm's decode tokens/s is its tokens
-over its steps' decode seconds, pooled over the rounds; the price is "on" over "off", and "off2" over "off"
-is an A/A control that shows what the same measurement makes of no difference at all. Where a check is
-still running as an "on" step hands over to an "off" one, the step waits for it and the wait counts as the
-"on" step's (more than it costs when it overlaps the next steps, never less).
+One runtime of the package with online calibration (its default settings), serving the same held-out prompts
+round after round. Its decode steps take turns among three arms, one step each: "on" (online calibration
+attached: every step observed, the checks and refits in their background thread, the live calibration planned
+with) and two "off" arms (detached: nothing observed, the compiled calibration planned with); the steps that
+prefill run attached (each prompt's surprise scored, as when serving: its price is the prefill's) and count in
+no arm. Each arm's decode tokens/s is its tokens over its steps' decode seconds, pooled over the rounds; the
+price is "on" over "off", and "off2" over "off" is an A/A control that shows what the same measurement makes
+of no difference at all. Six rounds make a block: the turns start one arm later each round and run the other
+way round every three, so that in a block every arm takes every step of a generation once, and follows each
+other arm as often (what a step leaves in the caches weighs on the next). Where a check is still running as an
+"on" step hands over to an "off" one, the step waits for it and the wait counts as the "on" step's (more than
+it costs when it overlaps the next steps, never less). The checks' and refits' budgets (`CHECK_SHARE` and
+`REFIT_SHARE` of the wall time) count a third of the wall time, as the "on" arm runs one step in three: its
+steps bear the background work of a server that runs it on every step.
 
 Why steps, not runs: a machine shared with other work changes speed from one run to the next by more than
 the price measured (two runtimes of one build, run after run in the same rounds, differed by 2.3 % on the
 2-core CPU, the same one by 2 to 7 % from round to round); steps that alternate see the same machine, the
-same batch and the same point of every generation. The interval is a bootstrap over rounds (2.5th to 97.5th
+same batch and the same point of every generation. The interval is a bootstrap over blocks (2.5th to 97.5th
 percentile of the pooled ratio). It also prints the online calibration's own time (on the step path, and its
 background thread's CPU) against the "on" steps' decode seconds, each arm's verify rows and commit per
 request-step, and whether every round's output equals target-only greedy decoding (it must: the arms share
@@ -41,6 +45,8 @@ from dspark.runtime.package import load_package
 from dspark.runtime.planner.online_calibration import OnlineCalibrator
 
 ARMS = ("on", "off", "off2")
+ORDERS = (ARMS, ("on", "off2", "off"))
+BLOCK = 3 * len(ORDERS)  # rounds: every start, each way round
 BOOTSTRAP = 4000
 
 
@@ -56,6 +62,9 @@ class OnlineToggle:
         self.probe = runtime.extend.prompt_probe
         self.live_plan = runtime.speculative.plan
         self.attached = True
+        # The checks' and refits' budgets are shares of the wall time; attached to one step in three, it is
+        # given a third of it, so that its steps bear the share of a server that runs it on every step.
+        online.clock = lambda: time.perf_counter() / len(ARMS)
 
     def attach(self, on: bool) -> None:
         step = self.runtime.speculative
@@ -86,20 +95,22 @@ class Round:
     arms: dict[str, Arm] = field(default_factory=lambda: {name: Arm() for name in ARMS})
 
 
-def serve_round(toggle: OnlineToggle, prompts: list[list[int]], max_new: int, first: int
+def serve_round(toggle: OnlineToggle, prompts: list[list[int]], max_new: int, index: int
                 ) -> tuple[Round, list[list[int]]]:
-    """The prompts stepped to completion, the arms taking turns a decode step each from `ARMS[first]`."""
+    """The prompts stepped to completion, the arms taking turns a decode step each: round `index` of a block
+    (see the module docstring)."""
+    order = ORDERS[index // 3 % len(ORDERS)]
     rt, online = toggle.runtime, toggle.online
     requests = [rt.new_request(p, max_new) for p in prompts]
     rt.stats = RunStats(gamma=rt.plan.gamma, requests=len(requests))
     rt.reset_switch()
     for r in requests:
         rt.enqueue(r)
-    result, turn = Round(), first
+    result, turn = Round(), index % 3
     while rt.has_work:
         # A step that prefills runs attached and counts in no arm: every prompt is scored, as when serving.
         prefills = bool(rt.scheduler.waiting or rt.scheduler.prefilling)
-        name = "on" if prefills else ARMS[turn % len(ARMS)]
+        name = "on" if prefills else order[turn % len(order)]
         arm = result.arms[name]
         if toggle.attached and name != "on":
             arm_on, start = result.arms["on"], time.perf_counter()
@@ -135,12 +146,15 @@ def pooled(rounds: list[Round], a: str, b: str) -> float:
 
 
 def interval(rounds: list[Round], a: str, b: str, seed: int = 0) -> tuple[float, float]:
-    """The bootstrap 95 % interval of `pooled(rounds, a, b)`, resampling rounds."""
+    """The bootstrap 95 % interval of `pooled(rounds, a, b)`, resampling blocks of `BLOCK` rounds."""
+    blocks = len(rounds) // BLOCK
+
     def sums(name: str, what: str) -> np.ndarray:
-        return np.array([getattr(r.arms[name], what) for r in rounds], dtype=np.float64)
+        per_round = np.array([getattr(r.arms[name], what) for r in rounds], dtype=np.float64)
+        return per_round[:blocks * BLOCK].reshape(blocks, BLOCK).sum(axis=1)
 
     tokens_a, seconds_a, tokens_b, seconds_b = (sums(n, w) for n in (a, b) for w in ("tokens", "seconds"))
-    picks = np.random.default_rng(seed).integers(0, len(rounds), (BOOTSTRAP, len(rounds)))
+    picks = np.random.default_rng(seed).integers(0, blocks, (BOOTSTRAP, blocks))
     ratios = ((tokens_a[picks].sum(1) / seconds_a[picks].sum(1))
               / (tokens_b[picks].sum(1) / seconds_b[picks].sum(1)))
     low, high = np.quantile(ratios, [0.025, 0.975])
@@ -148,8 +162,8 @@ def interval(rounds: list[Round], a: str, b: str, seed: int = 0) -> tuple[float,
 
 
 def report(rounds: list[Round], online: OnlineCalibrator, prompts: int, max_new: int, lossless: bool) -> None:
-    print(f"{prompts} held-out prompts x {max_new} tokens, {len(rounds)} rounds; decode steps take turns "
-          f"on / off / off2")
+    print(f"{prompts} held-out prompts x {max_new} tokens, {len(rounds)} rounds in blocks of {BLOCK}; decode "
+          f"steps take turns on / off / off2")
     for name in ARMS:
         arms = [r.arms[name] for r in rounds]
         steps, request_steps = sum(a.steps for a in arms), sum(a.request_steps for a in arms)
@@ -174,14 +188,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-chars", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=36)
+    parser.add_argument("--rounds", type=int, default=36, help=f"a multiple of {BLOCK}")
     args = parser.parse_args()
+    if args.rounds < 2 * BLOCK or args.rounds % BLOCK:
+        parser.error(f"--rounds must be a multiple of {BLOCK} (a block: every start, each way round), at "
+                     f"least {2 * BLOCK}")
 
     package = load_package(args.package)
     runtime = Runtime(package, online_calibration=OnlineCalibrationSettings())
-    toggle = OnlineToggle(runtime)
     prompts = [package.tokenizer.encode(p) for p in held_out_prompts(args.prompts, args.prompt_chars)]
     reference, _ = runtime.generate(prompts, args.max_new_tokens, target_only=True)
+    toggle = OnlineToggle(runtime)
     runtime.generate(prompts[:2], 8)  # warm up (first graph replays, allocator growth), attached
     rounds, lossless = [], True
     for i in range(args.rounds):

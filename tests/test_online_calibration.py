@@ -12,6 +12,7 @@ import math
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ from dspark.runtime.planner.sts import (
     grid_eces,
     grid_nlls,
 )
-from dspark.runtime.planner.traffic import PROMPT_RECENT, traffic_shift
+from dspark.runtime.planner.traffic import PROMPT_RECENT, number_requests, traffic_shift
 
 from .runtime_helpers import compile_on_and_off, spec_with
 
@@ -164,6 +165,48 @@ def test_scheduled_refits_take_at_most_their_share_of_wall_time(monkeypatch: pyt
     before = cal.refits
     stream(cal, 2500, 0.4, gen, planned=False)  # no wall time passes: only the drift's refits run
     assert cal.drift_at is not None and cal.refits > before
+
+
+def test_checks_take_at_most_their_share_of_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a check that takes 0.05 s of CPU (a fake thread clock) at a share of 1 %: the next waits 5 s of the wall
+    # clock, 500 request-steps at 10 ms each, where `refit_every` alone would check every 128
+    cpu, now = [0.0], [0.0]
+
+    def thread_time() -> float:
+        cpu[0] += 0.05  # from one read to the next: a check reads at its start, before a refit and at its end
+        return cpu[0]
+
+    monkeypatch.setattr(time, "thread_time", thread_time)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150)
+    checks = []
+    for share in (0.01, 0.0):
+        cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False, check_share=share,
+                               clock=lambda: now[0])
+        times: list[float] = []
+        check = cal._check
+
+        def timed(*args: Any, check: Any = check, times: list[float] = times) -> Any:
+            times.append(now[0])
+            return check(*args)
+
+        monkeypatch.setattr(cal, "_check", timed)
+        gen = np.random.default_rng(13)
+        for _ in range(5000):
+            now[0] += 0.01
+            stream(cal, 1, 2.0, gen, planned=False)
+        checks.append(times)
+    budgeted, free = checks
+    assert np.diff(budgeted).min() >= 5.0 - 1e-9 and len(budgeted) <= 11, budgeted  # 50 s of wall time
+    assert len(free) > 3 * len(budgeted) and np.diff(free).min() < 1.3 + 1e-9  # every 128 request-steps
+
+
+def test_request_numbers_are_np_unique_s_without_its_sort() -> None:
+    gen = np.random.default_rng(2)
+    for requests in (gen.integers(1000, 1100, 500), gen.permutation(10**9)[:300], np.array([7] * 5),
+                     np.zeros(0, dtype=np.int64)):
+        count, numbers = number_requests(requests)
+        ids, inverse = np.unique(requests, return_inverse=True)
+        assert count == ids.shape[0] and np.array_equal(numbers, inverse)
 
 
 def test_the_traffic_check_counts_requests_not_rows() -> None:

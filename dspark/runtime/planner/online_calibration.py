@@ -9,7 +9,8 @@ later draft was reached, but taking those labels where the draft was not verifie
 outcome: the rows that failed early, never those that would have gone on.)
 
 `OnlineCalibrator` keeps the last `window` labelled request-steps (rows with non-finite logits dropped) and
-every `refit_every` of them checks, in a background thread, the calibration in use for drift. A step only
+every `refit_every` of them (and no sooner after the last than its CPU time over `CHECK_SHARE`) checks, in a
+background thread, the calibration in use for drift. A step only
 hands its rows over as they are (`Observed`): the check labels them and adds them to the window in its own
 thread (labelling and adding them a step took 1 % of a step's time at B = 4 on the 2-core CPU). It refits the
 temperatures (the shared STS fit, `sts.fit_temperatures`, by log loss, over each position's known labels in
@@ -70,6 +71,7 @@ from dspark.runtime.planner.traffic import (
     PROMPT_RECENT,
     TRAFFIC_ROWS,
     PromptWindow,
+    number_requests,
     prompt_shift,
     traffic_shift,
 )
@@ -215,12 +217,17 @@ REFILL_AFTER_DRIFT = 4
 TEMPERATURE_ROWS = 4096
 # Labelled request-steps between refits at the most: longer lags a change of traffic neither check sees.
 LONGEST_REFIT_INTERVAL = 1024
-# The share of wall time the scheduled refits may take in the background: a refit that took d seconds of its
-# thread's CPU is followed by the next scheduled one no sooner than d / REFIT_SHARE later (the first refit and
-# those on drift are not held back). On a machine whose cores the step keeps busy, every millisecond of refit
-# is taken from the steps: refitting every 1,024 request-steps a map over a growing window (40 ms at 36,000
-# rows) cost 2.6 % of the decode rate at B = 64 on the 2-core CPU.
-REFIT_SHARE = 0.01
+# The shares of wall time the background thread's checks and scheduled refits may take: a check (or refit)
+# that took d seconds of its thread's CPU is followed by the next no sooner than d / CHECK_SHARE (d /
+# REFIT_SHARE) later (the first refit and those on drift are not held back). On a machine whose cores the
+# step keeps busy, every millisecond of the thread's is taken from the steps, and more: while it holds the
+# interpreter lock the step waits at the end of each of its torch calls. Refitting every 1,024 request-steps
+# a map over a growing window (40 ms at 36,000 rows) cost 2.6 % of the decode rate at B = 64 on the 2-core
+# CPU; a check every 128 request-steps, every second step there, 1 to 2 ms each, another 1 to 2 %. A check
+# also comes no sooner than `refit_every` request-steps after the last, so at small batches the rows, not
+# the time, space them.
+CHECK_SHARE = 0.005
+REFIT_SHARE = 0.0025
 
 
 def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: float, min_known: int
@@ -269,8 +276,7 @@ def calibrated_ece_quantiles(s: np.ndarray, num_bins: int, labels: np.ndarray | 
         count = np.bincount(cell, minlength=cells)
         bin_mean = np.bincount(cell, weights=residual, minlength=cells) / np.maximum(count, 1)
         centred = residual - bin_mean[cell]
-        _, request = np.unique(requests, return_inverse=True)
-        width = int(request.max()) + 1
+        width, request = number_requests(requests)
         by_request = cell * width + request[row]  # (position, bin, request)
         sums = np.bincount(by_request, weights=centred, minlength=cells * width).reshape(cells, width)
         clusters = np.count_nonzero(np.bincount(by_request, minlength=cells * width).reshape(cells, width),
@@ -333,10 +339,12 @@ class RefitResult:
 class OnlineCalibrator:
     def __init__(self, gamma: int, temperatures: Sequence[float] | None, settings: OnlineCalibrationSettings,
                  *, survival_map: SurvivalMap | None = None, background: bool = True,
-                 refit_share: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
-        """`background` False: refit in the caller (tests, offline replays), where no step waits on it and
-        `refit_share` (the wall time's share the scheduled refits may take; default `REFIT_SHARE` in the
-        background, none in the caller) holds nothing back unless given; `clock` reads the wall time."""
+                 check_share: float | None = None, refit_share: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`background` False: check and refit in the caller (tests, offline replays), where no step waits on
+        them and `check_share` and `refit_share` (the wall time's shares the checks and the scheduled refits
+        may take; default `CHECK_SHARE` and `REFIT_SHARE` in the background, none in the caller) hold
+        nothing back unless given; `clock` reads the wall time."""
         self.settings, self.gamma = settings, gamma
         temps = tuple(float(t) for t in temperatures) if temperatures else (1.0,) * gamma
         if len(temps) != gamma:
@@ -347,9 +355,11 @@ class OnlineCalibrator:
         self.window = LabelWindow(gamma, settings.window)
         self.grid = default_grid(settings.grid_points, settings.t_min, settings.t_max)
         self.background = background
+        self.check_share = (CHECK_SHARE if background else 0.0) if check_share is None else check_share
         self.refit_share = (REFIT_SHARE if background else 0.0) if refit_share is None else refit_share
-        self._clock = clock
-        self._refit_not_before = 0.0  # `clock` time before which no scheduled refit starts
+        self.clock = clock  # the wall time, for the refit budget
+        self._check_not_before = 0.0  # `clock` time before which no check starts
+        self._refit_not_before = 0.0  # ... and no scheduled refit
         self.step_seconds = 0.0  # wall time spent on the step path (observe, poll): the price to account
         self.background_seconds = 0.0  # CPU time of the finished checks and refits
         self.samples = 0  # labelled request-steps seen
@@ -409,9 +419,10 @@ class OnlineCalibrator:
         self._inbox_rows += added
         # the window is read only while no check runs (the check adds to it)
         if (self._since_refit >= self.settings.refit_every and self._pending is None
-                and (not self.drift or self.window.size + self._inbox_rows >= self._refill)):
+                and (not self.drift or self.window.size + self._inbox_rows >= self._refill)
+                and self.clock() >= self._check_not_before):
             self._since_refit = 0
-            scheduled = self._since_fit >= self._refit_interval and self._clock() >= self._refit_not_before
+            scheduled = self._since_fit >= self._refit_interval and self.clock() >= self._refit_not_before
             refit = self.refits == 0 or scheduled or self.drift
             if refit:
                 self._since_fit = 0
@@ -460,6 +471,9 @@ class OnlineCalibrator:
             LOG.exception("online calibration: a check failed; the calibration in use stays")
             return None
         self.background_seconds += result.cpu_seconds
+        if self.check_share > 0:
+            check_seconds = result.cpu_seconds - result.refit_seconds
+            self._check_not_before = self.clock() + check_seconds / self.check_share
         if result.drift and not self.drift:
             if result.drift == "calibration":
                 worst = max((e for e in result.recent_ece if e is not None), default=0.0)
@@ -494,7 +508,7 @@ class OnlineCalibrator:
         if not result.drift:
             self._refit_interval = min(2 * self._refit_interval, self._longest_interval)
         if self.refit_share > 0:
-            self._refit_not_before = self._clock() + result.refit_seconds / self.refit_share
+            self._refit_not_before = self.clock() + result.refit_seconds / self.refit_share
         self.calibration = result.calibration
         self.refits += 1
         return result.calibration
@@ -533,7 +547,8 @@ class OnlineCalibrator:
                                                 previous=in_use.survival_map)
             fitted = LiveCalibration(temps, survival_map)
         done = time.thread_time()
-        return RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, done - cpu, done - started)
+        return RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, done - cpu if refit else 0.0,
+                           done - started)
 
     def state(self) -> dict[str, Any]:
         """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under
