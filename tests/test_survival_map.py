@@ -67,6 +67,23 @@ def test_the_planner_evaluates_the_map_as_the_fit_does() -> None:
     np.testing.assert_allclose(on_knots, [0, 0.25, 0.375, 0.5])
     torch.testing.assert_close(padded.apply_torch(torch.tensor([[0.75], [1.0]], dtype=torch.float64)),
                                torch.tensor([[0.375], [0.5]], dtype=torch.float64))
+    # a jump (two knots at one x): below it the segment before, from it on the level after
+    jumps = SurvivalMap(((0.0, 0.4, 0.4, 1.0), (0.0, 0.2, 0.9, 1.0)),
+                        ((0.0, 0.2, 0.6, 1.0), (0.0, 0.1, 0.3, 0.9)))
+    points = np.array([[0.0, 0.0], [0.39, 0.1], [0.4, 0.2], [0.7, 0.9], [1.0, 1.0]])
+    numpy_side = jumps.apply(points)
+    np.testing.assert_allclose(numpy_side[:, 0], [0.0, 0.195, 0.6, 0.8, 1.0])
+    double = jumps.apply_torch(torch.from_numpy(points)).numpy()
+    np.testing.assert_allclose(double, numpy_side, rtol=0, atol=1e-15)
+    single = jumps.apply_torch(torch.from_numpy(points).float())  # the planner's float32
+    np.testing.assert_allclose(single.numpy(), numpy_side, rtol=0, atol=1e-6)
+    # segments narrower than float32 resolves, and rises that sum past 1 in float32: still probabilities
+    thin = SurvivalMap(((0.0, 0.3, 0.3 + 1e-12, 1.0 - 1e-300, 1.0),), ((0.0, 0.1, 0.7, 0.9, 1.0),))
+    grid = torch.linspace(0.0, 1.0, 10001, dtype=torch.float32)[:, None]
+    for survival in (grid, torch.ones(3, 1), torch.full((3, 1), 0.3)):
+        mapped = thin.apply_torch(survival)
+        assert torch.isfinite(mapped).all() and (mapped >= 0).all() and (mapped <= 1).all()
+        np.testing.assert_allclose(mapped.double().numpy(), thin.apply(survival.double().numpy()), atol=1e-6)
 
 
 def test_a_position_without_enough_labels_keeps_its_map() -> None:
