@@ -398,14 +398,16 @@ class OnlineCalibrator:
     def observe(self, conf_logits: torch.Tensor, raw_correct: Sequence[int], run_lens: Sequence[int],
                 requests: Sequence[int], ages: Sequence[int], include: Sequence[bool] | None = None) -> None:
         """A drafted step's requests (`requests`: their ids; `ages`: the tokens each had generated;
-        `include`: those under the policy the temperatures are for)."""
+        `include`: those under the policy the temperatures are for), kept for the next check (the lists as
+        given: the caller makes them afresh each step)."""
         start = time.perf_counter()
         self._observe(conf_logits, raw_correct, run_lens, requests, ages, include)
         self.step_seconds += time.perf_counter() - start
 
     def _observe(self, conf_logits: torch.Tensor, raw_correct: Sequence[int], run_lens: Sequence[int],
                  requests: Sequence[int], ages: Sequence[int], include: Sequence[bool] | None) -> None:
-        logits = conf_logits.detach().to(torch.float64).cpu().numpy()
+        # a copy: the inbox keeps it until the next check, and a step's buffers may be reused
+        logits = conf_logits.detach().to("cpu", torch.float64, copy=True).numpy()
         counted = np.isfinite(logits).all(axis=1)
         if include is not None:
             counted &= np.asarray(include, dtype=bool)
