@@ -151,19 +151,15 @@ class LabelWindow:
         self.capacity, self.size, self.next = capacity, 0, 0
         self.forgotten: Rows | None = None  # what `keep_recent` forgot (the newest `capacity`), oldest first
 
-    def add(self, rows: Rows) -> int:
-        """Append the rows with finite logits (the oldest fall out); returns how many were kept."""
-        finite_rows = np.isfinite(rows.logits).all(1)
-        finite = rows if finite_rows.all() else rows[finite_rows]
-        kept = len(finite)
-        newest = finite[max(0, kept - self.capacity):]  # more than fit: only the newest stay
-        start = (self.next + kept - len(newest)) % self.capacity
+    def add(self, rows: Rows) -> None:
+        """Append `rows` (the oldest fall out); their logits are finite (`observe` counts only those)."""
+        newest = rows[max(0, len(rows) - self.capacity):]  # more than fit: only the newest stay
+        start = (self.next + len(rows) - len(newest)) % self.capacity
         for field in dataclasses.fields(Rows):
             self._put(getattr(self.rows, field.name), start, getattr(newest, field.name))
         self._put(self.level, start, newest.logits.mean(axis=1))
-        self.next = (self.next + kept) % self.capacity
-        self.size = min(self.size + kept, self.capacity)
-        return kept
+        self.next = (self.next + len(rows)) % self.capacity
+        self.size = min(self.size + len(rows), self.capacity)
 
     def recent(self, n: int | None = None) -> Rows:
         """A copy of the last `n` rows (all when None), oldest first."""
@@ -244,11 +240,12 @@ def drifted(rows: Rows, calibration: LiveCalibration, num_bins: int, margin: flo
 
 
 def _known_cells(s: np.ndarray, known: np.ndarray, num_bins: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The known entries of `s [n, k]`, position by position and each position's rows in order: their rows,
-    positions, and (position, bin) cells numbered from 0 to k * num_bins."""
+    positions, values, and (position, bin) cells numbered from 0 to k * num_bins."""
     position, row = np.nonzero(known.T)
-    return row, position, position * num_bins + bin_index(s[row, position], num_bins)
+    p = s[row, position]
+    return row, position, p, position * num_bins + bin_index(p, num_bins)
 
 
 def calibrated_ece_quantiles(s: np.ndarray, num_bins: int, labels: np.ndarray | None = None,
@@ -268,8 +265,8 @@ def calibrated_ece_quantiles(s: np.ndarray, num_bins: int, labels: np.ndarray | 
     measures past the threshold every few thousand steps (each such false drift throws the window away)."""
     n, gamma = s.shape
     known = np.ones((n, gamma), dtype=bool) if known is None else known
-    row, position, cell = _known_cells(s, known, num_bins)
-    p, cells = s[row, position], gamma * num_bins
+    row, position, p, cell = _known_cells(s, known, num_bins)
+    cells = gamma * num_bins
     variance = np.bincount(cell, weights=p * (1.0 - p), minlength=cells)
     if labels is not None and requests is not None and p.shape[0] > 0:
         residual = labels[row, position].astype(np.float64) - p
@@ -295,8 +292,7 @@ def known_eces(s: np.ndarray, labels: np.ndarray, known: np.ndarray, num_bins: i
     """Per position of the survival `s [n, k]`, the binned ECE over the rows whose label is known (None below
     `min_known`): each the bits `binned_ece` gives on that position's known rows (the same per-bin order)."""
     n, gamma = s.shape
-    row, position, cell = _known_cells(s, known, num_bins)
-    p = s[row, position]
+    row, position, p, cell = _known_cells(s, known, num_bins)
     sum_p = np.bincount(cell, weights=p, minlength=gamma * num_bins)
     sum_y = np.bincount(cell, weights=labels[row, position].astype(np.float64), minlength=gamma * num_bins)
     gaps = np.abs(sum_y - sum_p).reshape(gamma, num_bins).sum(axis=1)
