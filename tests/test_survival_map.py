@@ -77,6 +77,12 @@ def test_the_planner_evaluates_the_map_as_the_fit_does() -> None:
     np.testing.assert_allclose(double, numpy_side, rtol=0, atol=1e-15)
     single = jumps.apply_torch(torch.from_numpy(points).float())  # the planner's float32
     np.testing.assert_allclose(single.numpy(), numpy_side, rtol=0, atol=1e-6)
+    # a jump at the last knot: a survival of 1 stays on the segment before it, as in `apply`
+    last = SurvivalMap(((0.0, 0.5, 1.0, 1.0),), ((0.0, 0.4, 0.7, 0.9),))
+    ends = np.array([[0.5], [0.999], [1.0]])
+    np.testing.assert_allclose(last.apply(ends)[:, 0], [0.4, 0.7 - 0.3 * 0.002, 0.7])
+    np.testing.assert_allclose(last.apply_torch(torch.from_numpy(ends)).numpy(), last.apply(ends), rtol=0,
+                               atol=1e-15)
     # segments narrower than float32 resolves, and rises that sum past 1 in float32: still probabilities
     thin = SurvivalMap(((0.0, 0.3, 0.3 + 1e-12, 1.0 - 1e-300, 1.0),), ((0.0, 0.1, 0.7, 0.9, 1.0),))
     grid = torch.linspace(0.0, 1.0, 10001, dtype=torch.float32)[:, None]

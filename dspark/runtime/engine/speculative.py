@@ -137,10 +137,12 @@ class SpeculativeStep:
             pred = layout.unpack(logits.argmax(-1), fill=-1).view(num_reqs, n)
             acc: AcceptResult = greedy_accept(drafts, pred, layout.verify_lens)
             if self.recorder is not None or self.online is not None:
-                # the uncapped match over the rows that ran: exact labels wherever a draft was verified
-                raw_correct = greedy_accept(drafts, pred, torch.full_like(layout.verify_lens, n)).correct_len
+                # the uncapped match over the rows that ran (one that did not reads -1, which no draft is):
+                # exact labels wherever a draft was verified
+                match = drafts == pred[:, :-1]
+                raw_correct = match.cumprod(dim=1).sum(dim=1)
                 if self.recorder is not None:
-                    accept_prob = (drafts == pred[:, :-1]).float()
+                    accept_prob = match.float()
         else:
             p_probs = warp_rows(layout.unpack(logits).view(num_reqs, n, -1), batch)
             verdict = rejection_accept(drafts, warp_rows(proposal.logits, batch), p_probs, layout.verify_lens,

@@ -113,31 +113,36 @@ class Rows:
 
 
 class Observed(NamedTuple):
-    """A drafted step's request-steps as `OnlineCalibrator.observe` took them: the next check labels them
-    and adds them to the window in its own thread."""
+    """A drafted step's request-steps as `OnlineCalibrator.observe` took them: the next check labels them,
+    keeps those under the policy with finite logits and adds them to the window, in its own thread (each
+    numpy call the step made for them cost it some 15 microseconds: the model's forward had just evicted
+    the interpreter's caches)."""
 
     logits: np.ndarray  # [B, gamma] float64
     raw_correct: Sequence[int]
     run_lens: Sequence[int]
     requests: Sequence[int]
     ages: Sequence[int]
-    counted: np.ndarray | None  # [B] bool: the rows that enter the window (None: all of them)
+    include: Sequence[bool] | None  # the rows under the policy (None: all of them)
 
 
-def observed_rows(inbox: Sequence[Observed], gamma: int) -> Rows:
-    """The counted rows of `inbox`, labelled (`step_labels`), in order."""
+def observed_rows(inbox: Sequence[Observed], gamma: int) -> tuple[Rows, int]:
+    """The rows of `inbox` under the policy with finite logits, labelled (`step_labels`), in order; and how
+    many under the policy were left out for a non-finite logit."""
     if not inbox:
         return Rows(np.zeros((0, gamma)), np.zeros((0, gamma), dtype=bool), np.zeros((0, gamma), dtype=bool),
-                    np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+                    np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)), 0
     labels, known = step_labels([c for o in inbox for c in o.raw_correct],
                                 [n for o in inbox for n in o.run_lens], gamma)
-    rows = Rows(np.concatenate([o.logits for o in inbox]), labels, known,
+    logits = np.concatenate([o.logits for o in inbox])
+    rows = Rows(logits, labels, known,
                 *(np.array([v for o in inbox for v in getattr(o, name)], dtype=np.int64)
                   for name in ("requests", "ages")))
-    if all(o.counted is None for o in inbox):
-        return rows
-    return rows[np.concatenate([np.ones(o.logits.shape[0], dtype=bool) if o.counted is None else o.counted
-                                for o in inbox])]
+    included = np.array([i for o in inbox for i in (o.include or (True,) * o.logits.shape[0])], dtype=bool)
+    finite = np.isfinite(logits).all(axis=1)
+    kept = included & finite
+    unusable = int((included & ~finite).sum())
+    return (rows, 0) if kept.all() else (rows[kept], unusable)
 
 
 class LabelWindow:
@@ -330,6 +335,7 @@ class RefitResult:
     drift: str | None  # what the check saw drift in: "calibration", "prompts", "traffic", or None
     refit_seconds: float = 0.0  # the refit's CPU time in its thread
     cpu_seconds: float = 0.0  # the whole check's (and refit's) CPU time in its thread
+    unusable: int = 0  # request-steps under the policy `observe` counted whose logits were not finite
 
 
 class OnlineCalibrator:
@@ -358,7 +364,7 @@ class OnlineCalibrator:
         self._refit_not_before = 0.0  # ... and no scheduled refit
         self.step_seconds = 0.0  # wall time spent on the step path (observe, poll): the price to account
         self.background_seconds = 0.0  # CPU time of the finished checks and refits
-        self.samples = 0  # labelled request-steps seen
+        self.samples = 0  # labelled request-steps seen (the non-finite ones off once their check is polled)
         self.refits = 0
         self.drift = False
         self.drift_at: int | None = None  # `samples` when the current drift was detected
@@ -404,13 +410,9 @@ class OnlineCalibrator:
                  requests: Sequence[int], ages: Sequence[int], include: Sequence[bool] | None) -> None:
         # a copy: the inbox keeps it until the next check, and a step's buffers may be reused
         logits = conf_logits.detach().to("cpu", torch.float64, copy=True).numpy()
-        counted = np.isfinite(logits).all(axis=1)
-        if include is not None:
-            counted &= np.asarray(include, dtype=bool)
-        added = int(counted.sum())
+        added = len(requests) if include is None else sum(include)  # the check drops non-finite ones
         if added:
-            self._inbox.append(Observed(logits, raw_correct, run_lens, requests, ages,
-                                        None if added == counted.shape[0] else counted))
+            self._inbox.append(Observed(logits, raw_correct, run_lens, requests, ages, include))
         self.samples += added
         self._since_refit += added
         self._since_fit += added
@@ -469,6 +471,7 @@ class OnlineCalibrator:
             LOG.exception("online calibration: a check failed; the calibration in use stays")
             return None
         self.background_seconds += result.cpu_seconds
+        self.samples -= result.unusable  # counted as they came, they never entered the window
         if self.check_share > 0:
             check_seconds = result.cpu_seconds - result.refit_seconds
             self._check_not_before = self.clock() + check_seconds / self.check_share
@@ -522,7 +525,8 @@ class OnlineCalibrator:
         s, started = self.settings, time.thread_time()
         window = self.window
         with self._lock:  # `state` reads the window from the server's thread
-            window.add(observed_rows(inbox, self.gamma))
+            rows, unusable = observed_rows(inbox, self.gamma)
+            window.add(rows)
         recent = window.recent(s.drift_window)
         recent_ece, miscalibrated = drifted(recent, in_use, s.num_bins, s.drift_ece, s.min_known // 2)
         shift_z, prompt_z = traffic_shift(*window.levels(TRAFFIC_ROWS), s.drift_window), prompt_shift(prompts)
@@ -546,7 +550,7 @@ class OnlineCalibrator:
             fitted = LiveCalibration(temps, survival_map)
         done = time.thread_time()
         return RefitResult(fitted, recent_ece, shift_z, prompt_z, drift, done - cpu if refit else 0.0,
-                           done - started)
+                           done - started, unusable)
 
     def state(self) -> dict[str, Any]:
         """The live figures (any thread): the calibration in use (`calibration`; its temperatures also under

@@ -73,7 +73,7 @@ class SurvivalMap:
         s = np.asarray(survival, dtype=np.float64)
         k = s.shape[1]
         out = np.empty_like(s)
-        knots_x, knots_y = _knot_arrays(self)
+        knots_x, knots_y = self._knot_arrays
         for j in range(k):
             xs, ys = knots_x[j], knots_y[j]
             i = np.clip(np.searchsorted(xs, s[:, j], side="right") - 1, 0, xs.shape[0] - 2)
@@ -85,43 +85,69 @@ class SurvivalMap:
 
     def apply_torch(self, survival: torch.Tensor) -> torch.Tensor:
         """`apply` on the survival's device and dtype, `[B, gamma]`, as a sum over each position's segments
-        of the share of its rise below the survival (the whole rise of a jump the survival has reached):
-        equal to `apply` to rounding, in a dozen kernels where the search and blend took two dozen (the
-        planner maps every step's few rows: at B = 4 on the 2-core CPU the map was the online calibration's
-        largest cost on the step path)."""
-        start, inverse_width, rise, jump, first = _segments(self, survival.dtype, survival.device)
-        covered = survival.unsqueeze(-1) - start  # [B, gamma, m - 1]
-        parts = (covered * inverse_width).clamp_(0.0, 1.0).mul_(rise)
-        parts += (covered >= 0) * jump
+        of the part of its rise below the survival (the whole rise of a jump the survival has reached):
+        equal to `apply` to rounding, in seven kernels (nine with jumps) where a search and blend took two
+        dozen. The planner maps every step's few rows, where each call's overhead is the cost: at B = 4 on
+        the 2-core CPU, a tenth of a millisecond with the caches the model's forward leaves (an
+        `np.interp` over all positions, 9 microseconds to these kernels' 18 in a loop, took half as long
+        again there: numpy's code is cold in a step, torch's is not)."""
+        segments = self._torch_segments.get((survival.dtype, survival.device))
+        if segments is None:
+            segments = self._torch_segments[(survival.dtype, survival.device)] = _Segments.of(
+                self, survival.dtype, survival.device)
+        # [B, gamma, m - 1]: each segment's rise times the share of its width below the survival
+        parts = (survival.unsqueeze(-1) - segments.start).mul_(segments.slope).clamp_(segments.zero,
+                                                                                   segments.rise)
+        if segments.jump is not None:
+            parts += (survival.unsqueeze(-1) >= segments.start) * segments.jump
         # rounding can carry the sum a hair past the last knot's y: the result stays a probability
-        return torch.cummin((parts.sum(-1) + first).clamp_(0.0, 1.0), dim=1).values
+        return torch.cummin((parts.sum(-1) + segments.first).clamp_(0.0, 1.0), dim=1).values
+
+    @functools.cached_property
+    def _knot_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """The knots as float64 arrays `[gamma, m]`, made once per map (every check of the online calibration
+        maps the window it scores with the map in use)."""
+        return np.asarray(self.x, dtype=np.float64), np.asarray(self.y, dtype=np.float64)
+
+    @functools.cached_property
+    def _torch_segments(self) -> dict[tuple[torch.dtype, torch.device], _Segments]:
+        """`apply_torch`'s tensors by dtype and device, made once per map (a swap makes a new map); kept on
+        the map, as a cache keyed by the map would hash its knots every step."""
+        return {}
 
 
-@functools.lru_cache(maxsize=16)
-def _knot_arrays(survival_map: SurvivalMap) -> tuple[np.ndarray, np.ndarray]:
-    """The knots as float64 arrays `[gamma, m]`, made once per map (every check of the online calibration
-    maps the window it scores with the map in use)."""
-    return np.asarray(survival_map.x, dtype=np.float64), np.asarray(survival_map.y, dtype=np.float64)
+@dataclass(frozen=True)
+class _Segments:
+    """A map's segments as `apply_torch` reads them, `[gamma, m - 1]` each: start, slope (rise over width,
+    0 where it has no width; at most the dtype's largest, so that no product is NaN), rise (0 where it has no
+    width), and the jumps (their rise where the width is 0, else 0; None where the map has none); the first
+    knot's y `[gamma]`, and a 0 to clamp at."""
 
+    start: torch.Tensor
+    slope: torch.Tensor
+    rise: torch.Tensor
+    jump: torch.Tensor | None
+    first: torch.Tensor
+    zero: torch.Tensor
 
-@functools.lru_cache(maxsize=16)
-def _segments(survival_map: SurvivalMap, dtype: torch.dtype, device: torch.device
-              ) -> tuple[torch.Tensor, ...]:
-    """Each position's segments `[gamma, m - 1]`: start, 1 / width (0 where it has none; at most the dtype's
-    largest, so that no product is NaN), rise (0 where it has no width) and jump (its rise there, else 0),
-    and its first knot's y `[gamma]`; made once per map and device (a swap makes a new map, hence new
-    tensors)."""
-    x, y = _knot_arrays(survival_map)
-    # x as the dtype holds it: a segment narrower than the dtype resolves is a jump, as it is to a search
-    x = torch.tensor(x, dtype=dtype).double().numpy()
-    width, rise = np.diff(x, axis=1), np.diff(y, axis=1)
-    wide = width > 0
-    inverse_width = np.minimum(np.divide(1.0, width, out=np.zeros_like(width), where=wide),
-                               float(torch.finfo(dtype).max))
-    jump = np.where(wide, 0.0, rise)
-    jump[:, -1] = 0.0  # as `apply`, which keeps a survival at or past the last knot on the segment before it
-    parts = (x[:, :-1], inverse_width, np.where(wide, rise, 0.0), jump, y[:, 0])
-    return tuple(torch.tensor(a, dtype=dtype, device=device) for a in parts)
+    @classmethod
+    def of(cls, survival_map: SurvivalMap, dtype: torch.dtype, device: torch.device) -> _Segments:
+        x, y = survival_map._knot_arrays
+        # x as the dtype holds it: a segment narrower than the dtype resolves is a jump, as it is to a search
+        x = torch.tensor(x, dtype=dtype).double().numpy()
+        width, rise = np.diff(x, axis=1), np.diff(y, axis=1)
+        wide = width > 0
+        slope = np.minimum(np.divide(rise, width, out=np.zeros_like(width), where=wide),
+                           float(torch.finfo(dtype).max))
+        jump = np.where(wide, 0.0, rise)
+        # as `apply`, which keeps a survival at or past the last knot on the segment before it
+        jump[:, -1] = 0.0
+
+        def on_device(a: np.ndarray | float) -> torch.Tensor:
+            return torch.tensor(a, dtype=dtype, device=device)
+
+        return cls(on_device(x[:, :-1]), on_device(slope), on_device(np.where(wide, rise, 0.0)),
+                   on_device(jump) if jump.any() else None, on_device(y[:, 0]), on_device(0.0))
 
 
 def knot_count(bins: int) -> int:
