@@ -12,8 +12,10 @@ way round every three, so that in a block every arm takes every step of a genera
 other arm as often (what a step leaves in the caches weighs on the next). Where a check is still running as an
 "on" step hands over to an "off" one, the step waits for it and the wait counts as the "on" step's (more than
 it costs when it overlaps the next steps, never less). The checks' and refits' budgets (`CHECK_SHARE` and
-`REFIT_SHARE` of the wall time) count a third of the wall time, as the "on" arm runs one step in three: its
-steps bear the background work of a server that runs it on every step.
+`REFIT_SHARE` of the wall time) read a clock of the "on" steps' seconds: they bear the background work of a
+server that runs it on every step. (A clock of a third of the wall time gave them two to three times that at
+64 prompts, where the steps that run while prompts still prefill, attached and in no arm, took half the wall
+time.)
 
 Why steps, not runs: a machine shared with other work changes speed from one run to the next by more than
 the price measured (two runtimes of one build, run after run in the same rounds, differed by 2.3 % on the
@@ -62,9 +64,10 @@ class OnlineToggle:
         self.probe = runtime.extend.prompt_probe
         self.live_plan = runtime.speculative.plan
         self.attached = True
-        # The checks' and refits' budgets are shares of the wall time; attached to one step in three, it is
-        # given a third of it, so that its steps bear the share of a server that runs it on every step.
-        online.clock = lambda: time.perf_counter() / len(ARMS)
+        # The checks' and refits' budgets are shares of the wall time: its clock is the "on" steps' seconds
+        # (`serve_round` adds them), so that they bear the share of a server that runs it on every step.
+        self.on_seconds = 0.0
+        online.clock = lambda: self.on_seconds
 
     def attach(self, on: bool) -> None:
         step = self.runtime.speculative
@@ -76,6 +79,11 @@ class OnlineToggle:
             self.live_plan = step.plan  # with the swaps of its attached steps
             step.online, step.plan, self.runtime.extend.prompt_probe = None, self.runtime.plan, 0
         self.attached = on
+
+    def count_on(self, arm: Arm, seconds: float) -> None:
+        """`seconds` of the "on" arm's: its decode seconds, and its clock."""
+        arm.seconds += seconds
+        self.on_seconds += seconds
 
 
 @dataclass
@@ -113,15 +121,18 @@ def serve_round(toggle: OnlineToggle, prompts: list[list[int]], max_new: int, in
         name = "on" if prefills else order[turn % len(order)]
         arm = result.arms[name]
         if toggle.attached and name != "on":
-            arm_on, start = result.arms["on"], time.perf_counter()
+            start = time.perf_counter()
             online.settle()  # the check under way is the "on" steps' work
-            arm_on.seconds += time.perf_counter() - start
+            toggle.count_on(result.arms["on"], time.perf_counter() - start)
         toggle.attach(name == "on")
         decode, tokens = rt.stats.decode_seconds, sum(len(r.output) for r in requests)
         rt.step()
         if prefills or rt.stats.decode_seconds == decode:
             continue  # the turn stays
-        arm.seconds += rt.stats.decode_seconds - decode
+        if name == "on":
+            toggle.count_on(arm, rt.stats.decode_seconds - decode)
+        else:
+            arm.seconds += rt.stats.decode_seconds - decode
         arm.tokens += sum(len(r.output) for r in requests) - tokens
         step = rt.last_step
         assert step is not None
@@ -133,7 +144,7 @@ def serve_round(toggle: OnlineToggle, prompts: list[list[int]], max_new: int, in
     if toggle.attached:
         start = time.perf_counter()
         online.settle()
-        result.arms["on"].seconds += time.perf_counter() - start
+        toggle.count_on(result.arms["on"], time.perf_counter() - start)
     toggle.attach(False)
     return result, [r.output for r in requests]
 
