@@ -26,15 +26,12 @@ from dspark.corpus import (
     package_prompts,
 )
 from dspark.runtime.planner.calibration_metrics import binned_ece, binned_eces
+from dspark.runtime.planner.label_window import LabelWindow, Rows, after_forgotten, step_labels
 from dspark.runtime.planner.online_calibration import (
-    LabelWindow,
     OnlineCalibrationSettings,
     OnlineCalibrator,
-    Rows,
-    after_forgotten,
     calibrated_ece_quantiles,
     known_eces,
-    step_labels,
 )
 from dspark.runtime.planner.sts import (
     cumulative_survival,
