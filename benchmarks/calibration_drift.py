@@ -40,7 +40,8 @@ from dspark.runtime.config import OnlineCalibrationSettings
 from dspark.runtime.engine.runtime import Runtime
 from dspark.runtime.package import load_package
 from dspark.runtime.planner.calibration_metrics import binned_eces
-from dspark.runtime.planner.online_calibration import LiveCalibration, step_labels, windowed_ece
+from dspark.runtime.planner.label_window import step_labels
+from dspark.runtime.planner.online_calibration import LiveCalibration, windowed_ece
 from dspark.runtime.planner.sts import cumulative_survival, default_grid, fit_temperatures
 from dspark.runtime.planner.survival_map import fit_survival_map
 
