@@ -25,6 +25,7 @@ from dspark.corpus import (
     package_files,
     package_prompts,
 )
+from dspark.runtime.planner import online_calibration
 from dspark.runtime.planner.calibration_metrics import binned_ece, binned_eces
 from dspark.runtime.planner.label_window import LabelWindow, Rows, after_forgotten, step_labels
 from dspark.runtime.planner.online_calibration import (
@@ -195,6 +196,59 @@ def test_checks_take_at_most_their_share_of_wall_time(monkeypatch: pytest.Monkey
     budgeted, free = checks
     assert np.diff(budgeted).min() >= 5.0 - 1e-9 and len(budgeted) <= 11, budgeted  # 50 s of wall time
     assert len(free) > 3 * len(budgeted) and np.diff(free).min() < 1.3 + 1e-9  # every 128 request-steps
+
+
+def test_a_drift_not_in_the_prompts_leaves_the_prompt_check_ready_for_the_next_switch(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # a traffic drift in the draft's scores (the prompts as before), then a switch only the prompts tell:
+    # the prompt check still has its older prompts and sees the switch at its next check
+    gen = np.random.default_rng(8)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150)
+    cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False)
+    for _ in range(10):
+        for _ in range(24):
+            cal.prompt(gen.normal(1.8, 0.5))
+        stream(cal, 400, 2.0, gen, request_sd=1.0)
+    stream(cal, 500, 2.0, gen, shift=-2.0, request_sd=1.0)
+    assert cal.drift_cause == "traffic" and cal.prompts.size == 240  # the prompts were not forgotten
+    stream(cal, 3000, 2.0, gen, shift=-2.0, request_sd=1.0)
+    assert not cal.drift
+    with caplog.at_level(logging.WARNING, logger="dspark.calibration"):
+        for _ in range(PROMPT_RECENT):
+            cal.prompt(gen.normal(2.75, 0.6))
+        switched = cal.samples
+        stream(cal, 128, 2.0, gen, shift=-2.0, request_sd=1.0)
+    assert cal.drift_cause == "prompts" and cal.drift_at is not None and cal.drift_at - switched <= 128
+    assert cal.prompts.size == PROMPT_RECENT  # a drift in the prompts does forget them
+
+
+def test_a_lasting_drift_refits_once_at_once_then_within_the_refit_budget(monkeypatch: pytest.MonkeyPatch
+                                                                          ) -> None:
+    # a drift that lasts (the prompt check, made to see one at every check): the first refit after the window
+    # refills runs at once, the later ones wait for the budget (0.1 s of CPU at 1 %: 10 s of wall time)
+    cpu, now = [0.0], [0.0]
+
+    def thread_time() -> float:
+        cpu[0] += 0.1
+        return cpu[0]
+
+    monkeypatch.setattr(time, "thread_time", thread_time)
+    settings = OnlineCalibrationSettings(window=4096, refit_every=128, min_known=150, drift_window=256)
+    cal = OnlineCalibrator(GAMMA, (2.0,) * GAMMA, settings, background=False, refit_share=0.01,
+                           clock=lambda: now[0])
+    gen = np.random.default_rng(5)
+    stream(cal, 128, 2.0, gen)  # the first refit
+    monkeypatch.setattr(online_calibration, "prompt_shift", lambda prompts: 10.0)
+    refitted_at = []
+    for i in range(3000):
+        now[0] += 0.001  # 3 s of wall time in all: no scheduled refit comes due
+        if stream(cal, 1, 2.0, gen):
+            refitted_at.append(i)
+    assert cal.drift and cal.drift_cause == "prompts" and cal.drift_at == 256
+    # the drift's first refit, once the window (the 256 it kept) holds 4 x 256 request-steps, and no other
+    assert refitted_at == [4 * 256 - 128 - 1], refitted_at
+    now[0] += 10.0
+    assert stream(cal, 128, 2.0, gen)  # the budget allows the next
 
 
 def test_request_numbers_are_np_unique_s_without_its_sort() -> None:

@@ -14,14 +14,14 @@ the newest `TEMPERATURE_ROWS`; a position with fewer than `min_known` keeps its 
 survival map on the whole window (its groups need the rows: replayed over four recorded out-of-distribution
 runs, a map refitted on 4,096 request-steps averaged 0.83 of the compiled file's ECE, on 16,384 0.72; and
 after a drift, while the window holds less than a full window of the new traffic, the newest of the steps it
-forgot make up the rest: the temperatures follow the change, the map's shape needs the rows): at
-the first check, on drift, and otherwise at intervals that double from `refit_every` up to a quarter of
-`window`, at most `LONGEST_REFIT_INTERVAL`, while the traffic holds still, and no sooner after the last than
-its CPU time over `REFIT_SHARE` (a refit costs tens of milliseconds of CPU that the steps would otherwise
-have, more as the window fills; a stable calibration needs few, but one refitted rarely lags a
+forgot make up the rest: the temperatures follow the change, the map's shape needs the rows): at the first
+check, once the window has refilled after a drift, and otherwise at intervals that double from `refit_every`
+up to a quarter of `window`, at most `LONGEST_REFIT_INTERVAL`, while the traffic holds still, and no sooner
+after the last than its CPU time over `REFIT_SHARE` (a refit costs tens of milliseconds of CPU that the steps
+would otherwise have, more as the window fills; a stable calibration needs few, but one refitted rarely lags a
 change of traffic the checks cannot see by thousands of steps: 1,024 kept the predicted tau within 1 % through
-the switches of benchmarks/calibration_drift.py, where 4,096 let it run to -2 to -3 %). The result goes to
-the step loop, which swaps it into its plan between steps (`poll`).
+the switches of benchmarks/calibration_drift.py, where 4,096 let it run to -2 to -3 %). The result goes to the
+step loop, which swaps it into its plan between steps (`poll`).
 
 A check looks three ways. Calibration: the most recent `drift_window` request-steps' cumulative ECE at a
 position, with the calibration in use, is drift when it exceeds, by `drift_ece`, what perfectly calibrated
@@ -35,10 +35,10 @@ calibration that is off by a few hundredths, as on text the pair never saw, move
 steps beyond its noise, and the
 draft's scores move by half a request's spread, which the few dozen requests a switch of traffic brings
 tell only at the edge of their noise; a prompt's surprise moves by two to three of its spreads, so a
-change of text is seen as soon as a few dozen new prompts are in (docs/results.md). Drift is logged once as
-it starts; the window then forgets what came before the recent steps (and the prompts before the newest),
-so the refit follows the new traffic (the map takes the forgotten steps back until the new ones fill a
-window).
+change of text is seen as soon as a few dozen new prompts are in (docs/results.md). Drift is logged once as it
+starts; the window then forgets what came before the recent steps (and, where the prompts drifted, the prompts
+before the newest), so the refit follows the new traffic (the map takes the forgotten steps back until the new
+ones fill a window).
 Temperatures only ever come from the grid, so no window (all accepted, all rejected, nothing known) can make
 one invalid.
 """
@@ -87,13 +87,13 @@ TEMPERATURE_ROWS = 4096
 LONGEST_REFIT_INTERVAL = 1024
 # The shares of wall time the background thread's checks and scheduled refits may take: a check (or refit)
 # that took d seconds of its thread's CPU is followed by the next no sooner than d / CHECK_SHARE (d /
-# REFIT_SHARE) later (the first refit and those on drift are not held back). On a machine whose cores the
-# step keeps busy, every millisecond of the thread's is taken from the steps, and more: while it holds the
-# interpreter lock the step waits at the end of each of its torch calls. Refitting every 1,024 request-steps
-# a map over a growing window (40 ms at 36,000 rows) cost 2.6 % of the decode rate at B = 64 on the 2-core
-# CPU; a check every 128 request-steps, every second step there, 1 to 2 ms each, another 1 to 2 %. A check
-# also comes no sooner than `refit_every` request-steps after the last, so at small batches the rows, not
-# the time, space them.
+# REFIT_SHARE) later (the first refit and the first after a drift are not held back). On a machine whose cores
+# the step keeps busy, every millisecond of the thread's is taken from the steps, and more: while it holds the
+# interpreter lock the step waits at the end of each of its torch calls. Refitting every 1,024 request-steps a
+# map over a growing window (40 ms at 36,000 rows) cost 2.6 % of the decode rate at B = 64 on the 2-core CPU;
+# a check every 128 request-steps, every second step there, 1 to 2 ms each, another 1 to 2 %. A check also
+# comes no sooner than `refit_every` request-steps after the last, so at small batches the rows, not the time,
+# space them.
 CHECK_SHARE = 0.005
 REFIT_SHARE = 0.0025
 
@@ -238,6 +238,9 @@ class OnlineCalibrator:
         self._refit_interval = settings.refit_every  # doubles up to `_longest_interval` between drifts
         self._since_fit = 0  # labelled request-steps since the last refit's snapshot
         self._refill = 0  # after a drift: the window size the next check waits for
+        # A drift's first refit (when the window has refilled) is not held back by the refit budget; while
+        # the drift lasts, the others are (refitting at every check of a long drift cost tens of ms each).
+        self._refit_on_drift = False
         self.drift_cause: str | None = None  # what the current drift is in (`RefitResult.drift`)
         self.recent_ece: tuple[float | None, ...] = (None,) * gamma
         self.shift_z: float | None = None  # the last check's `traffic_shift`
@@ -290,9 +293,9 @@ class OnlineCalibrator:
                 and self.clock() >= self._check_not_before):
             self._since_refit = 0
             scheduled = self._since_fit >= self._refit_interval and self.clock() >= self._refit_not_before
-            refit = self.refits == 0 or scheduled or self.drift
+            refit = self.refits == 0 or scheduled or self._refit_on_drift
             if refit:
-                self._since_fit = 0
+                self._since_fit, self._refit_on_drift = 0, False
             inbox, self._inbox, self._inbox_rows = self._inbox, [], 0
             check = (inbox, self.prompts.recent(), refit, self.calibration)
             if self.background:
@@ -362,7 +365,12 @@ class OnlineCalibrator:
                             "below" if (result.shift_z or 0.0) < 0 else "above")
             with self._lock:
                 self.window.keep_recent(self.settings.drift_window)
-            self.prompts.keep_recent(PROMPT_RECENT)  # the traffic the next checks compare with is the new
+            if result.drift == "prompts":  # the prompts the next checks compare with are the new traffic's
+                self.prompts.keep_recent(PROMPT_RECENT)
+            # (A drift seen in the labels or the scores leaves the prompts be: forgotten, the prompt check
+            # could not run again for PROMPT_OLDER prompts, and at T 0.8 a false traffic drift in
+            # distribution made it miss the switch that followed, in three runs of five.)
+            self._refit_on_drift = True
             # The recent steps alone are too few to refit on (a few dozen requests' worth): the next check
             # waits until the window holds REFILL_AFTER_DRIFT times as many, all of the new traffic.
             self._refill = min(REFILL_AFTER_DRIFT * self.settings.drift_window, self.settings.window)
